@@ -1,0 +1,418 @@
+"""`draftsmith plan`: back-of-the-envelope memory budget and ms/token for each draft strategy.
+
+Follows the seed's method (chapter 18 worked examples): a decode step is bandwidth-bound, so
+step time = bytes of weights each GPU reads / that GPU's bandwidth; a speculative round is K draft
+steps plus one target verification (costed as one target step) and emits 1 + K*alpha tokens on
+average, so ms/token = (target step + draft cost per round) / (1 + K*alpha).  The speed-up formula
+itself lives in serve_eval.spec.metrics; this module only prices the steps.
+
+Units: GB = 1e9 bytes and TB/s = 1e12 bytes/s, as in the seed (140 GB = 2 x 70e9).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from serve_eval.spec.metrics import predicted_speedup
+
+GB = 1e9
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "fp8": 1, "int8": 1, "int4": 0.5}
+# Acceptance assumptions from the seed's 70B-on-two-H100s table.
+SEED_ALPHA = {"standalone": 0.80, "eagle": 0.72, "medusa": 0.50}
+
+
+@dataclass
+class TargetSpec:
+    """The numbers of a Llama-family target that the plan needs."""
+
+    params: float            # parameter count (e.g. 70e9)
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    hidden_size: int
+    vocab_size: int
+    intermediate_size: int = 0   # MLP width; only used to size an EAGLE layer (0 -> 8/3 * hidden)
+    num_heads: int = 0           # query heads; 0 -> hidden_size // head_dim
+    dtype_bytes: float = 2       # bf16
+
+    def __post_init__(self) -> None:
+        for name in ("params", "num_layers", "num_kv_heads", "head_dim", "hidden_size", "vocab_size", "dtype_bytes"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"target.{name} must be > 0, got {getattr(self, name)!r}")
+
+    @classmethod
+    def from_hf_config(cls, path: str | Path, params: float | None = None,
+                       dtype_bytes: float | None = None) -> "TargetSpec":
+        """Read an HF config.json (file or model dir); estimate params from the shapes when not given."""
+        path = Path(path)
+        if path.is_dir():
+            path = path / "config.json"
+        if not path.is_file():
+            raise ValueError(f"--config: no config.json at {path}")
+        try:
+            cfg = json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--config: {path} is not valid JSON ({e})") from e
+        missing = [k for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size") if k not in cfg]
+        if missing:
+            raise ValueError(f"--config: {path} lacks {', '.join(missing)}")
+        hidden, n_heads = cfg["hidden_size"], cfg["num_attention_heads"]
+        head_dim = cfg.get("head_dim") or hidden // n_heads
+        spec = cls(
+            params=1.0,  # placeholder, replaced below
+            num_layers=cfg["num_hidden_layers"],
+            num_kv_heads=cfg.get("num_key_value_heads") or n_heads,
+            head_dim=head_dim,
+            hidden_size=hidden,
+            vocab_size=cfg["vocab_size"],
+            intermediate_size=cfg.get("intermediate_size", 0),
+            num_heads=n_heads,
+            dtype_bytes=dtype_bytes or DTYPE_BYTES.get(str(cfg.get("torch_dtype") or cfg.get("dtype")), 2),
+        )
+        spec.params = params or spec.layer_params() * spec.num_layers + spec.vocab_size * spec.hidden_size * (
+            1 if cfg.get("tie_word_embeddings", False) else 2)
+        return spec
+
+    def layer_params(self) -> float:
+        """Parameters of one decoder layer (attention + gated MLP + two norms)."""
+        d = self.hidden_size
+        q_dim = (self.num_heads or d // self.head_dim) * self.head_dim
+        kv_dim = self.num_kv_heads * self.head_dim
+        ffn = self.intermediate_size or int(8 * d / 3)
+        return d * q_dim + 2 * d * kv_dim + q_dim * d + 3 * d * ffn + 2 * d
+
+    def kv_bytes_per_token(self, tp: int = 1) -> float:
+        """K and V of one token over all layers, on one GPU (KV heads are split over TP ranks)."""
+        kv_heads_per_gpu = max(1, self.num_kv_heads // tp)
+        return 2 * self.num_layers * kv_heads_per_gpu * self.head_dim * self.dtype_bytes
+
+
+@dataclass
+class Hardware:
+    gpu_mem_gb: float = 80.0     # per GPU (H100 SXM)
+    bandwidth_tbs: float = 3.35  # per GPU HBM bandwidth
+    tp: int = 1
+    gpu_util: float = 0.9        # share of memory the server may use (weights + drafts + KV)
+
+    def __post_init__(self) -> None:
+        if self.gpu_mem_gb <= 0:
+            raise ValueError(f"gpu_mem_gb must be > 0, got {self.gpu_mem_gb}")
+        if self.bandwidth_tbs <= 0:
+            raise ValueError(f"bandwidth_tbs must be > 0, got {self.bandwidth_tbs}")
+        if self.tp < 1:
+            raise ValueError(f"tp must be >= 1, got {self.tp}")
+        if not 0 < self.gpu_util <= 1:
+            raise ValueError(f"gpu_util must be in (0, 1], got {self.gpu_util}")
+
+    def read_ms(self, bytes_per_gpu: float) -> float:
+        """Time to stream `bytes_per_gpu` from HBM once: the bandwidth-bound step time."""
+        return bytes_per_gpu / (self.bandwidth_tbs * 1e12) * 1e3
+
+
+@dataclass
+class Workload:
+    batch: int = 1
+    context_len: int = 2048      # tokens reserved per sequence (prompt + generation)
+    block_size: int = 16
+    avg_len: int = 256           # mean tokens a sequence actually holds (paged allocation)
+    shared_prefix_tokens: int = 0
+    shared_prefix_seqs: int = 0  # sequences sharing that prefix (0 -> batch)
+    kv_budget_gb: float | None = None  # per GPU; None -> gpu_util * memory - weights
+
+    def __post_init__(self) -> None:
+        for name in ("batch", "context_len", "block_size", "avg_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.kv_budget_gb is not None and self.kv_budget_gb <= 0:
+            raise ValueError(f"kv_budget_gb must be > 0, got {self.kv_budget_gb}")
+
+
+@dataclass
+class DraftOptions:
+    K: int = 5
+    standalone_params: float = 0.0      # 0 -> no standalone draft row
+    eagle_params: float | None = None   # None -> one target decoder layer + the 2d->d fusion fc
+    medusa_heads: int | None = None     # None -> K heads
+    medusa_layers: int = 1              # residual blocks per Medusa head
+    alpha: dict[str, float] = field(default_factory=lambda: dict(SEED_ALPHA))
+    # Measured or assumed step costs override the bandwidth model (the seed's tables use rounded ones).
+    target_step_ms: float | None = None
+    standalone_step_ms: float | None = None
+    eagle_step_ms: float | None = None
+    medusa_round_ms: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.K < 1:
+            raise ValueError(f"K must be >= 1, got {self.K}")
+        for name, a in self.alpha.items():
+            if not 0 <= a <= 1:
+                raise ValueError(f"alpha[{name}] must be in [0, 1], got {a}")
+
+
+@dataclass
+class StrategyRow:
+    strategy: str
+    draft_gb_per_gpu: float
+    draft_cost_ms: float          # draft time per round (all K proposals)
+    tokens_per_call: float        # 1 + K*alpha
+    ms_per_token: float
+    speedup: float
+    free_gb_per_gpu: float        # memory left after weights, this draft and the batch's KV
+    fits: bool
+    note: str = ""
+
+
+@dataclass
+class KVPlan:
+    bytes_per_token: float
+    bytes_per_block: float
+    blocks_per_seq: int
+    bytes_per_seq: float          # block-granular (ceil(context / block_size) blocks)
+    bytes_for_batch: float
+    kv_budget_gb: float
+    num_blocks: int
+    token_slots: int
+    max_seqs_preallocated: int    # every sequence reserves context_len up front
+    blocks_per_avg_seq: int
+    max_seqs_paged: int           # on-demand blocks at avg_len
+    internal_fragmentation: float # share of a preallocated reservation unused at avg_len
+    prefix_blocks: int
+    prefix_blocks_without_sharing: int
+    prefix_blocks_saved: int
+    prefix_gb_saved: float
+
+
+@dataclass
+class PlanResult:
+    target_params: float
+    tp: int
+    weights_gb_total: float
+    weights_gb_per_gpu: float
+    target_step_ms: float
+    kv: KVPlan
+    strategies: list[StrategyRow]
+    notes: list[str]
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _kv_plan(target: TargetSpec, hw: Hardware, work: Workload, weights_gb_per_gpu: float) -> KVPlan:
+    per_token = target.kv_bytes_per_token(hw.tp)
+    per_block = per_token * work.block_size
+    blocks_per_seq = math.ceil(work.context_len / work.block_size)
+    budget_gb = work.kv_budget_gb if work.kv_budget_gb is not None else \
+        hw.gpu_util * hw.gpu_mem_gb - weights_gb_per_gpu
+    num_blocks = max(0, math.floor(budget_gb * GB / per_block))
+    blocks_per_avg = math.ceil(work.avg_len / work.block_size)
+    prefix_blocks = math.ceil(work.shared_prefix_tokens / work.block_size)
+    sharers = work.shared_prefix_seqs or work.batch
+    return KVPlan(
+        bytes_per_token=per_token,
+        bytes_per_block=per_block,
+        blocks_per_seq=blocks_per_seq,
+        bytes_per_seq=blocks_per_seq * per_block,
+        bytes_for_batch=work.batch * blocks_per_seq * per_block,
+        kv_budget_gb=budget_gb,
+        num_blocks=num_blocks,
+        token_slots=num_blocks * work.block_size,
+        max_seqs_preallocated=num_blocks // blocks_per_seq,
+        blocks_per_avg_seq=blocks_per_avg,
+        max_seqs_paged=num_blocks // blocks_per_avg,
+        internal_fragmentation=max(0.0, (blocks_per_seq - blocks_per_avg) / blocks_per_seq),
+        prefix_blocks=prefix_blocks,
+        prefix_blocks_without_sharing=sharers * prefix_blocks,
+        prefix_blocks_saved=(sharers - 1) * prefix_blocks if prefix_blocks else 0,
+        prefix_gb_saved=((sharers - 1) * prefix_blocks * per_block / GB) if prefix_blocks else 0.0,
+    )
+
+
+def _strategy(name: str, K: int, alpha: float, target_ms: float, draft_ms: float, draft_gb: float,
+              free_before_draft_gb: float, note: str = "") -> StrategyRow:
+    # The cost ratio per proposed token, c = draft cost per round / (K * target step), feeds the
+    # shared predicted-speedup formula; ms/token = target step / predicted speed-up.
+    cost_ratio = draft_ms / (K * target_ms)
+    speedup = predicted_speedup(k=K, alpha=alpha, cost_ratio=cost_ratio)
+    free = free_before_draft_gb - draft_gb
+    return StrategyRow(name, draft_gb, draft_ms, 1 + K * alpha, target_ms / speedup, speedup, free, free >= 0, note)
+
+
+def make_plan(target: TargetSpec, hw: Hardware, work: Workload, drafts: DraftOptions) -> PlanResult:
+    """Price the memory budget and every draft strategy for one target on one hardware setup."""
+    K, tp, b = drafts.K, hw.tp, target.dtype_bytes
+    weights_total_gb = target.params * b / GB
+    weights_gpu_gb = weights_total_gb / tp
+    kv = _kv_plan(target, hw, work, weights_gpu_gb)
+    free_gb = hw.gpu_mem_gb - weights_gpu_gb - kv.bytes_for_batch / GB
+    notes = []
+    if drafts.target_step_ms is None:
+        target_ms = hw.read_ms(weights_gpu_gb * GB)
+        if tp > 1:
+            notes.append(f"target step assumes ideal TP: each of {tp} GPUs streams 1/{tp} of the weights; "
+                         "the seed's 2xH100 table keeps the 1-GPU 42 ms (pass --target-step-ms to do the same)")
+    else:
+        target_ms = drafts.target_step_ms
+    lm_head_bytes = target.vocab_size * target.hidden_size * b
+    rows = [StrategyRow("no-spec", 0.0, 0.0, 1.0, target_ms, 1.0, free_gb, free_gb >= 0)]
+    if drafts.standalone_params > 0:
+        gb = drafts.standalone_params * b / GB / tp
+        ms = drafts.standalone_step_ms if drafts.standalone_step_ms is not None else hw.read_ms(gb * GB)
+        rows.append(_strategy("standalone", K, drafts.alpha["standalone"], target_ms, K * ms, gb, free_gb,
+                              "own KV cache not counted"))
+    eagle_params = drafts.eagle_params if drafts.eagle_params is not None else \
+        target.layer_params() + 2 * target.hidden_size * target.hidden_size
+    eagle_gb = eagle_params * b / GB / tp
+    # Each EAGLE step also reads the (shared) lm_head to pick its token.
+    eagle_ms = drafts.eagle_step_ms if drafts.eagle_step_ms is not None else \
+        hw.read_ms(eagle_gb * GB + lm_head_bytes / tp)
+    rows.append(_strategy("eagle", K, drafts.alpha["eagle"], target_ms, K * eagle_ms, eagle_gb, free_gb,
+                          f"{eagle_params / 1e9:.2f}B params; step reads its layer + lm_head"))
+    n_heads = drafts.medusa_heads or K
+    d = target.hidden_size
+    medusa_gb = n_heads * (target.vocab_size * d + drafts.medusa_layers * (d * d + d)) * b / GB / tp
+    # All heads run once per round, in parallel, on the last hidden state: one read of their weights.
+    medusa_ms = drafts.medusa_round_ms if drafts.medusa_round_ms is not None else hw.read_ms(medusa_gb * GB)
+    rows.append(_strategy("medusa", n_heads, drafts.alpha["medusa"], target_ms, medusa_ms, medusa_gb, free_gb,
+                          f"{n_heads} heads, one parallel pass per round"))
+    return PlanResult(target.params, tp, weights_total_gb, weights_gpu_gb, target_ms, kv, rows, notes)
+
+
+def _print_plan(plan: PlanResult, target: TargetSpec, hw: Hardware, work: Workload, drafts: DraftOptions) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    mem = Table(title=f"Memory budget per GPU ({hw.gpu_mem_gb:g} GB, TP={hw.tp})")
+    mem.add_column("item")
+    mem.add_column("value", justify="right")
+    kv = plan.kv
+    mem.add_row("target weights (total)", f"{plan.weights_gb_total:.1f} GB")
+    mem.add_row("target weights per GPU", f"{plan.weights_gb_per_gpu:.1f} GB")
+    mem.add_row("KV bytes per token (per GPU)", f"{kv.bytes_per_token / 1e3:,.1f} KB")
+    mem.add_row(f"KV bytes per block (b={work.block_size})",
+                f"{kv.bytes_per_block:,.0f} B ({kv.bytes_per_block / 1e6:.2f} MB)")
+    mem.add_row(f"KV per sequence ({work.context_len} tokens, {kv.blocks_per_seq} blocks)",
+                f"{kv.bytes_per_seq / GB:.3f} GB")
+    mem.add_row(f"KV for the batch ({work.batch} seqs)", f"{kv.bytes_for_batch / GB:.2f} GB")
+    mem.add_row("free room (no draft)", f"{plan.strategies[0].free_gb_per_gpu:.2f} GB")
+    console.print(mem)
+
+    blocks = Table(title=f"Paged KV cache ({kv.kv_budget_gb:.1f} GB KV budget per GPU)")
+    blocks.add_column("item")
+    blocks.add_column("value", justify="right")
+    blocks.add_row("physical blocks", f"{kv.num_blocks:,}")
+    blocks.add_row("token slots", f"{kv.token_slots:,}")
+    blocks.add_row(f"max seqs, preallocating {work.context_len} tokens", f"{kv.max_seqs_preallocated:,}")
+    blocks.add_row(f"max seqs, paged at {work.avg_len} tokens ({kv.blocks_per_avg_seq} blocks)",
+                   f"{kv.max_seqs_paged:,}")
+    blocks.add_row("internal fragmentation of preallocation", f"{kv.internal_fragmentation:.1%}")
+    if kv.prefix_blocks:
+        blocks.add_row(f"{work.shared_prefix_tokens}-token prefix: blocks unshared / shared",
+                       f"{kv.prefix_blocks_without_sharing:,} / {kv.prefix_blocks:,}")
+        blocks.add_row("prefix caching saves", f"{kv.prefix_blocks_saved:,} blocks = {kv.prefix_gb_saved:.2f} GB")
+    console.print(blocks)
+
+    strat = Table(title=f"Draft strategies (K={drafts.K}, target step {plan.target_step_ms:.1f} ms; GB per GPU)")
+    strat.add_column("strategy", no_wrap=True)
+    for col in ("alpha", "draft\nGB", "draft ms\n/round", "tokens\n/call", "ms/\ntoken", "speed\n-up",
+                "free\nGB", "fits"):
+        strat.add_column(col, justify="right")
+    for r in plan.strategies:
+        alpha = drafts.alpha.get(r.strategy)
+        strat.add_row(r.strategy, "-" if alpha is None else f"{alpha:.2f}", f"{r.draft_gb_per_gpu:.2f}",
+                      f"{r.draft_cost_ms:.2f}", f"{r.tokens_per_call:.2f}", f"{r.ms_per_token:.1f}",
+                      f"{r.speedup:.2f}x", f"{r.free_gb_per_gpu:.2f}", "yes" if r.fits else "NO")
+    console.print(strat)
+    for note in [f"{r.strategy}: {r.note}" for r in plan.strategies if r.note] + plan.notes:
+        console.print(f"[dim]note: {note}[/dim]")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="draftsmith plan",
+        description="Memory budget and expected ms/token of each draft strategy (no-spec, standalone, "
+                    "EAGLE, Medusa) for a target on given GPUs, by the bandwidth model of the seed's "
+                    "worked examples. Example: draftsmith plan --params 70e9 --layers 80 --kv-heads 8 "
+                    "--head-dim 128 --hidden 8192 --vocab 128256 --tp 2 --standalone-params 7e9",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    t = p.add_argument_group("target (either --config or the numbers)")
+    t.add_argument("--config", help="HF config.json (or model dir); params are estimated unless --params")
+    t.add_argument("--params", type=float, help="target parameter count, e.g. 70e9")
+    t.add_argument("--layers", type=int)
+    t.add_argument("--kv-heads", type=int)
+    t.add_argument("--head-dim", type=int)
+    t.add_argument("--hidden", type=int)
+    t.add_argument("--vocab", type=int)
+    t.add_argument("--intermediate", type=int, default=0, help="MLP width (sizes the EAGLE layer); 0 = 8/3 hidden")
+    t.add_argument("--dtype", default=None, choices=sorted(DTYPE_BYTES),
+                   help="weight/KV dtype (default: the config's, else bf16)")
+    h = p.add_argument_group("hardware")
+    h.add_argument("--gpu-mem-gb", type=float, default=80.0, help="memory per GPU")
+    h.add_argument("--bandwidth-tbs", type=float, default=3.35, help="HBM bandwidth per GPU")
+    h.add_argument("--tp", type=int, default=1, help="tensor-parallel degree")
+    h.add_argument("--gpu-util", type=float, default=0.9, help="memory share the server may use (sets the KV budget)")
+    w = p.add_argument_group("workload")
+    w.add_argument("--batch", type=int, default=1)
+    w.add_argument("--context-len", type=int, default=2048)
+    w.add_argument("--block-size", type=int, default=16)
+    w.add_argument("--avg-len", type=int, default=256, help="mean tokens a sequence holds (paged allocation)")
+    w.add_argument("--kv-budget-gb", type=float, help="KV budget per GPU (default: gpu-util * memory - weights)")
+    w.add_argument("--shared-prefix-tokens", type=int, default=0)
+    w.add_argument("--shared-prefix-seqs", type=int, default=0, help="sequences sharing the prefix (0 = batch)")
+    d = p.add_argument_group("drafts")
+    d.add_argument("-K", "--K", type=int, default=5, dest="K", help="lookahead tokens per round")
+    d.add_argument("--standalone-params", type=float, default=0.0, help="standalone draft params (0 = none)")
+    d.add_argument("--eagle-params", type=float, help="EAGLE module params (default: one target layer + fc)")
+    d.add_argument("--medusa-heads", type=int, help="Medusa heads (default K)")
+    d.add_argument("--medusa-layers", type=int, default=1, help="residual blocks per Medusa head")
+    for name, a in SEED_ALPHA.items():
+        d.add_argument(f"--alpha-{name}", type=float, default=a, help=f"assumed acceptance rate of {name}")
+    o = p.add_argument_group("step-cost overrides (measured or the seed's rounded figures)")
+    o.add_argument("--target-step-ms", type=float)
+    o.add_argument("--standalone-step-ms", type=float)
+    o.add_argument("--eagle-step-ms", type=float)
+    o.add_argument("--medusa-round-ms", type=float)
+    p.add_argument("--json", action="store_true", help="print the plan as JSON instead of tables")
+    return p
+
+
+def _target_from_args(args: argparse.Namespace) -> TargetSpec:
+    dtype_bytes = DTYPE_BYTES[args.dtype] if args.dtype else None
+    if args.config:
+        return TargetSpec.from_hf_config(args.config, params=args.params, dtype_bytes=dtype_bytes)
+    needed = {"--params": args.params, "--layers": args.layers, "--kv-heads": args.kv_heads,
+              "--head-dim": args.head_dim, "--hidden": args.hidden, "--vocab": args.vocab}
+    missing = [k for k, v in needed.items() if v is None]
+    if missing:
+        raise ValueError(f"without --config, give {', '.join(missing)}")
+    return TargetSpec(args.params, args.layers, args.kv_heads, args.head_dim, args.hidden, args.vocab,
+                      intermediate_size=args.intermediate, dtype_bytes=dtype_bytes or 2)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        target = _target_from_args(args)
+        hw = Hardware(args.gpu_mem_gb, args.bandwidth_tbs, args.tp, args.gpu_util)
+        work = Workload(args.batch, args.context_len, args.block_size, args.avg_len, args.shared_prefix_tokens,
+                        args.shared_prefix_seqs, args.kv_budget_gb)
+        drafts = DraftOptions(args.K, args.standalone_params, args.eagle_params, args.medusa_heads,
+                              args.medusa_layers, {n: getattr(args, f"alpha_{n}") for n in SEED_ALPHA},
+                              args.target_step_ms, args.standalone_step_ms, args.eagle_step_ms, args.medusa_round_ms)
+        plan = make_plan(target, hw, work, drafts)
+    except ValueError as e:
+        print(f"draftsmith plan: error: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(plan.to_dict(), indent=2))
+    else:
+        _print_plan(plan, target, hw, work, drafts)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

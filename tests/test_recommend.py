@@ -1,0 +1,121 @@
+"""Per-domain recommendations (method, K, or speculation off) on scripted results, and the YAML snippet."""
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from serve_eval.eval.recommend import (Recommendations, Thresholds, choose_for_domain, load_recommendations,
+                                       policy_for_method, recommend, to_yaml, write_recommendations)
+from serve_eval.eval.report import ResultRow
+
+
+def r(domain, method, K, alpha, speedup, T=0.0) -> ResultRow:
+    spec = method != "no-spec"
+    return ResultRow(domain=domain, method=method, K=K, temperature=T, alpha=alpha if spec else None,
+                     tau=None, a_k=[], ms_per_token=10.0, tokens_per_s=100.0, speedup=speedup,
+                     predicted_speedup=None, ttft_p50=None, ttft_p99=None, itl_p50=None, itl_p99=None,
+                     draft_time_share=None, target_time_share=None, repetitions=1, spread=0.0)
+
+
+SCRIPTED = [
+    r("code", "no-spec", 0, None, 1.0), r("code", "eagle", 3, 0.70, 1.8), r("code", "eagle", 5, 0.65, 1.6),
+    r("code", "standalone", 4, 0.80, 1.5), r("code", "assisted", 4, 0.90, 2.5),
+    r("chat", "no-spec", 0, None, 1.0), r("chat", "eagle", 3, 0.45, 1.1), r("chat", "ngram", 2, 0.60, 0.9),
+    r("math", "no-spec", 0, None, 1.0), r("math", "ngram", 4, 0.45, 2.0), r("math", "eagle", 3, 0.60, 1.3),
+]
+
+
+def test_best_passing_method_and_k_per_domain():
+    """code -> eagle K=3 (best speed-up; the non-servable 'assisted' reference is ignored); math -> eagle K=3
+    because the faster ngram has alpha < 0.5; chat -> off (alpha 0.45 < 0.5, ngram's speed-up 0.9 < 1)."""
+    recs = recommend(SCRIPTED, target_fingerprint="fp")
+    code, chat, math = recs.domains["code"], recs.domains["chat"], recs.domains["math"]
+    assert (code.speculate, code.method, code.K, code.speedup, code.alpha) == (True, "eagle", 3, 1.8, 0.70)
+    assert (math.speculate, math.method, math.K) == (True, "eagle", 3)
+    assert (chat.speculate, chat.method, chat.K) == (False, "no-spec", 0)
+    assert "alpha 0.450 < 0.5" in chat.reason
+    assert code.fallback == "no-spec" and code.fallback_below_alpha == 0.5
+
+
+def test_speedup_below_one_disables():
+    """A candidate with good alpha but speed-up < 1 does not enable speculation."""
+    choice = choose_for_domain([r("d", "ngram", 2, 0.9, 0.95)], Thresholds())
+    assert not choice.speculate and "speed-up 0.950 < 1" in choice.reason
+    assert not choose_for_domain([r("d", "no-spec", 0, None, 1.0)], Thresholds()).speculate
+
+
+def test_every_temperature_must_pass():
+    """A (method, K) fine at T=0 but with alpha < 0.5 at T=1 loses to one that passes at both."""
+    rows = [r("d", "eagle", 4, 0.8, 2.5, T=0.0), r("d", "eagle", 4, 0.4, 1.2, T=1.0),
+            r("d", "eagle", 2, 0.7, 1.5, T=0.0), r("d", "eagle", 2, 0.6, 1.3, T=1.0)]
+    choice = choose_for_domain(rows, Thresholds())
+    assert (choice.method, choice.K, choice.temperatures) == ("eagle", 2, [0.0, 1.0])
+    assert choice.speedup == pytest.approx(1.4)
+
+
+def test_default_for_unseen_domains():
+    """Default = the (method, K) passing in every domain with the best worst-case speed-up; else off."""
+    rows = [r("a", "eagle", 3, 0.7, 2.0), r("a", "medusa", 3, 0.6, 3.0),
+            r("b", "eagle", 3, 0.7, 1.5), r("b", "medusa", 3, 0.6, 1.2)]
+    recs = recommend(rows)
+    assert (recs.default.speculate, recs.default.method, recs.default.K) == (True, "eagle", 3)
+    assert recs.for_domain("unseen") is recs.default and recs.for_domain("a").method == "medusa"
+    off = recommend(SCRIPTED).default  # chat passes nothing -> no safe default
+    assert not off.speculate
+
+
+def test_yaml_snippet_round_trips(tmp_path):
+    """The snippet is YAML the server can load back to equal recommendations; bad files are refused."""
+    recs = recommend(SCRIPTED, target_fingerprint="fp")
+    path = write_recommendations(recs, tmp_path / "spec.yaml")
+    assert path.read_text().startswith("# draftsmith speculative-decoding recommendations")
+    assert load_recommendations(path) == recs
+    assert "domains:" in to_yaml(recs)
+    bad = recs.to_dict()
+    bad["schema_version"] = 99
+    with pytest.raises(ValueError, match="schema_version"):
+        Recommendations.from_dict(bad)
+    bad = recs.to_dict()
+    bad["domains"]["code"]["K"] = 0
+    with pytest.raises(ValueError, match=r"domains\.code\.K"):
+        Recommendations.from_dict(bad)
+    with pytest.raises(ValueError, match="no file"):
+        load_recommendations(tmp_path / "missing.yaml")
+
+
+row_strategy = st.builds(
+    lambda m, K, a, s, T: r("d", m, K, a, s, T),
+    st.sampled_from(["eagle", "medusa", "ngram", "standalone"]), st.integers(1, 6),
+    st.floats(0, 1), st.floats(0.1, 4), st.sampled_from([0.0, 0.7, 1.0]))
+
+
+@settings(max_examples=150, deadline=None)
+@given(rows=st.lists(row_strategy, min_size=1, max_size=12, unique_by=lambda x: (x.method, x.K, x.temperature)))
+def test_choice_passes_thresholds_and_is_best(rows):
+    """For any results: an enabled choice passes alpha >= 0.5 and speed-up >= 1 at every temperature it was
+    measured at, and no other passing (method, K) has a higher mean speed-up; off only if none passes."""
+    choice = choose_for_domain(rows, Thresholds())
+    groups = {}
+    for x in rows:
+        groups.setdefault((x.method, x.K), []).append(x)
+    passing = {k: sum(x.speedup for x in g) / len(g) for k, g in groups.items()
+               if all(x.alpha >= 0.5 and x.speedup >= 1.0 for x in g)}
+    assert choice.speculate == bool(passing)
+    if passing:
+        assert (choice.method, choice.K) in passing
+        assert passing[(choice.method, choice.K)] == pytest.approx(max(passing.values()))
+
+
+def test_policy_for_one_method_fits_the_engine_policy_config():
+    """For a server running EAGLE: per-domain K where EAGLE passes, the rest listed as disabled, and the
+    policy keys construct the engine's SpecPolicyConfig."""
+    from serve_eval.spec.policy import SpecPolicyConfig
+
+    snippet = policy_for_method(SCRIPTED, "eagle")
+    assert snippet.policy["k_by_domain"] == {"code": 3, "math": 3}
+    assert snippet.disabled_domains == ["chat"] and not snippet.default_speculate
+    config = SpecPolicyConfig(**snippet.policy)
+    assert config.k_by_domain == {"code": 3, "math": 3} and config.min_alpha == 0.5
+    with pytest.raises(ValueError, match="no results for method 'medusa'"):
+        policy_for_method(SCRIPTED, "medusa")
