@@ -1,0 +1,297 @@
+"""`draftsmith export`: write a draft dir in the layouts other engines read, and read those layouts back.
+
+Formats (weights always safetensors):
+
+* ``speculators`` (vLLM): EAGLE-1 -> ``EagleSpeculator`` (``fusion_fc.*``, ``transformer.*``; embedding and
+  LM head are the verifier's and are not written), EAGLE-3 -> ``Eagle3Speculator`` (``layers.0.*``, ``fc``,
+  ``norm``, ``lm_head``, ``embed_tokens``, ``d2t``, ``t2d``). config.json carries ``speculators_config``
+  (algorithm, proposal methods, verifier), ``transformer_layer_config`` and, for EAGLE-3,
+  ``draft_vocab_size``, ``target_hidden_size``, ``norm_before_residual``, ``eagle_aux_hidden_state_layer_ids``.
+* ``sglang``: EAGLE-3 -> ``LlamaForCausalLMEagle3`` (a LlamaConfig with ``draft_vocab_size`` and
+  ``eagle_config``; weights ``midlayer.*``, ``fc.weight``, ``norm.weight``, ``lm_head.weight``, ``d2t``, ``t2d``).
+* ``medusa``: Medusa-1 layout (``medusa_num_heads``, ``medusa_num_layers``, ``base_model_name_or_path``;
+  ``medusa_head.{k}.{j}.linear.*`` residual blocks and ``medusa_head.{k}.{num_layers}.weight`` LM heads).
+* ``hf``: standalone drafts are plain HF LlamaForCausalLM dirs already.
+
+A ``draftsmith_export.json`` beside them records the source draft's metadata and the format.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from dataclasses import asdict
+from pathlib import Path
+from typing import Sequence
+
+from torch import Tensor, nn
+
+from drafts.common import decoder_config_from_dict, load_target_embed_and_head
+from drafts.eagle import EagleConfig, EagleDraft
+from drafts.eagle3 import Eagle3Config, Eagle3Draft
+from drafts.io import write_json, draft_state_dict, load_draft, read_safetensors, write_safetensors
+from drafts.medusa import MedusaConfig, MedusaDraft
+from drafts.standalone import StandaloneDraft
+
+FORMATS = {"speculators": ("eagle", "eagle3"), "sglang": ("eagle3",), "medusa": ("medusa",), "hf": ("standalone",)}
+EXPORT_META = "draftsmith_export.json"
+SPECULATORS_VERSION = "0.1.0"  # the speculators config schema we write against
+MEDUSA_WEIGHTS = "medusa_lm_head.safetensors"
+
+
+def _layer_config(decoder_cfg, vocab_size: int) -> dict:
+    return {"model_type": "llama", "num_hidden_layers": 1, "vocab_size": vocab_size, "tie_word_embeddings": False, **decoder_cfg.to_llama_dict()}
+
+
+def _speculators_config(algorithm: str, verifier: str, num_speculative_tokens: int) -> dict:
+    return {
+        "algorithm": algorithm,
+        "default_proposal_method": "greedy",
+        "proposal_methods": [
+            {"proposal_type": "greedy", "speculative_tokens": num_speculative_tokens, "verifier_accept_k": 1, "accept_tolerance": 0.0}
+        ],
+        "verifier": {"name_or_path": verifier, "architectures": ["LlamaForCausalLM"]},
+    }
+
+
+def _rename(state: dict[str, Tensor], rules: Sequence[tuple[str, str]]) -> dict[str, Tensor]:
+    """Apply the first matching (regex, replacement) rule to each key; keys matching no rule are dropped."""
+    out = {}
+    for key, value in state.items():
+        for pattern, repl in rules:
+            match = re.fullmatch(pattern, key)
+            if match:
+                out[match.expand(repl)] = value
+                break
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ writers
+
+
+def _export_eagle_speculators(model: EagleDraft, verifier: str, k: int) -> tuple[dict, dict]:
+    cfg = model.config
+    config = {
+        "architectures": ["EagleSpeculator", "LlamaDecoderLayer"],
+        "speculators_model_type": "eagle",
+        "speculators_version": SPECULATORS_VERSION,
+        "transformer_layer_architecture": "LlamaDecoderLayer",
+        "transformer_layer_config": _layer_config(cfg.decoder, cfg.vocab_size),
+        "layernorms": False,
+        "fusion_bias": cfg.fc_bias,
+        "speculators_config": _speculators_config("eagle", verifier, k),
+    }
+    rules = [(r"fc\.(weight|bias)", r"fusion_fc.\1"), (r"layers\.0\.(.*)", r"transformer.\1")]
+    return config, _rename(draft_state_dict(model), rules)
+
+
+def _export_eagle3_speculators(model: Eagle3Draft, verifier: str, k: int) -> tuple[dict, dict]:
+    cfg = model.config
+    config = {
+        "architectures": ["Eagle3Speculator"],
+        "speculators_model_type": "eagle3",
+        "speculators_version": SPECULATORS_VERSION,
+        "transformer_layer_config": _layer_config(cfg.decoder, cfg.vocab_size),
+        "draft_vocab_size": cfg.draft_vocab_size,
+        "target_hidden_size": cfg.target_hidden_size,
+        "norm_before_residual": cfg.norm_before_residual,
+        "eagle_aux_hidden_state_layer_ids": list(cfg.aux_layers),
+        "draftsmith_fc_bias": cfg.fc_bias,
+        "speculators_config": _speculators_config("eagle3", verifier, k),
+    }
+    rules = [(r"midlayer\.(.*)", r"layers.0.\1"), (r".*", r"\g<0>")]
+    return config, _rename(draft_state_dict(model), rules)
+
+
+def _export_eagle3_sglang(model: Eagle3Draft, verifier: str, k: int) -> tuple[dict, dict]:
+    cfg = model.config
+    config = {
+        "architectures": ["LlamaForCausalLMEagle3"],
+        **_layer_config(cfg.decoder, cfg.vocab_size),
+        "draft_vocab_size": cfg.draft_vocab_size,
+        "target_hidden_size": cfg.target_hidden_size,
+        "bias": cfg.fc_bias,  # SGLang reads fc's bias flag from here
+        "norm_before_residual": cfg.norm_before_residual,
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(cfg.aux_layers), "use_aux_hidden_state": True},
+        "base_model_name_or_path": verifier,
+    }
+    return config, draft_state_dict(model)
+
+
+def _export_medusa(model: MedusaDraft, verifier: str, k: int) -> tuple[dict, dict]:
+    cfg = model.config
+    config = {
+        "architectures": ["MedusaModel"],
+        "model_type": "medusa",
+        "medusa_num_heads": cfg.num_heads,
+        "medusa_num_layers": cfg.num_layers,
+        "base_model_name_or_path": verifier,
+        "hidden_size": cfg.hidden_size,
+        "vocab_size": cfg.vocab_size,
+        "draftsmith_shared_lm_head": cfg.shared_lm_head,
+    }
+    state: dict[str, Tensor] = {}
+    for h, head in enumerate(model.heads):
+        for j, block in enumerate(head.blocks):
+            state[f"medusa_head.{h}.{j}.linear.weight"] = block.linear.weight
+            state[f"medusa_head.{h}.{j}.linear.bias"] = block.linear.bias
+        # Medusa's layout has one LM head per head: a shared head is written once per head (cloned: no shared storage)
+        state[f"medusa_head.{h}.{cfg.num_layers}.weight"] = model.head_lm_weight(h).detach().clone()
+    return config, state
+
+
+WRITERS = {
+    ("speculators", "eagle"): _export_eagle_speculators,
+    ("speculators", "eagle3"): _export_eagle3_speculators,
+    ("sglang", "eagle3"): _export_eagle3_sglang,
+    ("medusa", "medusa"): _export_medusa,
+}
+
+
+def export_draft(src: str | Path, fmt: str, out: str | Path, verifier: str | None = None, num_speculative_tokens: int = 5) -> Path:
+    """Export the draft dir `src` as `fmt` into `out`. verifier: the target's name/path written into the config."""
+    if fmt not in FORMATS:
+        raise ValueError(f"export: format={fmt!r} is not one of {sorted(FORMATS)}")
+    loaded = load_draft(src)
+    if loaded.kind not in FORMATS[fmt]:
+        raise ValueError(f"export: format={fmt!r} takes {list(FORMATS[fmt])} drafts, but {src} is a {loaded.kind!r} draft")
+    if num_speculative_tokens <= 0:
+        raise ValueError(f"export: num_speculative_tokens must be > 0, got {num_speculative_tokens}")
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    if fmt == "hf":
+        config, state, weights_file = loaded.model.config.to_hf_dict(), draft_state_dict(loaded.model), "model.safetensors"
+    else:
+        config, state = WRITERS[(fmt, loaded.kind)](loaded.model, verifier or "", num_speculative_tokens)
+        weights_file = MEDUSA_WEIGHTS if fmt == "medusa" else "model.safetensors"
+    write_safetensors(out / weights_file, state)
+    write_json(out / "config.json", config)
+    write_json(out / EXPORT_META, {"format": fmt, "kind": loaded.kind, "source": str(src), "source_meta": asdict(loaded.meta)})
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ readers
+
+
+def detect_format(config: dict) -> str:
+    archs = config.get("architectures") or []
+    if "speculators_config" in config:
+        return "speculators"
+    if "LlamaForCausalLMEagle3" in archs:
+        return "sglang"
+    if "medusa_num_heads" in config:
+        return "medusa"
+    if any(a.endswith("ForCausalLM") for a in archs):
+        return "hf"
+    raise ValueError(f"config.json: cannot tell the export format (architectures={archs})")
+
+
+def _strict_load(model: nn.Module, state: dict[str, Tensor], source: Path, allow_missing: Sequence[str] = ()) -> nn.Module:
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [k for k in missing if k not in allow_missing]
+    if missing or unexpected:
+        raise ValueError(f"{source}: missing weights {missing[:5]}, unexpected {unexpected[:5]}")
+    return model
+
+
+def load_exported(
+    path: str | Path,
+    target_embed_and_head: tuple[Tensor, Tensor] | None = None,
+    target_dir: str | Path | None = None,
+) -> nn.Module:
+    """Read an exported layout back into our module. EAGLE-1 speculators dirs need the target's embedding and
+    LM head (``target_embed_and_head`` or ``target_dir``): that layout does not carry them."""
+    path = Path(path)
+    config = json.loads((path / "config.json").read_text())
+    fmt = detect_format(config)
+    if fmt == "hf":
+        return StandaloneDraft.from_hf(path)
+    if fmt == "medusa":
+        return _load_medusa(path, config)
+    state = read_safetensors(path / "model.safetensors")
+    layer = config["transformer_layer_config"] if fmt == "speculators" else config
+    decoder = decoder_config_from_dict({**layer, "qkv_bias": layer.get("attention_bias", False), "o_bias": layer.get("attention_bias", False)})
+    if fmt == "speculators" and config.get("speculators_model_type") == "eagle":
+        if target_embed_and_head is None and target_dir is None:
+            raise ValueError(f"{path}: an EAGLE-1 speculators dir has no embedding/LM head; pass target_embed_and_head or target_dir")
+        embed, head = target_embed_and_head or load_target_embed_and_head(target_dir)
+        model = EagleDraft(EagleConfig(vocab_size=int(layer["vocab_size"]), decoder=decoder, fc_bias=bool(config.get("fusion_bias", False))))
+        state = _rename(state, [(r"fusion_fc\.(weight|bias)", r"fc.\1"), (r"transformer\.(.*)", r"layers.0.\1")])
+        state.update({"embed_tokens.weight": embed, "lm_head.weight": head})
+        return _strict_load(model, state, path)
+    if fmt == "speculators":
+        aux = config.get("eagle_aux_hidden_state_layer_ids")
+        fc_bias = bool(config.get("draftsmith_fc_bias", "fc.bias" in state))
+        state = _rename(state, [(r"layers\.0\.(.*)", r"midlayer.\1"), (r".*", r"\g<0>")])
+    else:
+        aux = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+        fc_bias = bool(config.get("bias", False))
+    if aux is None:
+        raise ValueError(f"{path}: config.json does not name the aux hidden-state layers (eagle_aux_hidden_state_layer_ids)")
+    cfg = Eagle3Config(
+        vocab_size=int(layer["vocab_size"]),
+        decoder=decoder,
+        target_hidden_size=int(config.get("target_hidden_size") or decoder.hidden_size),
+        aux_layers=list(aux),
+        draft_vocab_size=int(config.get("draft_vocab_size") or layer["vocab_size"]),
+        norm_before_residual=bool(config.get("norm_before_residual", False)),
+        fc_bias=fc_bias,
+    )
+    return _strict_load(Eagle3Draft(cfg), state, path)
+
+
+def _load_medusa(path: Path, config: dict) -> MedusaDraft:
+    files = [path / MEDUSA_WEIGHTS] if (path / MEDUSA_WEIGHTS).is_file() else sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"{path}: no Medusa safetensors weights")
+    state: dict[str, Tensor] = {}
+    for f in files:
+        state.update(read_safetensors(f))
+    num_heads, num_layers = int(config["medusa_num_heads"]), int(config["medusa_num_layers"])
+    shared = bool(config.get("draftsmith_shared_lm_head", False))
+    head0 = state[f"medusa_head.0.{num_layers}.weight"]
+    cfg = MedusaConfig(hidden_size=head0.shape[1], vocab_size=head0.shape[0], num_heads=num_heads, num_layers=num_layers, shared_lm_head=shared)
+    rules = [(r"medusa_head\.(\d+)\.(\d+)\.linear\.(weight|bias)", r"heads.\1.blocks.\2.linear.\3")]
+    if shared:
+        rules.append((rf"medusa_head\.0\.{num_layers}\.weight", "lm_head.weight"))
+    else:
+        rules.append((rf"medusa_head\.(\d+)\.{num_layers}\.weight", r"heads.\1.lm_head.weight"))
+    return _strict_load(MedusaDraft(cfg), _rename(state, rules), path)
+
+
+# ------------------------------------------------------------------------------------------------ CLI
+
+
+def _normalise_argv(argv: Sequence[str]) -> list[str]:
+    """Accept Hydra-style ``key=value`` as well as ``--key value``."""
+    out: list[str] = []
+    for arg in argv:
+        if not arg.startswith("-") and "=" in arg:
+            key, value = arg.split("=", 1)
+            out += [f"--{key.replace('_', '-')}", value]
+        else:
+            out.append(arg)
+    return out
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="draftsmith export", description="Export a draft dir to another engine's layout.")
+    parser.add_argument("--src", required=True, help="draft dir written by draftsmith (save_draft)")
+    parser.add_argument("--format", required=True, choices=sorted(FORMATS))
+    parser.add_argument("--out", required=True, help="output dir")
+    parser.add_argument("--verifier", default=None, help="target name/path written into the exported config")
+    parser.add_argument("--num-speculative-tokens", type=int, default=5)
+    args = parser.parse_args(_normalise_argv(sys.argv[1:] if argv is None else argv))
+    try:
+        out = export_draft(args.src, args.format, args.out, args.verifier, args.num_speculative_tokens)
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(f"exported {args.src} as {args.format} -> {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,143 @@
+"""Exported layouts (vLLM speculators, SGLang Eagle3, Medusa, HF): field and weight names other engines read,
+and each layout read back into our modules gives identical outputs."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from drafts.eagle import EagleDraft
+from drafts.eagle3 import Eagle3Draft, build_reduced_vocab
+from drafts.export import detect_format, export_draft, load_exported, main
+from drafts.io import save_draft
+from drafts.medusa import MedusaDraft
+from drafts.standalone import StandaloneDraft
+
+V, D = 128, 64
+TARGET = dict(hidden_size=D, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2, vocab_size=V)
+
+
+@pytest.fixture(scope="module")
+def target_dir(tmp_path_factory):
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("target")
+    LlamaForCausalLM(LlamaConfig(**TARGET)).save_pretrained(path)
+    return path
+
+
+def eagle3(fc_bias=False) -> Eagle3Draft:
+    torch.manual_seed(1)
+    draft = Eagle3Draft.from_target_config(TARGET, draft_vocab_size=48, fc_bias=fc_bias)
+    draft.set_vocab_map(*build_reduced_vocab(torch.randint(0, 50, (V,)), 48))
+    return draft.eval()
+
+
+def outputs(draft) -> torch.Tensor:
+    g = torch.Generator().manual_seed(7)
+    ids = torch.randint(0, V, (2, 8), generator=g)
+    with torch.no_grad():
+        if isinstance(draft, StandaloneDraft):
+            return draft.forward_batch(ids)
+        if isinstance(draft, MedusaDraft):
+            return draft(torch.randn(2, 8, D, generator=g))
+        if isinstance(draft, EagleDraft):
+            return draft.forward_batch(ids, torch.randn(2, 8, D, generator=g))[1]
+        return draft.to_target_logits(draft.forward_batch(ids, torch.randn(2, 8, 3 * D, generator=g))[1])
+
+
+@pytest.mark.parametrize("fc_bias", [False, True])
+def test_eagle3_sglang_layout_and_reload(fc_bias, tmp_path):
+    """SGLang LlamaForCausalLMEagle3: architectures, draft_vocab_size, aux layer ids, midlayer.*/fc/norm/lm_head
+    weight names, d2t offsets and t2d mask; reading it back gives identical logits."""
+    draft = eagle3(fc_bias)
+    save_draft(draft, tmp_path / "src", target_fingerprint="fp")
+    out = export_draft(tmp_path / "src", "sglang", tmp_path / "sg", verifier="my/target")
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["architectures"] == ["LlamaForCausalLMEagle3"]
+    assert cfg["draft_vocab_size"] == 48 and cfg["vocab_size"] == V and cfg["num_hidden_layers"] == 1
+    assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [2, 3, 3]
+    weights = load_file(str(out / "model.safetensors"))
+    assert {"fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d", "midlayer.hidden_norm.weight", "midlayer.self_attn.q_proj.weight"} <= set(weights)
+    assert weights["midlayer.self_attn.q_proj.weight"].shape == (D, 2 * D)
+    assert weights["fc.weight"].shape == (D, 3 * D) and ("fc.bias" in weights) == fc_bias
+    assert weights["lm_head.weight"].shape == (48, D) and weights["t2d"].dtype == torch.bool
+    assert torch.equal(torch.arange(48) + weights["d2t"], torch.nonzero(weights["t2d"])[:, 0])
+    reloaded = load_exported(out)
+    assert detect_format(cfg) == "sglang"
+    assert torch.equal(outputs(reloaded), outputs(draft))
+
+
+def test_eagle3_speculators_layout_and_reload(tmp_path):
+    """vLLM speculators Eagle3Speculator: speculators_config (algorithm, proposal methods, verifier),
+    transformer_layer_config, layers.0.* names; reading it back gives identical logits."""
+    draft = eagle3()
+    save_draft(draft, tmp_path / "src")
+    out = export_draft(tmp_path / "src", "speculators", tmp_path / "sp", verifier="my/target", num_speculative_tokens=3)
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["speculators_model_type"] == "eagle3" and cfg["architectures"] == ["Eagle3Speculator"]
+    spec = cfg["speculators_config"]
+    assert spec["algorithm"] == "eagle3" and spec["verifier"]["name_or_path"] == "my/target"
+    assert spec["proposal_methods"][0]["speculative_tokens"] == 3 and spec["default_proposal_method"] == "greedy"
+    assert cfg["transformer_layer_config"]["hidden_size"] == D and cfg["transformer_layer_config"]["vocab_size"] == V
+    assert cfg["draft_vocab_size"] == 48 and cfg["target_hidden_size"] == D and cfg["norm_before_residual"] is False
+    assert cfg["eagle_aux_hidden_state_layer_ids"] == draft.config.aux_layers
+    weights = load_file(str(out / "model.safetensors"))
+    assert "layers.0.hidden_norm.weight" in weights and not any(k.startswith("midlayer") for k in weights)
+    assert torch.equal(outputs(load_exported(out)), outputs(draft))
+
+
+def test_eagle1_speculators_layout_needs_and_uses_the_target_head(tmp_path, target_dir):
+    """EagleSpeculator: fusion_fc.* and transformer.* only (embedding/LM head are the verifier's), no
+    input_layernorm; reload needs the target's embedding and head and then gives identical logits."""
+    from drafts.common import load_target_embed_and_head
+
+    torch.manual_seed(2)
+    draft = EagleDraft.from_target_config(TARGET, fc_bias=True).eval()
+    draft.init_from_target(*load_target_embed_and_head(target_dir))
+    save_draft(draft, tmp_path / "src")
+    out = export_draft(tmp_path / "src", "speculators", tmp_path / "sp")
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["speculators_model_type"] == "eagle" and cfg["speculators_config"]["algorithm"] == "eagle"
+    assert cfg["layernorms"] is False and cfg["fusion_bias"] is True
+    weights = load_file(str(out / "model.safetensors"))
+    assert {"fusion_fc.weight", "fusion_fc.bias", "transformer.self_attn.q_proj.weight"} <= set(weights)
+    assert not any(k.startswith(("embed_tokens", "lm_head", "transformer.input_layernorm")) for k in weights)
+    with pytest.raises(ValueError, match="target_embed_and_head or target_dir"):
+        load_exported(out)
+    assert torch.equal(outputs(load_exported(out, target_dir=target_dir)), outputs(draft))
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_medusa_layout_and_reload(shared, tmp_path):
+    """Medusa-1 layout: medusa_num_heads/medusa_num_layers/base_model_name_or_path and medusa_head.{k}.{j}
+    weights (a shared head written per head); reading it back gives identical logits."""
+    torch.manual_seed(3)
+    draft = MedusaDraft.from_target_config(TARGET, num_heads=3, num_layers=2, shared_lm_head=shared)
+    for p in draft.parameters():
+        torch.nn.init.normal_(p, std=0.1)
+    save_draft(draft, tmp_path / "src")
+    out = export_draft(tmp_path / "src", "medusa", tmp_path / "m", verifier="my/target")
+    cfg = json.loads((out / "config.json").read_text())
+    assert (cfg["medusa_num_heads"], cfg["medusa_num_layers"], cfg["base_model_name_or_path"]) == (3, 2, "my/target")
+    weights = load_file(str(out / "medusa_lm_head.safetensors"))
+    assert set(weights) == {f"medusa_head.{k}.{j}.linear.{w}" for k in range(3) for j in range(2) for w in ("weight", "bias")} | {
+        f"medusa_head.{k}.2.weight" for k in range(3)
+    }
+    assert torch.equal(outputs(load_exported(out)), outputs(draft))
+
+
+def test_standalone_hf_export_and_cli(tmp_path):
+    """`python -m drafts.export src=... format=hf out=...` (Hydra-style args) writes a plain HF dir that
+    reloads identically; a format that does not take the draft's kind is refused naming both."""
+    torch.manual_seed(4)
+    draft = StandaloneDraft.from_target_config(TARGET, num_layers=1).eval()
+    save_draft(draft, tmp_path / "src")
+    assert main([f"src={tmp_path / 'src'}", "format=hf", f"out={tmp_path / 'hf'}"]) == 0
+    assert torch.equal(outputs(load_exported(tmp_path / "hf")), outputs(draft))
+    with pytest.raises(ValueError, match="format='sglang' takes \\['eagle3'\\].*'standalone'"):
+        export_draft(tmp_path / "src", "sglang", tmp_path / "bad")
+    assert main(["--src", str(tmp_path / "src"), "--format", "medusa", "--out", str(tmp_path / "bad")]) == 2
