@@ -1,0 +1,287 @@
+"""Draft trees: the data structure, static (Medusa-style) shapes, EAGLE-2-style dynamic construction,
+and what the target forward needs from a tree (attention mask, positions, paths).
+
+Indexing used everywhere:
+- nodes 0..N-1 are topologically ordered (parents[i] < i); parents[i] == -1 means the root, which
+  is the last emitted token (not a draft);
+- depths[i] = 1 + depth of the parent, the root has depth 0, so node i sits at position
+  root_position + depths[i];
+- in the target forward a sequence's query tokens are [root, node 0, ..., node N-1]; "row" r = 0 is
+  the root and row i + 1 is node i (target_probs [N+1, V] follows the same rows).
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+
+def check_node_budget(num_nodes: int, max_nodes: int | None, what: str = "draft tree") -> None:
+    """ValueError naming both values when a tree exceeds the configured node budget."""
+    if max_nodes is not None and num_nodes > max_nodes:
+        raise ValueError(f"{what} has {num_nodes} nodes but the node budget (max_draft_nodes) is {max_nodes}")
+
+
+@dataclass(eq=False)
+class DraftTree:
+    tokens: Tensor  # int64 [N]
+    parents: Tensor  # int64 [N], -1 = root, parents[i] < i
+    depths: Tensor | None = None  # int64 [N], derived from parents when None
+    # [N, V] draft distribution each node was sampled from, or None when every node is a point mass.
+    draft_probs: Tensor | None = None
+    # bool [N]: rows of draft_probs to ignore (point mass on the node's token, e.g. top-k children).
+    point_mass: Tensor | None = None
+    _ancestors: Tensor | None = field(default=None, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        self.tokens = torch.as_tensor(self.tokens, dtype=torch.int64)
+        self.parents = torch.as_tensor(self.parents, dtype=torch.int64, device=self.tokens.device)
+        num_nodes = self.tokens.numel()
+        if self.tokens.dim() != 1 or self.parents.shape != self.tokens.shape:
+            raise ValueError(
+                f"tree tokens shape {tuple(self.tokens.shape)} and parents shape "
+                f"{tuple(self.parents.shape)} must both be [N]"
+            )
+        node_ids = torch.arange(num_nodes, device=self.parents.device)
+        if bool(((self.parents < -1) | (self.parents >= node_ids)).any()):
+            raise ValueError(f"tree parents must satisfy -1 <= parents[i] < i, got {self.parents.tolist()}")
+        expected = _depths_from_parents(self.parents.tolist())
+        if self.depths is None:
+            self.depths = torch.tensor(expected, dtype=torch.int64, device=self.parents.device)
+        else:
+            self.depths = torch.as_tensor(self.depths, dtype=torch.int64, device=self.parents.device)
+            if self.depths.tolist() != expected:
+                raise ValueError(f"tree depths {self.depths.tolist()} disagree with parents (expected {expected})")
+        if self.draft_probs is not None:
+            if self.draft_probs.dim() != 2 or self.draft_probs.shape[0] != num_nodes:
+                raise ValueError(
+                    f"draft_probs shape {tuple(self.draft_probs.shape)} does not match the tree's {num_nodes} nodes"
+                )
+        if self.point_mass is not None:
+            self.point_mass = torch.as_tensor(self.point_mass, dtype=torch.bool, device=self.tokens.device)
+            if self.point_mass.shape != (num_nodes,):
+                raise ValueError(
+                    f"point_mass shape {tuple(self.point_mass.shape)} does not match the tree's {num_nodes} nodes"
+                )
+
+    @classmethod
+    def chain(cls, tokens: Tensor | Sequence[int], draft_probs: Tensor | None = None) -> DraftTree:
+        """A chain of K drafts is the tree where node i's parent is node i - 1."""
+        tokens = torch.as_tensor(tokens, dtype=torch.int64)
+        return cls(tokens, torch.arange(tokens.numel(), device=tokens.device) - 1, draft_probs=draft_probs)
+
+    @classmethod
+    def from_rows(cls, tokens, parents, rows: Sequence[Tensor | None], vocab_size: int) -> DraftTree:
+        """Build from per-node draft distributions where None means a point mass on the node's token."""
+        tokens = torch.as_tensor(tokens, dtype=torch.int64)
+        if len(rows) != tokens.numel():
+            raise ValueError(f"got {len(rows)} draft_probs rows for {tokens.numel()} tree nodes")
+        if all(row is None for row in rows):
+            return cls(tokens, parents)
+        probs = torch.zeros(len(rows), vocab_size)
+        for i, row in enumerate(rows):
+            if row is not None:
+                probs[i] = row
+        return cls(tokens, parents, draft_probs=probs, point_mass=torch.tensor([row is None for row in rows]))
+
+    @property
+    def num_nodes(self) -> int:
+        return self.tokens.numel()
+
+    @property
+    def max_depth(self) -> int:
+        return int(self.depths.max()) if self.num_nodes else 0
+
+    def node_draft_probs(self, node: int) -> Tensor | None:
+        """The distribution node was drawn from, or None for a point mass."""
+        if self.draft_probs is None or (self.point_mass is not None and bool(self.point_mass[node])):
+            return None
+        return self.draft_probs[node]
+
+    def ancestors(self) -> Tensor:  # bool [N+1, N+1] over rows (0 = root): [r, c] = c is r or an ancestor of r
+        if self._ancestors is None:
+            size = self.num_nodes + 1
+            anc = torch.eye(size, dtype=torch.bool)
+            anc[:, 0] = True
+            for node, parent in enumerate(self.parents.tolist()):
+                anc[node + 1] |= anc[parent + 1]
+            self._ancestors = anc
+        return self._ancestors
+
+    def attention_mask(self) -> Tensor:  # bool [N+1, N+1], local query indices (0 = root)
+        """Row r may attend to local query token c iff c is r itself or one of its ancestors.
+
+        This is AttentionMetadata.tree_mask for one sequence whose query tokens are [root, nodes...].
+        """
+        return self.ancestors().to(self.tokens.device)
+
+    def positions(self, root_position: int) -> Tensor:  # int64 [N+1]
+        """Positions of [root, nodes...]: siblings share a position, each node one past its parent."""
+        depths = torch.cat([self.depths.new_zeros(1), self.depths])
+        return depths + root_position
+
+    def path_to(self, node: int) -> list[int]:
+        """Node ids from the root's child down to node (empty for node == -1, the root)."""
+        path = []
+        parents = self.parents.tolist()
+        while node != -1:
+            path.append(node)
+            node = parents[node]
+        return path[::-1]
+
+    def leaves(self) -> list[int]:
+        has_child = set(self.parents.tolist())
+        return [node for node in range(self.num_nodes) if node not in has_child]
+
+    def retrieve_indices(self) -> Tensor:  # int64 [num_leaves, max_depth], -1 padded
+        """Every root-to-leaf path as node ids (Medusa's retrieve indices)."""
+        paths = [self.path_to(leaf) for leaf in self.leaves()]
+        out = torch.full((len(paths), self.max_depth), -1, dtype=torch.int64)
+        for i, path in enumerate(paths):
+            out[i, : len(path)] = torch.tensor(path, dtype=torch.int64)
+        return out
+
+
+def _depths_from_parents(parents: Sequence[int]) -> list[int]:
+    depths: list[int] = []
+    for parent in parents:
+        depths.append(1 if parent == -1 else depths[parent] + 1)
+    return depths
+
+
+@dataclass(frozen=True)
+class TreeShape:
+    """A static tree shape in Medusa's "choices" form: node = the path of candidate ranks from the root.
+
+    Path (0, 1) is the 2nd-ranked candidate at depth 2 below the top candidate at depth 1.
+    Nodes are ordered by depth, then lexicographically, so parents precede children.
+    """
+
+    paths: tuple[tuple[int, ...], ...]
+    parents: tuple[int, ...]
+    ranks: tuple[int, ...]  # last element of each path: which top-k candidate of its depth/parent
+
+    @classmethod
+    def from_paths(cls, paths: Sequence[Sequence[int]], max_nodes: int | None = None) -> TreeShape:
+        ordered = sorted({tuple(int(c) for c in path) for path in paths}, key=lambda p: (len(p), p))
+        check_node_budget(len(ordered), max_nodes, "tree shape")
+        index = {path: i for i, path in enumerate(ordered)}
+        parents = []
+        for path in ordered:
+            if not path or min(path) < 0:
+                raise ValueError(f"tree path {path} must be a non-empty tuple of ranks >= 0")
+            if len(path) > 1 and path[:-1] not in index:
+                raise ValueError(f"tree path {path} has no parent path {path[:-1]} in the shape")
+            parents.append(index[path[:-1]] if len(path) > 1 else -1)
+        return cls(tuple(ordered), tuple(parents), tuple(path[-1] for path in ordered))
+
+    @classmethod
+    def from_branching(cls, branching: Sequence[int], max_nodes: int | None = None) -> TreeShape:
+        """Full tree with branching[d] children under every node at depth d (branching[0] under the root)."""
+        if not branching or min(branching) <= 0:
+            raise ValueError(f"tree branching must be a non-empty list of positive ints, got {list(branching)}")
+        total = sum(math.prod(branching[: d + 1]) for d in range(len(branching)))
+        check_node_budget(total, max_nodes, "tree shape")
+        paths: list[tuple[int, ...]] = []
+        frontier: list[tuple[int, ...]] = [()]
+        for width in branching:
+            frontier = [path + (rank,) for path in frontier for rank in range(width)]
+            paths.extend(frontier)
+        return cls.from_paths(paths)
+
+    @property
+    def num_nodes(self) -> int:
+        return len(self.paths)
+
+    @property
+    def max_depth(self) -> int:
+        return max((len(p) for p in self.paths), default=0)
+
+    @property
+    def max_rank(self) -> int:
+        """How many candidates per depth the shape needs (top-k with k = max_rank)."""
+        return max(self.ranks, default=-1) + 1
+
+    def fill(self, tokens: Tensor | Sequence[int], draft_probs: Tensor | None = None) -> DraftTree:
+        return DraftTree(torch.as_tensor(tokens, dtype=torch.int64), list(self.parents), draft_probs=draft_probs)
+
+    def fill_medusa(self, topk_tokens: Tensor) -> DraftTree:  # topk_tokens int64 [num_heads, k]
+        """Medusa: node at depth d with rank c gets head (d-1)'s c-th candidate; point masses."""
+        if topk_tokens.dim() != 2 or topk_tokens.shape[0] < self.max_depth or topk_tokens.shape[1] < self.max_rank:
+            raise ValueError(
+                f"topk_tokens shape {tuple(topk_tokens.shape)} too small for a tree of depth "
+                f"{self.max_depth} needing {self.max_rank} candidates per head"
+            )
+        depth_index = torch.tensor([len(p) - 1 for p in self.paths], dtype=torch.int64)
+        rank_index = torch.tensor(self.ranks, dtype=torch.int64)
+        return self.fill(topk_tokens[depth_index.to(topk_tokens.device), rank_index.to(topk_tokens.device)])
+
+
+class DynamicTreeBuilder:
+    """EAGLE-2-style dynamic tree: expand the most confident frontier, then keep the best nodes.
+
+    The proposer drives it: `add_root_candidates` with the draft's top-k at the root, then repeatedly
+    runs its draft on the returned frontier and calls `add_children`; `build()` reranks all candidates
+    by cumulative confidence (product of draft probabilities along the path) and keeps max_nodes.
+    Since confidences are <= 1 a child never outranks its parent (ties go to the earlier-created
+    node, i.e. the parent), so the kept set is closed under ancestors. All nodes are point masses:
+    their tokens are a deterministic function of the context, which keeps verification exact.
+    """
+
+    def __init__(self, top_k: int, depth: int, max_nodes: int) -> None:
+        for name, value in (("top_k", top_k), ("depth", depth), ("max_nodes", max_nodes)):
+            if value <= 0:
+                raise ValueError(f"dynamic tree {name} must be > 0, got {value}")
+        self.top_k, self.depth, self.max_nodes = top_k, depth, max_nodes
+        self._tokens: list[int] = []
+        self._parents: list[int] = []
+        self._depths: list[int] = []
+        self._scores: list[float] = []  # cumulative log-confidence
+
+    @property
+    def num_candidates(self) -> int:
+        return len(self._tokens)
+
+    def add_root_candidates(self, tokens: Tensor, probs: Tensor) -> list[int]:  # tokens, probs [k]
+        if self._tokens:
+            raise ValueError("add_root_candidates called twice on one DynamicTreeBuilder")
+        return self.add_children([-1], tokens.reshape(1, -1), probs.reshape(1, -1))
+
+    def add_children(self, parent_ids: Sequence[int], tokens: Tensor, probs: Tensor) -> list[int]:
+        """tokens, probs [P, k]: candidates below each parent. Returns the next frontier to expand."""
+        if tokens.shape != probs.shape or tokens.dim() != 2 or tokens.shape[0] != len(parent_ids):
+            raise ValueError(
+                f"dynamic tree: tokens shape {tuple(tokens.shape)}, probs shape {tuple(probs.shape)} "
+                f"and {len(parent_ids)} parents do not match"
+            )
+        new_ids = []
+        for parent, row_tokens, row_probs in zip(parent_ids, tokens.tolist(), probs.tolist()):
+            base = 0.0 if parent == -1 else self._scores[parent]
+            depth = 1 if parent == -1 else self._depths[parent] + 1
+            for token, prob in zip(row_tokens, row_probs):
+                new_ids.append(len(self._tokens))
+                self._tokens.append(int(token))
+                self._parents.append(parent)
+                self._depths.append(depth)
+                self._scores.append(base + math.log(max(prob, 1e-30)))
+        if not new_ids or self._depths[new_ids[0]] >= self.depth:
+            return []
+        return heapq.nlargest(self.top_k, new_ids, key=lambda i: (self._scores[i], -i))
+
+    def build(self) -> DraftTree:
+        ranked = sorted(range(len(self._tokens)), key=lambda i: (-self._scores[i], i))
+        kept = set(ranked[: self.max_nodes])
+        order = sorted(kept, key=lambda i: (self._depths[i], i))
+        new_id = {old: new for new, old in enumerate(order)}
+        parents = []
+        for old in order:
+            parent = self._parents[old]
+            if parent != -1 and parent not in kept:  # cannot happen with probs <= 1; guard anyway
+                raise ValueError(f"dynamic tree kept node {old} without its parent {parent} (confidence > 1?)")
+            parents.append(-1 if parent == -1 else new_id[parent])
+        return DraftTree(torch.tensor([self._tokens[i] for i in order], dtype=torch.int64), parents)

@@ -1,0 +1,111 @@
+"""serve_eval.spec.policy: per-domain K, fallback on low alpha with probing, adaptive K; scripted alphas."""
+
+from __future__ import annotations
+
+import pytest
+
+from serve_eval.spec.policy import SpecPolicy, SpecPolicyConfig, best_k, expected_speedup
+
+
+def config(**overrides) -> SpecPolicyConfig:
+    base = dict(num_speculative_tokens=4, window_rounds=4, min_rounds=4, probe_after_steps=3)
+    base.update(overrides)
+    return SpecPolicyConfig(**base)
+
+
+def test_per_domain_k_with_default():
+    """k_by_domain overrides the default K; unknown and None domains get the default."""
+    policy = SpecPolicy(config(k_by_domain={"code": 6, "default": 3}))
+    assert policy.num_speculative_tokens("code") == 6
+    assert policy.num_speculative_tokens("chat") == 4
+    assert policy.num_speculative_tokens(None) == 3  # None is the "default" domain
+
+
+def test_fallback_after_min_rounds_below_threshold_then_probe():
+    """alpha 0.25 for 4 rounds turns the domain off; 3 plain steps later it probes with a fresh window."""
+    policy = SpecPolicy(config())
+    for _ in range(3):
+        policy.observe_round("chat", 4, 1)
+        assert policy.num_speculative_tokens("chat") == 4  # fewer than min_rounds: keep speculating
+    policy.observe_round("chat", 4, 1)
+    assert policy.num_speculative_tokens("chat") == 0 and policy.is_enabled("code")  # only chat is off
+    for _ in range(2):
+        policy.observe_non_spec_step("chat")
+        assert policy.num_speculative_tokens("chat") == 0
+    policy.observe_non_spec_step("chat")
+    assert policy.num_speculative_tokens("chat") == 4
+    assert policy.running_alpha("chat") != policy.running_alpha("chat")  # nan: window cleared
+
+
+def test_high_alpha_stays_on_and_window_forgets_old_rounds():
+    """A bad start recovered within the window keeps speculation on (alpha over the last 4 rounds)."""
+    policy = SpecPolicy(config(min_rounds=6))
+    for accepted in (0, 0, 4, 4, 4, 4):  # at round 6 the window holds only the last 4: alpha = 1
+        policy.observe_round("code", 4, accepted)
+    assert policy.is_enabled("code") and policy.running_alpha("code") == 1.0
+
+
+def test_failed_probes_back_off_and_successful_probe_resets():
+    """Each failed probe doubles the wait (capped); a probe that passes its check resets it."""
+    policy = SpecPolicy(config(max_probe_after_steps=10))
+    waits = []
+    for _ in range(3):
+        for _ in range(4):
+            policy.observe_round("d", 4, 0)
+        assert not policy.is_enabled("d")
+        steps = 0
+        while not policy.is_enabled("d"):
+            policy.observe_non_spec_step("d")
+            steps += 1
+        waits.append(steps)
+    assert waits == [3, 6, 10]
+    for _ in range(4):
+        policy.observe_round("d", 4, 3)
+    assert policy.is_enabled("d") and policy.to_dict()["d"]["probe_wait"] == 3
+
+
+def test_fallback_can_be_disabled():
+    """With fallback off, a zero-alpha domain keeps speculating."""
+    policy = SpecPolicy(config(fallback=False))
+    for _ in range(10):
+        policy.observe_round("d", 4, 0)
+    assert policy.num_speculative_tokens("d") == 4
+
+
+def test_expected_speedup_and_best_k_by_hand():
+    """beta 0.8, c 0.05: K=1 gives 1.8/1.05; the best K balances extra tokens vs draft cost."""
+    assert expected_speedup(1, 0.8, 0.05) == pytest.approx(1.8 / 1.05)
+    assert expected_speedup(3, 1.0, 0.1) == pytest.approx(4 / 1.3)
+    values = {k: expected_speedup(k, 0.8, 0.05) for k in range(1, 9)}
+    assert best_k(0.8, 0.05, 1, 8) == max(values, key=values.get)
+    assert best_k(0.3, 0.5, 1, 8) == 1  # poor acceptance, expensive draft: shortest chain
+    assert best_k(0.99, 0.0, 1, 8) == 8  # free draft, near-perfect acceptance: longest
+
+
+def test_adaptive_k_uses_measured_beta_and_cost():
+    """Rounds accepting 3 of 4 give beta_hat = 3/4 (MLE); adaptive K is best_k(3/4, c)."""
+    policy = SpecPolicy(config(adaptive_k=True, k_max=10))
+    for _ in range(4):
+        policy.observe_round("d", 4, 3)
+    assert policy.num_speculative_tokens("d") == 4  # no cost ratio measured yet: configured K
+    policy.observe_cost_ratio(0.1)
+    assert policy.estimated_beta("d") == pytest.approx(0.75)
+    assert policy.num_speculative_tokens("d") == best_k(0.75, 0.1, 1, 10)
+    policy.observe_cost_ratio(0.2)
+    assert policy.cost_ratio == pytest.approx(0.9 * 0.1 + 0.1 * 0.2)
+
+
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        (dict(num_speculative_tokens=0), r"num_speculative_tokens \(K\) must be > 0, got 0"),
+        (dict(k_by_domain={"code": -1}), r"k_by_domain\['code'\] \(K\) must be > 0, got -1"),
+        (dict(min_alpha=1.5), "min_alpha must be in"),
+        (dict(k_min=4, k_max=2), r"k_max \(2\) must be >= k_min \(4\)"),
+        (dict(window_rounds=0), "window_rounds must be > 0"),
+    ],
+)
+def test_bad_config_raises(kwargs, message):
+    """K <= 0 and other bad settings raise ValueError naming the field and value."""
+    with pytest.raises(ValueError, match=message):
+        SpecPolicyConfig(**kwargs)

@@ -1,0 +1,125 @@
+"""kernels.sampling: logits -> probs transforms (against a naive per-row reference) and sampling."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+from scipy.stats import chisquare
+
+from kernels.sampling import logits_to_probs, sample, uniforms
+
+
+def reference_probs(logits: list[float], temperature: float, top_k: int, top_p: float) -> list[float] | None:
+    """Straight-from-the-definition single-row reference (python floats); None on a float-tie boundary."""
+    vocab = len(logits)
+    if temperature == 0:
+        best = max(range(vocab), key=lambda i: (logits[i], -i))
+        return [1.0 if i == best else 0.0 for i in range(vocab)]
+    scaled = [x / temperature for x in logits]
+    order = sorted(range(vocab), key=lambda i: (-scaled[i], i))
+    kept = order[:top_k] if 0 < top_k < vocab else order
+    top = max(scaled[i] for i in kept)
+    weights = {i: math.exp(scaled[i] - top) for i in kept}
+    if top_p < 1:
+        total = sum(weights.values())
+        mass, nucleus = 0.0, []
+        for i in kept:
+            if abs(mass - top_p) < 1e-5:  # float rounding decides this boundary; not a semantic case
+                return None
+            if nucleus and mass >= top_p:
+                break
+            nucleus.append(i)
+            mass += weights[i] / total
+        weights = {i: weights[i] for i in nucleus}
+    total = sum(weights.values())
+    return [weights.get(i, 0.0) / total for i in range(vocab)]
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(st.integers(-6, 6), min_size=2, max_size=12),  # small ints -> ties are exercised
+    st.sampled_from([0.0, 0.5, 0.7, 1.0, 1.5]),
+    st.integers(0, 14),
+    st.sampled_from([1.0, 0.95, 0.8, 0.5, 0.1]),
+)
+def test_logits_to_probs_matches_reference(logits, temperature, top_k, top_p):
+    """Temperature / top-k (ties by lower id) / top-p (smallest prefix reaching top_p) equal the naive definition."""
+    want = reference_probs([float(x) for x in logits], temperature, top_k, top_p)
+    assume(want is not None)
+    want = torch.tensor(want)
+    got = logits_to_probs(torch.tensor([logits], dtype=torch.float32), temperature, top_k, top_p)[0]
+    assert torch.allclose(got, want, atol=1e-5), (got, want)
+    assert abs(float(got.sum()) - 1) < 1e-5
+
+
+def test_rows_use_their_own_parameters():
+    """A batch with different params per row equals each row transformed alone."""
+    torch.manual_seed(0)
+    logits = torch.randn(5, 20)
+    temps, ks, ps = [0.0, 0.7, 1.0, 1.3, 1.0], [0, 5, 0, 3, 19], [1.0, 1.0, 0.9, 0.5, 0.99]
+    batch = logits_to_probs(logits, torch.tensor(temps), torch.tensor(ks), torch.tensor(ps))
+    for i in range(5):
+        alone = logits_to_probs(logits[i : i + 1], temps[i], ks[i], ps[i])
+        assert torch.allclose(batch[i], alone[0])
+
+
+def test_temperature_zero_is_one_hot_at_first_argmax():
+    """Greedy rows are one-hot at the first maximal logit."""
+    probs = logits_to_probs(torch.tensor([[1.0, 3.0, 3.0, 0.0]]), 0.0)
+    assert probs.tolist() == [[0.0, 1.0, 0.0, 0.0]]
+
+
+@pytest.mark.parametrize(
+    "kwargs,field",
+    [
+        (dict(temperature=-0.1), "temperature"),
+        (dict(temperature=1.0, top_k=-1), "top_k"),
+        (dict(temperature=1.0, top_p=0.0), "top_p"),
+        (dict(temperature=1.0, top_p=1.5), "top_p"),
+        (dict(temperature=[1.0, 1.0, 1.0]), "temperature has shape \\(3,\\) but logits has 2 rows"),
+        (dict(temperature=1.0, top_k=[1, 2, 3]), "top_k has shape \\(3,\\) but logits has 2 rows"),
+    ],
+)
+def test_bad_parameters_raise_naming_field(kwargs, field):
+    """Invalid sampling parameters or per-row shapes raise ValueError naming the field (and both sizes)."""
+    with pytest.raises(ValueError, match=field):
+        logits_to_probs(torch.zeros(2, 4), **kwargs)
+
+
+def test_sample_follows_probs():
+    """Exponential-race sampling reproduces the distribution (chi-square, alpha 1e-3) and never picks p=0."""
+    probs = torch.tensor([0.5, 0.2, 0.0, 0.15, 0.1, 0.05])
+    n = 60_000
+    draws = sample(probs.expand(n, -1), torch.Generator().manual_seed(1))
+    counts = torch.bincount(draws, minlength=6).double()
+    assert counts[2] == 0
+    support = probs > 0
+    assert chisquare(counts[support].numpy(), (probs[support].double() * n).numpy()).pvalue > 1e-3
+
+
+def test_sample_per_row_generators_are_batch_invariant():
+    """Row i's sample depends only on its own generator: same draws alone or next to other rows."""
+    probs = torch.softmax(torch.randn(4, 50), dim=-1)
+    for seed in range(10):
+        batch = sample(probs, [torch.Generator().manual_seed(seed + i) for i in range(4)])
+        for i in range(4):
+            alone = sample(probs[i : i + 1], [torch.Generator().manual_seed(seed + i)])
+            assert alone.item() == batch[i].item()
+
+
+def test_sample_one_hot_rows_return_argmax():
+    """Temperature-0 (one-hot) rows sample their argmax whatever the noise."""
+    probs = logits_to_probs(torch.randn(64, 30), 0.0)
+    assert torch.equal(sample(probs, torch.Generator().manual_seed(0)), probs.argmax(-1))
+
+
+def test_uniforms_draw_only_each_rows_count():
+    """Per-row uniforms consume exactly counts[i] draws, padding with 1.0 (never accepts)."""
+    gens = [torch.Generator().manual_seed(5), torch.Generator().manual_seed(6)]
+    out = uniforms([2, 3], 2, gens)
+    assert out.dtype == torch.float64 and out.shape == (2, 3) and out[0, 2] == 1.0
+    assert torch.equal(out[1], torch.rand(3, dtype=torch.float64, generator=torch.Generator().manual_seed(6)))
