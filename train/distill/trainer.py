@@ -1,0 +1,407 @@
+"""The generic distillation trainer: one accelerate loop for every draft kind.
+
+Kind-specific work lives behind `train.distill.objective.Objective`; this loop owns distribution
+(via `launch.make_accelerator`), gradient accumulation, the LR schedule, clipping, mixed precision,
+the NaN guard, held-out evaluation (per-position accuracy, simulated tau), metrics (JSONL always,
+W&B when given a run) and exact resume (`checkpoint.py`).
+"""
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections import defaultdict
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field, fields
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+from accelerate.utils import set_seed
+from torch import Tensor
+from torch.utils.data import DataLoader
+
+from train.distill import checkpoint as ckpt
+from train.distill.data import ShardedResumableSampler, collate_token_sequences, eval_shard_batches
+from train.distill.launch import LauncherConfig, make_accelerator, shutdown_distributed
+from train.distill.objective import Objective, PositionCounts, simulated_tau
+from train.logs import log_event, progress
+
+LR_SCHEDULES = ("constant", "linear", "cosine")
+_VOLATILE = {"volatile": True}  # fields that cannot change the loss trajectory: left out of the config hash
+
+
+@dataclass
+class TrainerConfig:
+    """Schema of `conf/train/*.yaml` (the loop; objectives carry their own settings in `draft`)."""
+
+    output_dir: str = field(default="artifacts/distill/run", metadata=_VOLATILE)
+    max_steps: int = 100  # optimizer steps
+    batch_size: int = 8  # micro-batch per rank
+    gradient_accumulation_steps: int = 1
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    warmup_steps: int = 0
+    lr_schedule: str = "cosine"  # constant | linear | cosine (after warmup)
+    min_lr_ratio: float = 0.0
+    grad_clip: float = 1.0  # max global grad norm; 0 = off
+    mixed_precision: str = "no"  # no | bf16 | fp16
+    seed: int = 0
+    shuffle: bool = True
+    pad_token_id: int = 0
+    max_length: int | None = None
+    num_workers: int = 0
+    eval_every: int = field(default=0, metadata=_VOLATILE)  # 0: only at the end
+    eval_batch_size: int = field(default=8, metadata=_VOLATILE)
+    log_every: int = field(default=1, metadata=_VOLATILE)
+    checkpoint_every: int = field(default=0, metadata=_VOLATILE)  # 0: only at the end
+    keep_last: int = field(default=2, metadata=_VOLATILE)
+    resume: str = field(default="auto", metadata=_VOLATILE)  # auto | never | <checkpoint dir>
+
+    def validate(self) -> None:
+        for name in ("max_steps", "batch_size", "gradient_accumulation_steps", "eval_batch_size", "log_every"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"train.{name} must be >= 1, got {getattr(self, name)}")
+        if self.lr_schedule not in LR_SCHEDULES:
+            raise ValueError(f"train.lr_schedule: {self.lr_schedule!r} is not one of {LR_SCHEDULES}")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ValueError(f"train.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+        if self.warmup_steps < 0 or self.grad_clip < 0:
+            raise ValueError("train.warmup_steps and train.grad_clip must be >= 0")
+
+    def trajectory_fields(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self) if not f.metadata.get("volatile")}
+
+
+class NonFiniteLossError(RuntimeError):
+    """A NaN/inf loss or gradient: training stopped before the update; checkpoints are untouched."""
+
+    def __init__(self, step: int, epoch: int, batch_index: int, bad: list[str], last_checkpoint: Path | None):
+        self.step, self.epoch, self.batch_index, self.bad = step, epoch, batch_index, bad
+        where = ", ".join(bad) if bad else "on another rank"
+        super().__init__(
+            f"non-finite value at step {step} (epoch {epoch}, batch {batch_index}): {where}. Stopped before the "
+            f"optimizer update; last good checkpoint: {last_checkpoint or 'none yet'} (left intact)"
+        )
+
+
+def lr_factor(step: int, warmup_steps: int, max_steps: int, schedule: str, min_lr_ratio: float) -> float:
+    """Multiplier of the base LR for optimizer step `step` (0-based): linear warmup, then decay."""
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    if schedule == "constant":
+        return 1.0
+    progress_frac = min(1.0, (step - warmup_steps) / max(1, max_steps - warmup_steps))
+    decay = 1.0 - progress_frac if schedule == "linear" else 0.5 * (1.0 + math.cos(math.pi * progress_frac))
+    return min_lr_ratio + (1.0 - min_lr_ratio) * decay
+
+
+class JsonlMetrics:
+    """metrics.jsonl, one record per line, flushed at once (a killed run keeps what it logged)."""
+
+    def __init__(self, path: Path, resume_step: int | None) -> None:
+        self.path = path
+        path.parent.mkdir(parents=True, exist_ok=True)
+        kept: list[str] = []
+        if resume_step is not None and path.exists():  # drop what the killed run logged past the checkpoint
+            kept = [line for line in path.read_text().splitlines() if json.loads(line)["step"] <= resume_step]
+        path.write_text("".join(line + "\n" for line in kept))
+        self._handle = open(path, "a")
+
+    def write(self, record: Mapping[str, Any]) -> None:
+        self._handle.write(json.dumps(record) + "\n")
+        self._handle.flush()
+
+    def close(self) -> None:
+        self._handle.close()
+
+
+@dataclass
+class TrainResult:
+    state: ckpt.TrainerState
+    final_metrics: dict[str, float]
+    checkpoint: Path | None
+
+
+class Trainer:
+    """`Trainer(cfg, objective, models, train_ds, eval_ds).fit()`; datasets are indexable collections of
+    mappings with `input_ids` (see data.collate_token_sequences)."""
+
+    def __init__(
+        self,
+        config: TrainerConfig,
+        objective: Objective,
+        models: Mapping[str, Any],
+        train_dataset: Sequence[Mapping[str, Any]],
+        eval_dataset: Sequence[Mapping[str, Any]] | None = None,
+        *,
+        launcher: LauncherConfig | None = None,
+        run_config: Mapping[str, Any] | None = None,
+        wandb_run: Any = None,
+        collate_fn: Callable[[list], dict[str, Tensor]] | None = None,
+    ) -> None:
+        config.validate()
+        self.cfg, self.objective, self.launcher = config, objective, launcher or LauncherConfig()
+        self.train_dataset, self.eval_dataset, self.wandb_run = train_dataset, eval_dataset, wandb_run
+        self.collate = collate_fn or partial(
+            collate_token_sequences, pad_token_id=config.pad_token_id, max_length=config.max_length
+        )
+        self.run_config = {"train": config.trajectory_fields(), "job": dict(run_config or {})}
+        self.config_hash = ckpt.config_fingerprint(self.run_config)
+        self.output_dir = Path(config.output_dir)
+        self.checkpoint_root = self.output_dir / "checkpoints"
+        self.accelerator = make_accelerator(
+            self.launcher,
+            mixed_precision=config.mixed_precision,
+            gradient_accumulation_steps=config.gradient_accumulation_steps,
+            micro_batch_size=config.batch_size,
+            grad_clip=config.grad_clip,
+        )
+        acc = self.accelerator
+        if eval_dataset is not None and len(eval_dataset) < acc.num_processes:
+            raise ValueError(f"eval dataset has {len(eval_dataset)} examples, fewer than {acc.num_processes} ranks")
+        self.sampler = ShardedResumableSampler(
+            len(train_dataset), config.batch_size, rank=acc.process_index, world_size=acc.num_processes,
+            seed=config.seed, shuffle=config.shuffle,
+        )  # fmt: skip
+        set_seed(config.seed)  # identical initial weights on every rank
+        module = objective.build(models, acc.device)
+        trainable = [p for p in module.parameters() if p.requires_grad]
+        if not trainable:
+            raise ValueError("objective.build returned a module without trainable parameters")
+        optimizer = torch.optim.AdamW(trainable, lr=config.lr, betas=tuple(config.betas), weight_decay=config.weight_decay)
+        # Not passed to accelerate.prepare: its scheduler wrapper steps once per process per step.
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            optimizer,
+            partial(lr_factor, warmup_steps=config.warmup_steps, max_steps=config.max_steps,
+                    schedule=config.lr_schedule, min_lr_ratio=config.min_lr_ratio),
+        )  # fmt: skip
+        self.model, self.optimizer = acc.prepare(module, optimizer)
+        set_seed(config.seed + 7919 * acc.process_index)  # per-rank dropout/noise streams
+        self.last_checkpoint: Path | None = None
+
+    # ------------------------------------------------------------------ state
+
+    def _resume_or_start(self) -> ckpt.TrainerState:
+        fresh = ckpt.TrainerState(0, 0, 0, self.accelerator.num_processes, self.config_hash)
+        if self.cfg.resume == "never":
+            if ckpt.list_checkpoints(self.checkpoint_root):
+                raise ValueError(f"train.resume='never' but {self.checkpoint_root} holds checkpoints; use a fresh output_dir")
+            return fresh
+        path = ckpt.latest_checkpoint(self.checkpoint_root) if self.cfg.resume == "auto" else Path(self.cfg.resume)
+        if path is None:
+            return fresh
+        state = ckpt.load_checkpoint(
+            path, config_hash=self.config_hash, run_config=self.run_config, accelerator=self.accelerator,
+            model=self.model, optimizer=self.optimizer, scheduler=self.scheduler, sharded=self.launcher.sharded,
+        )  # fmt: skip
+        self.last_checkpoint = path
+        log_event(stage="distill", status="resumed", checkpoint=str(path), step=state.step)
+        return state
+
+    def _save(self, state: ckpt.TrainerState) -> None:
+        self.last_checkpoint = ckpt.save_checkpoint(
+            self.checkpoint_root, state, self.run_config, accelerator=self.accelerator, model=self.model,
+            optimizer=self.optimizer, scheduler=self.scheduler, sharded=self.launcher.sharded,
+            keep_last=self.cfg.keep_last,
+        )  # fmt: skip
+
+    def _micro_batches(self, epoch: int, start: int) -> Iterator[tuple[int, int, dict[str, Tensor]]]:
+        """(epoch, batch index within epoch, batch) from the saved position on, across epochs, forever."""
+        while True:
+            if start >= self.sampler.batches_per_epoch:
+                epoch, start = epoch + 1, 0
+            self.sampler.set_position(epoch, start)
+            # Own generator: a DataLoader iterator otherwise draws its worker seed from the global torch
+            # RNG, and a resumed run creates its iterator at a different point than the original did.
+            loader_generator = torch.Generator().manual_seed(self.cfg.seed * 1_000_003 + epoch)
+            loader = DataLoader(
+                self.train_dataset, batch_sampler=self.sampler, collate_fn=self.collate,
+                num_workers=self.cfg.num_workers, generator=loader_generator,
+            )  # fmt: skip
+            for offset, batch in enumerate(loader):
+                yield epoch, start + offset, batch
+            epoch, start = epoch + 1, 0
+
+    # ------------------------------------------------------------------ guards and reductions
+
+    def _stop_if_non_finite(
+        self, values: Mapping[str, Tensor | float | None], step: int, epoch: int, batch_index: int
+    ) -> None:
+        # DeepSpeed's clip_grad_norm_ returns a float, the others a tensor; None = not computed.
+        bad = [name for name, v in values.items() if v is not None and not bool(torch.isfinite(torch.as_tensor(v)).all())]
+        flag = torch.tensor([float(len(bad))], device=self.accelerator.device)
+        if self.accelerator.num_processes > 1:  # every rank must stop together, or the others hang in all-reduce
+            flag = self.accelerator.reduce(flag, reduction="sum")
+        if flag.item() > 0:
+            raise NonFiniteLossError(step, epoch, batch_index, bad, self.last_checkpoint)
+
+    def _mean_over_ranks(self, values: dict[str, float]) -> dict[str, float]:
+        if self.accelerator.num_processes == 1 or not values:
+            return values
+        names = sorted(values)
+        stacked = torch.tensor([values[n] for n in names], dtype=torch.float64, device=self.accelerator.device)
+        stacked = self.accelerator.reduce(stacked, reduction="mean")
+        return dict(zip(names, stacked.tolist()))
+
+    def _sum_over_ranks(self, tensor: Tensor) -> Tensor:
+        return self.accelerator.reduce(tensor, reduction="sum") if self.accelerator.num_processes > 1 else tensor
+
+    # ------------------------------------------------------------------ eval
+
+    @torch.no_grad()
+    def evaluate(self) -> dict[str, float]:
+        """Held-out loss (per component), per-position top-1 accuracy and simulated tau, over all ranks."""
+        if self.eval_dataset is None:
+            return {}
+        acc = self.accelerator
+        batches = eval_shard_batches(len(self.eval_dataset), self.cfg.eval_batch_size, acc.process_index, acc.num_processes)
+        num_rounds = len(batches)
+        if acc.num_processes > 1:
+            num_rounds = int(acc.reduce(torch.tensor([len(batches)], device=acc.device), reduction="max").item())
+        loss_sums: dict[str, float] = defaultdict(float)
+        counts: PositionCounts | None = None
+        real_batches = 0
+        self._set_training(False)
+        with torch.random.fork_rng(devices=[]):  # eval never shifts the training random streams
+            for round_index in range(num_rounds):
+                # A rank that ran out repeats its last batch and discards it: collectives stay aligned.
+                indices = batches[min(round_index, len(batches) - 1)]
+                batch = self._to_device(self.collate([self.eval_dataset[i] for i in indices]))
+                with acc.autocast():
+                    loss, components = self.objective.loss(self.model, batch)
+                    position_counts = self.objective.eval_metrics(self.model, batch)
+                if round_index >= len(batches):
+                    continue
+                real_batches += 1
+                for name, value in {"loss": loss, **components}.items():
+                    loss_sums[name] += float(value.detach().float())
+                position_counts = PositionCounts(position_counts.correct.double().cpu(), position_counts.total.double().cpu())
+                counts = position_counts if counts is None else counts + position_counts
+        self._set_training(True)
+        names = sorted(loss_sums)
+        totals = self._sum_over_ranks(
+            torch.tensor([loss_sums[n] for n in names] + [real_batches], dtype=torch.float64, device=acc.device)
+        ).cpu()
+        metrics = {f"eval/{n}": (totals[i] / totals[-1]).item() for i, n in enumerate(names)}
+        if counts is not None:
+            correct = self._sum_over_ranks(counts.correct.to(acc.device)).cpu()
+            total = self._sum_over_ranks(counts.total.to(acc.device)).cpu()
+            accuracies = PositionCounts(correct, total).accuracies()
+            metrics.update({f"eval/acc_pos{k + 1}": a for k, a in enumerate(accuracies)})
+            metrics["eval/simulated_tau"] = simulated_tau(accuracies)
+        return metrics
+
+    # ------------------------------------------------------------------ loop
+
+    def _set_training(self, training: bool) -> None:
+        """train()/eval() the prepared module. DeepSpeed's engine forwards the mode to its module but
+        keeps its own `training` flag, which objectives read (noise, dropout choices): set both."""
+        self.model.train(training)
+        self.model.training = training
+
+    def _to_device(self, batch: Mapping[str, Any]) -> dict[str, Any]:
+        device = self.accelerator.device
+        return {k: v.to(device, non_blocking=True) if isinstance(v, Tensor) else v for k, v in batch.items()}
+
+    def _log(self, record: dict[str, Any]) -> None:
+        if self.accelerator.is_main_process:
+            self.metrics_file.write(record)
+            if self.wandb_run is not None:
+                self.wandb_run.log({k: v for k, v in record.items() if k != "step"}, step=record["step"])
+
+    def fit(self) -> TrainResult:
+        """Train until `max_steps`; resumes from the latest checkpoint of `output_dir` when `resume=auto`."""
+        cfg, acc = self.cfg, self.accelerator
+        try:
+            state = self._resume_or_start()
+            if acc.is_main_process:
+                self.metrics_file = JsonlMetrics(self.output_dir / "metrics.jsonl", state.step if state.step else None)
+            stream = self._micro_batches(state.epoch, state.batches_consumed)
+            bar = progress(total=cfg.max_steps, initial=state.step, desc="distill") if acc.is_main_process else _NoBar()
+            final_metrics: dict[str, float] = {}
+            window_tokens, window_start = 0.0, time.perf_counter()
+            self._set_training(True)
+            while state.step < cfg.max_steps:
+                step = state.step + 1
+                component_sums: dict[str, float] = defaultdict(float)
+                grad_norm: Tensor | None = None
+                for _ in range(cfg.gradient_accumulation_steps):
+                    epoch, batch_index, batch = next(stream)
+                    batch = self._to_device(batch)
+                    with acc.accumulate(self.model), acc.autocast():
+                        loss, components = self.objective.loss(self.model, batch)
+                        self._stop_if_non_finite({"loss": loss, **components}, step, epoch, batch_index)
+                        acc.backward(loss)
+                        if acc.sync_gradients:
+                            if cfg.grad_clip > 0:
+                                grad_norm = acc.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)
+                            self._stop_if_non_finite({"grad_norm": grad_norm}, step, epoch, batch_index)
+                            self.optimizer.step()
+                            self.optimizer.zero_grad(set_to_none=True)
+                    for name, value in {"loss": loss, **components}.items():
+                        component_sums[name] += float(value.detach().float()) / cfg.gradient_accumulation_steps
+                    window_tokens += float(batch["attention_mask"].sum())
+                lr = self.scheduler.get_last_lr()[0]
+                self.scheduler.step()
+                state = ckpt.TrainerState(step, epoch, batch_index + 1, acc.num_processes, self.config_hash)
+                bar.update(1)
+
+                if step % cfg.log_every == 0 or step == cfg.max_steps:
+                    reduced = self._mean_over_ranks({**component_sums, "_tokens": window_tokens})
+                    elapsed = time.perf_counter() - window_start
+                    record: dict[str, Any] = {"step": step, "epoch": epoch, "lr": lr}
+                    record.update({("loss" if n == "loss" else f"loss/{n}"): v for n, v in reduced.items() if n != "_tokens"})
+                    if grad_norm is not None:
+                        record["grad_norm"] = float(grad_norm)
+                    record["tokens_per_s"] = reduced["_tokens"] * acc.num_processes / max(elapsed, 1e-9)
+                    self._log(record)
+                    bar.set_postfix(loss=f"{record['loss']:.4f}")
+                    window_tokens, window_start = 0.0, time.perf_counter()
+                if (cfg.eval_every and step % cfg.eval_every == 0) or step == cfg.max_steps:
+                    final_metrics = self.evaluate()
+                    if final_metrics:
+                        self._log({"step": step, **final_metrics})
+                if (cfg.checkpoint_every and step % cfg.checkpoint_every == 0) or step == cfg.max_steps:
+                    self._save(state)
+            bar.close()
+            if not final_metrics:
+                final_metrics = self.evaluate()
+            return TrainResult(state, final_metrics, self.last_checkpoint)
+        except BaseException:
+            # The error may be on this rank only: a barrier would hang, so tear down without one.
+            shutdown_distributed(barrier=False)
+            raise
+        finally:
+            if acc.is_main_process and hasattr(self, "metrics_file"):
+                self.metrics_file.close()
+
+    def trainable_state_dict(self) -> dict[str, Tensor]:
+        """Full weights of the trained module (gathers FSDP / ZeRO-3 shards); for drafts.io export.
+        Collective: every rank calls it, before `close()`."""
+        return self.accelerator.get_state_dict(self.model)
+
+    def close(self) -> None:
+        """Release the process group (call once the trained weights are exported)."""
+        shutdown_distributed(barrier=True)
+
+    def __enter__(self) -> "Trainer":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        shutdown_distributed(barrier=exc[0] is None)
+
+
+class _NoBar:
+    """Progress bar stand-in on non-main ranks."""
+
+    def update(self, n: int = 1) -> None:
+        pass
+
+    def set_postfix(self, **kwargs: Any) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
