@@ -1,0 +1,193 @@
+"""FastAPI app factory for the OpenAI-compatible server.
+
+`create_app(engine, ServerConfig(...))` wires: the engine loop (started and stopped by the
+app's lifespan), the OpenAI endpoints, /v1/models, /health, /metrics, OpenAI-style error
+bodies for every refusal (400/401/404/405/429/503; a 500 only for a bug), and an optional
+API key checked in constant time on /v1/*.
+"""
+from __future__ import annotations
+
+import contextlib
+import hmac
+import json
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from serve_eval.server import protocol as P
+from serve_eval.server.engine_loop import EngineLoop, LoopConfig
+from serve_eval.server.metrics import ServerMetrics, read_engine_stats
+from serve_eval.server.openai_serving import OpenAIServing
+from serve_eval.server.prom import CONTENT_TYPE
+
+log = logging.getLogger(__name__)
+
+ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
+
+
+@dataclass
+class ServerConfig:
+    model_name: str | None = None          # id clients send as `model`; default: model dir name
+    api_key: str | None = None             # set -> /v1/* needs `Authorization: Bearer <key>`
+    max_model_len: int | None = None       # default: the checkpoint's max_position_embeddings
+    max_waiting_requests: int = 128        # bounded waiting queue; past it -> 429 + Retry-After
+    retry_after_s: int = 1
+    shutdown_grace_s: float = 5.0          # in-flight requests get this long, then are aborted
+
+
+def _model_dir(engine: Any) -> Path | None:
+    model = getattr(getattr(engine, "config", None), "model", None)
+    return Path(model) if model else None
+
+
+def _checkpoint_max_len(model_dir: Path | None) -> int | None:
+    if model_dir is None or not (model_dir / "config.json").is_file():
+        return None
+    config = json.loads((model_dir / "config.json").read_text())
+    value = config.get("max_position_embeddings")
+    return int(value) if value else None
+
+
+def _error_response(status: int, message: str, param: str | None = None, type: str = "invalid_request_error",
+                    code: str | None = None, headers: dict[str, str] | None = None) -> JSONResponse:
+    err = P.ApiError(status, message, param, type=type, code=code, headers=headers)
+    return JSONResponse(err.body(), status_code=status, headers=err.headers)
+
+
+class _Gatekeeper:
+    """Pure ASGI middleware (BaseHTTPMiddleware would break streaming disconnect detection):
+    API-key check on /v1/* and per-route/status request counting."""
+
+    def __init__(self, app: Any, api_key: str | None, metrics: ServerMetrics) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode() if api_key else None
+        self.metrics = metrics
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path = scope.get("path", "")
+        route = path if path in ROUTES else "other"
+        status = {"code": 0}
+
+        async def counting_send(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                status["code"] = message["status"]
+            await send(message)
+
+        try:
+            if self.expected is not None and path.startswith("/v1"):
+                given = dict(scope.get("headers") or []).get(b"authorization", b"")
+                # Constant-time compare: response timing must not leak how much of a key matched.
+                if not hmac.compare_digest(given, self.expected):
+                    self.metrics.requests_rejected.inc(reason="unauthorized")
+                    response = _error_response(401, "Incorrect or missing API key; send "
+                                               "'Authorization: Bearer <key>'", code="invalid_api_key",
+                                               headers={"WWW-Authenticate": "Bearer"})
+                    await response(scope, receive, counting_send)
+                    return
+            await self.app(scope, receive, counting_send)
+        finally:
+            self.metrics.http_requests.inc(route=route, status=status["code"] or 499)
+
+
+def create_app(engine: Any, config: ServerConfig | None = None, tokenizer: Any = None) -> FastAPI:
+    """The app for one engine. The engine loop starts with the app's lifespan and stops
+    (gracefully) with it; `app.state.engine_loop` exposes it (tests inspect the engine
+    through `engine_loop.call(fn)`)."""
+    config = config or ServerConfig()
+    model_dir = _model_dir(engine)
+    model_name = config.model_name or (model_dir.name if model_dir else "draftsmith")
+    engine_max_len = getattr(engine, "max_model_len", None) or _checkpoint_max_len(model_dir)
+    max_model_len = config.max_model_len or engine_max_len
+    if not max_model_len or max_model_len <= 0:
+        raise ValueError("max_model_len: not given and the engine/checkpoint does not say it")
+    if engine_max_len and max_model_len > engine_max_len:
+        raise ValueError(f"max_model_len={max_model_len} exceeds the engine's {engine_max_len}")
+    if tokenizer is None:
+        # The front end tokenizes on the event loop while the engine thread detokenizes;
+        # separate tokenizer objects keep the two threads off one Rust tokenizer.
+        from transformers import AutoTokenizer
+        tokenizer = AutoTokenizer.from_pretrained(str(model_dir)) if model_dir else engine.tokenizer
+
+    metrics = ServerMetrics()
+    loop = EngineLoop(engine, LoopConfig(max_waiting_requests=config.max_waiting_requests,
+                                         retry_after_s=config.retry_after_s), metrics)
+    figures = read_engine_stats(engine.stats())
+    block_size = getattr(getattr(engine, "config", None), "block_size", None)
+    kv_capacity = figures.kv_blocks_total * block_size if block_size and figures.kv_blocks_total else None
+    serving = OpenAIServing(loop, tokenizer, model_name, max_model_len, metrics, kv_capacity)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI):
+        loop.start()
+        try:
+            yield
+        finally:
+            # Blocking join: nothing else should run on this event loop during shutdown.
+            loop.shutdown(config.shutdown_grace_s)
+
+    app = FastAPI(title="draftsmith", lifespan=lifespan, docs_url=None, redoc_url=None,
+                  openapi_url=None)
+    app.state.engine_loop = loop
+    app.state.metrics = metrics
+    app.state.serving = serving
+
+    @app.exception_handler(P.ApiError)
+    async def _api_error(_: Request, exc: P.ApiError) -> JSONResponse:
+        if exc.status == 400:
+            metrics.requests_rejected.inc(reason="invalid")
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if exc.status_code == 404:
+            return _error_response(404, f"Unknown route: {request.method} {request.url.path}",
+                                   code="not_found")
+        if exc.status_code == 405:
+            return _error_response(405, f"Method {request.method} not allowed on {request.url.path}",
+                                   code="method_not_allowed")
+        return _error_response(exc.status_code, str(exc.detail))
+
+    @app.exception_handler(Exception)
+    async def _bug(_: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error")   # a 500 is always a bug in this server
+        return _error_response(500, f"internal server error: {type(exc).__name__}", type="server_error")
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await serving.completions(request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await serving.chat(request)
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        card = P.ModelCard(id=model_name, created=P.now_s(), max_model_len=max_model_len)
+        return P.ModelList(data=[card]).model_dump()
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        if not loop.alive:
+            return _error_response(503, "engine loop is not running", type="server_error")
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def prometheus() -> PlainTextResponse:
+        return PlainTextResponse(metrics.render(), media_type=CONTENT_TYPE)
+
+    app.add_middleware(_Gatekeeper, api_key=config.api_key, metrics=metrics)
+    return app
+
+
+def api_key_from_env(explicit: str | None) -> str | None:
+    """An explicit key wins; otherwise DRAFTSMITH_API_KEY (keeps keys out of shell history)."""
+    return explicit or os.environ.get("DRAFTSMITH_API_KEY") or None

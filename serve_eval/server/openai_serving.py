@@ -1,0 +1,356 @@
+"""/v1/completions and /v1/chat/completions: request -> engine requests -> response or SSE.
+
+One HTTP request fans out into (prompts x n) engine requests (the engine runs n == 1
+sequences; prefix caching shares the prompt's blocks). All of them answer into one
+asyncio queue, so a streaming response interleaves choices as the engine produces them.
+Whatever ends the HTTP exchange early (client gone, error) aborts every engine request
+still running, in a `finally`.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import dataclass
+from typing import Any, AsyncIterator
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from serve_eval.server import protocol as P
+from serve_eval.server.engine_loop import Aborted, EngineLoop, QueueFullError, ShuttingDownError
+from serve_eval.server.metrics import ServerMetrics
+
+MAX_PROMPTS_PER_REQUEST = 64
+_ENGINE_FIELDS = ("temperature", "top_p", "top_k", "seed", "max_tokens", "stop_token_ids", "stop",
+                  "ignore_eos", "n", "logprobs", "priority", "domain", "prompt")
+
+
+@dataclass
+class _Choice:
+    index: int
+    prompt_index: int                # which prompt of a batched completion request
+    request_id: str
+    num_prompt_tokens: int
+    prefix_text: str = ""            # echo: the prompt text, sent before the completion
+    stop: tuple[str, ...] = ()       # stop strings: a possible partial match is held back
+    sent_text: str = ""              # completion text already sent (streaming)
+    output: Any = None               # last RequestOutput
+    finish_reason: str | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+    def num_output_tokens(self) -> int:
+        return 0 if self.output is None else len(self.output.output_token_ids)
+
+    def text(self) -> str:
+        return "" if self.output is None else self.output.text
+
+    def take_delta(self) -> str:
+        """New text since the last call. A trailing U+FFFD (a UTF-8 character split across
+        tokens) is held back until the next token completes it, or the choice ends."""
+        text = self.text()
+        if not self.done:
+            text = text.rstrip("\ufffd")
+            # The engine cuts the text where a stop string starts; never send a tail that
+            # may turn out to be the beginning of one.
+            text = text[:len(text) - _partial_stop_len(text, self.stop)]
+        if not text.startswith(self.sent_text):
+            return ""   # the engine rewrote earlier text (cannot be un-sent); skip
+        delta = text[len(self.sent_text):]
+        self.sent_text = text
+        return delta
+
+
+class OpenAIServing:
+    def __init__(self, loop: EngineLoop, tokenizer: Any, model_name: str, max_model_len: int,
+                 metrics: ServerMetrics, kv_capacity_tokens: int | None = None) -> None:
+        self.loop = loop
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self.max_model_len = max_model_len
+        self.metrics = metrics
+        # A request whose prompt + max_tokens cannot fit in the whole KV pool could never
+        # run; refuse it up front instead of letting it wait forever.
+        self.kv_capacity_tokens = kv_capacity_tokens
+
+    # ---------------------------------------------------------------- endpoints
+    async def completions(self, request: Request) -> Response:
+        req: P.CompletionRequest = P.parse_request(P.CompletionRequest, await request.body())
+        self._check_model(req.model)
+        prompts = self._completion_prompts(req.prompt)
+        logprobs = req.logprobs
+        self._check_logprobs(logprobs)
+        jobs = []
+        for p_index, prompt_ids in enumerate(prompts):
+            max_tokens = self._max_tokens(len(prompt_ids), req.max_tokens, "prompt", "max_tokens")
+            prefix = self.tokenizer.decode(prompt_ids) if req.echo else ""
+            for i in range(req.n):
+                jobs.append((p_index * req.n + i, p_index, prompt_ids,
+                             req.sampling_params(max_tokens, i, logprobs), prefix))
+        return await self._serve(request, req, "completion", jobs)
+
+    async def chat(self, request: Request) -> Response:
+        req: P.ChatCompletionRequest = P.parse_request(P.ChatCompletionRequest, await request.body())
+        self._check_model(req.model)
+        prompt_ids = self._chat_prompt(req.messages)
+        logprobs = req.num_logprobs()
+        self._check_logprobs(logprobs)
+        field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+        max_tokens = self._max_tokens(len(prompt_ids), req.requested_max_tokens(), "messages", field)
+        jobs = [(i, 0, prompt_ids, req.sampling_params(max_tokens, i, logprobs), "") for i in range(req.n)]
+        return await self._serve(request, req, "chat", jobs)
+
+    # ---------------------------------------------------------------- input checks
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise P.ApiError(400, f"The model '{model}' does not exist; this server serves "
+                             f"'{self.model_name}'", "model", code="model_not_found")
+
+    def _check_logprobs(self, logprobs: int | None) -> None:
+        if logprobs is not None:
+            raise P.ApiError(400, "logprobs are not supported by this engine (its outputs carry no "
+                             "log-probabilities)", "logprobs")
+
+    def _tokenize(self, text: str, param: str) -> list[int]:
+        if text == "":
+            raise P.ApiError(400, f"{param} must not be empty", param)
+        return list(self.tokenizer(text)["input_ids"])
+
+    def _check_ids(self, ids: list[int], param: str) -> list[int]:
+        if not ids:
+            raise P.ApiError(400, f"{param} must not be empty", param)
+        vocab = len(self.tokenizer)
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise P.ApiError(400, f"{param} holds token id {bad}, outside the vocabulary [0, {vocab})", param)
+        return ids
+
+    def _completion_prompts(self, prompt: Any) -> list[list[int]]:
+        if isinstance(prompt, str):
+            return [self._check_ids(self._tokenize(prompt, "prompt"), "prompt")]
+        if not prompt:
+            raise P.ApiError(400, "prompt must not be empty", "prompt")
+        if isinstance(prompt[0], int):
+            return [self._check_ids(list(prompt), "prompt")]
+        if len(prompt) > MAX_PROMPTS_PER_REQUEST:
+            raise P.ApiError(400, f"at most {MAX_PROMPTS_PER_REQUEST} prompts per request", "prompt")
+        if isinstance(prompt[0], str):
+            return [self._check_ids(self._tokenize(p, "prompt"), "prompt") for p in prompt]
+        return [self._check_ids(list(p), "prompt") for p in prompt]
+
+    def _chat_prompt(self, messages: list[P.ChatMessage]) -> list[int]:
+        if getattr(self.tokenizer, "chat_template", None) is None:
+            raise P.ApiError(400, "this model's tokenizer has no chat template; use /v1/completions",
+                             "messages")
+        conversation = [{"role": m.role, "content": m.text()} for m in messages]
+        try:
+            text = self.tokenizer.apply_chat_template(conversation, tokenize=False,
+                                                      add_generation_prompt=True)
+        except Exception as exc:  # noqa: BLE001 - a template may raise on odd role orders
+            raise P.ApiError(400, f"messages could not be rendered by the chat template: {exc}",
+                             "messages") from None
+        # The template writes its own special tokens (BOS etc.); do not add them twice.
+        ids = list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        return self._check_ids(ids, "messages")
+
+    def _max_tokens(self, num_prompt: int, requested: int | None, prompt_field: str,
+                    max_field: str) -> int:
+        if num_prompt >= self.max_model_len:
+            raise P.ApiError(400, f"This model's maximum context length is {self.max_model_len} tokens, "
+                             f"but the {prompt_field} holds {num_prompt} tokens", prompt_field,
+                             code="context_length_exceeded")
+        room = self.max_model_len - num_prompt
+        if requested is None:
+            requested = room
+        elif requested > room:
+            raise P.ApiError(400, f"This model's maximum context length is {self.max_model_len} tokens; "
+                             f"{num_prompt} prompt tokens + {max_field}={requested} exceed it", max_field,
+                             code="context_length_exceeded")
+        if self.kv_capacity_tokens is not None and num_prompt + requested > self.kv_capacity_tokens:
+            raise P.ApiError(400, f"{num_prompt} prompt tokens + {max_field}={requested} exceed the KV "
+                             f"cache capacity of {self.kv_capacity_tokens} tokens", max_field)
+        return requested
+
+    # ---------------------------------------------------------------- running
+    async def _submit(self, base_id: str, req: Any, jobs: list[tuple]) -> tuple[asyncio.Queue, list[_Choice]]:
+        queue: asyncio.Queue = asyncio.Queue()
+        choices: list[_Choice] = []
+        try:
+            for k, (index, prompt_index, prompt_ids, params, prefix) in enumerate(jobs):
+                request_id = f"{base_id}-{index}"
+                # Admission is all-or-nothing: only the first engine request checks capacity.
+                stream = self.loop.submit(request_id, prompt_ids, params, priority=req.priority,
+                                          domain=req.domain, check_capacity=(k == 0), queue=queue)
+                choices.append(_Choice(index, prompt_index, request_id, len(prompt_ids), prefix_text=prefix,
+                                       stop=tuple(params.stop)))
+                await stream.accepted
+        except QueueFullError as exc:
+            self._abort(choices)
+            self.metrics.requests_rejected.inc(reason="queue_full")
+            raise P.ApiError(429, "The server is at capacity; retry later", type="rate_limit_error",
+                             code="queue_full", headers={"Retry-After": str(exc.retry_after_s)}) from None
+        except ShuttingDownError:
+            self._abort(choices)
+            raise P.ApiError(503, "The server is shutting down", type="server_error") from None
+        except ValueError as exc:   # the engine's own validation, naming the field
+            self._abort(choices)
+            raise P.ApiError(400, str(exc), P.param_from_value_error(str(exc), _ENGINE_FIELDS)) from None
+        except BaseException:
+            self._abort(choices)
+            raise
+        return queue, choices
+
+    def _abort(self, choices: list[_Choice]) -> None:
+        for choice in choices:
+            if not choice.done:
+                self.loop.abort(choice.request_id)
+
+    @staticmethod
+    def _absorb(item: Any, by_id: dict[str, _Choice]) -> _Choice | None:
+        """Apply one queue item to its choice; returns the choice it touched."""
+        if isinstance(item, Aborted):
+            choice = by_id.get(item.request_id)
+            if choice is not None and not choice.done:
+                choice.finish_reason = "abort"
+            return choice
+        choice = by_id.get(item.request_id)
+        if choice is None:
+            return None
+        choice.output = item
+        if item.finished:
+            choice.finish_reason = item.finish_reason or "stop"
+        return choice
+
+    async def _serve(self, request: Request, req: Any, kind: str, jobs: list[tuple]) -> Response:
+        base_id = P.new_id("chatcmpl" if kind == "chat" else "cmpl")
+        queue, choices = await self._submit(base_id, req, jobs)
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            return _AbortingStreamingResponse(
+                lambda: self._abort(choices), self._stream(base_id, kind, queue, choices, include_usage),
+                media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        watcher = asyncio.ensure_future(_wait_disconnect(request))
+        try:
+            by_id = {c.request_id: c for c in choices}
+            while not all(c.done for c in choices):
+                getter = asyncio.ensure_future(queue.get())
+                done, _ = await asyncio.wait({getter, watcher}, return_when=asyncio.FIRST_COMPLETED)
+                if getter not in done:
+                    getter.cancel()
+                    return Response(status_code=499)   # client gone; `finally` aborts its requests
+                self._absorb(getter.result(), by_id)
+        finally:
+            watcher.cancel()
+            self._abort(choices)
+        return JSONResponse(self._final_body(base_id, kind, choices))
+
+    async def _stream(self, base_id: str, kind: str, queue: asyncio.Queue, choices: list[_Choice],
+                      include_usage: bool) -> AsyncIterator[str]:
+        created = P.now_s()
+        by_id = {c.request_id: c for c in choices}
+        try:
+            if kind == "chat":
+                for c in choices:   # OpenAI opens each chat choice with the role
+                    yield _sse(self._chunk(base_id, created, kind, c.index, "", None, role=True))
+            while not all(c.done for c in choices):
+                items = [await queue.get()]
+                while not queue.empty():   # coalesce what piled up while we were sending
+                    items.append(queue.get_nowait())
+                touched: dict[str, _Choice] = {}
+                for item in items:
+                    choice = self._absorb(item, by_id)
+                    if choice is not None:
+                        touched[choice.request_id] = choice
+                for choice in touched.values():
+                    delta = choice.take_delta()
+                    if choice.prefix_text:   # echo goes out first, once
+                        delta, choice.prefix_text = choice.prefix_text + delta, ""
+                    if delta or choice.done:
+                        yield _sse(self._chunk(base_id, created, kind, choice.index, delta,
+                                               choice.finish_reason))
+            if include_usage:
+                usage = self._usage(choices)
+                body = {"id": base_id, "object": _chunk_object(kind), "created": created,
+                        "model": self.model_name, "choices": [], "usage": usage.model_dump()}
+                yield _sse(body)
+            yield "data: [DONE]\n\n"
+        finally:
+            self._abort(choices)
+
+    # ---------------------------------------------------------------- shaping
+    def _chunk(self, base_id: str, created: int, kind: str, index: int, delta: str,
+               finish_reason: str | None, role: bool = False) -> dict[str, Any]:
+        if kind == "chat":
+            d = P.ChatDelta(role="assistant", content="") if role else P.ChatDelta(content=delta or None)
+            choice = P.ChatChunkChoice(index=index, delta=d, finish_reason=finish_reason)
+            return P.ChatCompletionChunk(id=base_id, created=created, model=self.model_name,
+                                         choices=[choice]).model_dump(exclude={"usage"})
+        choice = P.CompletionChoice(index=index, text=delta, finish_reason=finish_reason)
+        return P.CompletionChunk(id=base_id, created=created, model=self.model_name,
+                                 choices=[choice]).model_dump(exclude={"usage"})
+
+    @staticmethod
+    def _usage(choices: list[_Choice]) -> P.UsageInfo:
+        # Each distinct prompt counts once, however many choices (n) it produced.
+        prompt_tokens = sum({c.prompt_index: c.num_prompt_tokens for c in choices}.values())
+        completion_tokens = sum(c.num_output_tokens() for c in choices)
+        return P.UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                           total_tokens=prompt_tokens + completion_tokens)
+
+    def _final_body(self, base_id: str, kind: str, choices: list[_Choice]) -> dict[str, Any]:
+        created = P.now_s()
+        usage = self._usage(choices)
+        ordered = sorted(choices, key=lambda c: c.index)
+        if kind == "chat":
+            return P.ChatCompletionResponse(
+                id=base_id, created=created, model=self.model_name, usage=usage,
+                choices=[P.ChatChoice(index=c.index, message=P.ChatResponseMessage(content=c.text()),
+                                      finish_reason=c.finish_reason) for c in ordered]).model_dump()
+        return P.CompletionResponse(
+            id=base_id, created=created, model=self.model_name, usage=usage,
+            choices=[P.CompletionChoice(index=c.index, text=c.prefix_text + c.text(),
+                                        finish_reason=c.finish_reason) for c in ordered]).model_dump()
+
+
+class _AbortingStreamingResponse(StreamingResponse):
+    """A client may vanish before the body generator even starts (so its `finally` never
+    runs); aborting here too covers that case. Aborting is idempotent."""
+
+    def __init__(self, on_close: Any, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._on_close = on_close
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()
+
+
+def _partial_stop_len(text: str, stops: tuple[str, ...]) -> int:
+    """Length of the longest tail of `text` that is a proper prefix of some stop string."""
+    longest = 0
+    for stop in stops:
+        for k in range(min(len(stop) - 1, len(text)), longest, -1):
+            if text.endswith(stop[:k]):
+                longest = k
+                break
+    return longest
+
+
+def _chunk_object(kind: str) -> str:
+    return "chat.completion.chunk" if kind == "chat" else "text_completion"
+
+
+def _sse(body: dict[str, Any]) -> str:
+    return f"data: {json.dumps(body, separators=(',', ':'))}\n\n"
+
+
+async def _wait_disconnect(request: Request) -> None:
+    """Returns once the client has gone (the body is already read, so only disconnect remains)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
