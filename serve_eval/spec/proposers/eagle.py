@@ -1,0 +1,430 @@
+"""EAGLE-1 and EAGLE-3 proposers: a one-layer draft autoregressive over the target's features.
+
+Pairing (EAGLE's): draft input i = (target feature at position i, token x_{i+1}); its output is the predicted
+feature at position i + 1, whose logits propose x_{i+2}. The engine feeds the target's features of ACCEPTED
+rows (add_features, consecutive positions); when it proposes for a sequence of length L (root at L - 1) the
+tokens x_{i+1} of every fed position i <= L - 2 are known.
+
+Per propose call, for all sequences at once:
+1. ingest: one flattened forward over every (feature, next token) pair fed since the last call; these are
+   the TRUE entries of the draft KV cache ("committed");
+2. unroll: feed the draft's own output (EAGLE-1: predicted feature; EAGLE-3: pre-norm hidden) back with the
+   drafted token, one step per further draft position. These entries are speculative: they are dropped on
+   the next on_accepted / propose, and the accepted positions come back as true features and are ingested.
+   chain: T = 0 -> argmax point masses; T > 0 -> tokens sampled from logits_to_probs rows (draft_probs).
+   tree (EAGLE-2): DynamicTreeBuilder expands the top_k most confident frontier nodes per depth; each depth
+   re-runs every node expanded so far with a tree mask, because the paged kernel lets query tokens see ALL
+   earlier context - recomputing the tree as this step's queries is how siblings stay invisible to each
+   other. Tree nodes are point masses. Confidence is the plain softmax of the draft logits (EAGLE-2's),
+   independent of the request's temperature, so T = 0 trees still branch.
+
+The draft KV cache is PAGED (its own KVCacheManager over its own block pool, kernels.attention for the
+math): it batches sequences of different lengths in one forward with the same kernels the target uses
+(Triton / flash on CUDA), and rollback is KVCacheManager.rollback, whose bookkeeping is already tested.
+A cache index is `position - base_pos`, base_pos being the first fed position (a prefix-cache hit means the
+target never computed features for the cached prefix; the draft then simply starts after it).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from drafts.common import AttnFn
+from kernels.attention import AttentionMetadata, get_attention_backend, select_backend, write_kv
+from kernels.sampling import logits_to_probs
+from serve_eval.engine.kv_cache_manager import KVCacheManager, cdiv
+from serve_eval.spec.proposers.base import (
+    Proposal,
+    Proposer,
+    SequenceView,
+    TargetFeatures,
+    check_num_tokens,
+    empty_proposal,
+    sampling_arrays,
+)
+from serve_eval.spec.proposers.medusa import (
+    check_features,
+    draw_rows,
+    engine_build_args,
+    feed_features,
+    load_feature_draft,
+)
+from serve_eval.spec.tree import DynamicTreeBuilder
+from serve_eval.spec.verify import VerifyResult
+
+_record_ids = itertools.count()
+DEFAULT_DRAFT_BLOCKS = 1024  # draft pool without an engine to size it (tests, notebooks)
+
+
+class _CacheRecord:
+    """The fields of a sequence that KVCacheManager reads (no prefix caching here, so no hashes are kept)."""
+
+    def __init__(self) -> None:
+        self.seq_id = next(_record_ids)
+        self.num_computed_tokens = 0  # draft cache entries backed by blocks (committed + speculative)
+        self.block_hashes: list[int] = []
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_computed_tokens
+
+
+class DraftKVCache:
+    """Paged K/V of the one-layer draft: [num_blocks, block_size, num_kv_heads, head_dim] x 2."""
+
+    def __init__(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                 device: torch.device, attn_backend: str = "auto") -> None:
+        self.manager = KVCacheManager(num_blocks, block_size, enable_prefix_caching=False, watermark=0.0)
+        self.block_size = block_size
+        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        self.k_cache = torch.zeros(shape, dtype=dtype, device=device)
+        self.v_cache = torch.zeros(shape, dtype=dtype, device=device)
+        self.attention = get_attention_backend(select_backend(attn_backend, device, block_size))
+
+    def resize(self, record: _CacheRecord, num_entries: int) -> bool:
+        """Back exactly num_entries entries with blocks (roll back or grow); False if the pool is full."""
+        if num_entries == record.num_computed_tokens:
+            return True
+        if num_entries < record.num_computed_tokens:
+            self.manager.rollback(record, record.num_computed_tokens - num_entries)
+            return True
+        if not self.manager.allocate_slots(record, num_entries - record.num_computed_tokens):
+            return False
+        record.num_computed_tokens = num_entries
+        return True
+
+    def free(self, record: _CacheRecord) -> None:
+        self.manager.free(record)
+
+    def block_table(self, record: _CacheRecord) -> list[int]:
+        return self.manager.get_block_ids(record)
+
+    def attn_fn(self, meta: AttentionMetadata) -> AttnFn:
+        def attn(q: Tensor, k: Tensor, v: Tensor) -> Tensor:  # [T,h,hd], [T,kv,hd], [T,kv,hd] -> [T,h,hd]
+            write_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+            return self.attention(q, self.k_cache, self.v_cache, meta, q.shape[-1] ** -0.5)
+
+        return attn
+
+
+@dataclass
+class _RequestState:
+    record: _CacheRecord = field(default_factory=_CacheRecord)
+    base_pos: int | None = None  # position of draft cache index 0 (the first fed feature)
+    num_committed: int = 0  # cache entries holding true (feature, next token) pairs
+    pending: list[Tensor] = field(default_factory=list)  # fed rows not yet ingested, in position order
+    num_pending: int = 0
+
+    @property
+    def next_pos(self) -> int:  # the position the next fed row must have
+        return (self.base_pos or 0) + self.num_committed + self.num_pending
+
+
+@dataclass
+class _Query:
+    """One sequence's slice of a draft forward: tokens at cache entries [num_entries - q, num_entries)."""
+
+    state: _RequestState
+    token_ids: list[int]
+    hidden_in: Tensor  # [q, d]
+    positions: list[int]
+    tree_mask: Tensor | None = None  # bool [q, q] over these query tokens
+
+
+class EagleProposer(Proposer):
+    """EAGLE-1: features are the target's final-norm hidden states; logits = lm_head(predicted feature)."""
+
+    kind = "eagle"
+    needs_hidden = True
+    supports_tree = True
+    aux_layers: tuple[int, ...] = ()
+
+    def __init__(self, spec_config: Any, target_executor: Any, device: str | torch.device = "cpu",
+                 dtype: torch.dtype = torch.float32, target_model_dir: str | Path | None = None) -> None:
+        mode = getattr(spec_config, "tree", "none")
+        if mode not in ("none", "dynamic"):
+            raise ValueError(f"EAGLE proposes chains or EAGLE-2 dynamic trees (tree='dynamic'), got tree={mode!r}")
+        loaded = load_feature_draft(spec_config, target_executor, device, dtype, (self.kind,), target_model_dir)
+        tree = None
+        if mode == "dynamic":
+            tree = (spec_config.tree_top_k, spec_config.dynamic_depth, spec_config.max_draft_nodes)
+        self._setup(loaded.model, num_blocks=spec_config.draft_num_blocks,
+                    attn_backend=getattr(target_executor, "attn_backend", "auto"), tree=tree)
+
+    @classmethod
+    def from_spec_config(cls, spec_config: Any, engine: Any) -> "EagleProposer":
+        """The registry's constructor (serve_eval.spec.config): the engine's target, device and dtype."""
+        return cls(*engine_build_args(spec_config, engine))
+
+    @classmethod
+    def from_draft(cls, draft: torch.nn.Module, **opts: Any) -> "EagleProposer":
+        """Wrap an in-memory draft module (no target checks; tests). opts: see _setup."""
+        proposer = cls.__new__(cls)
+        proposer._setup(draft.eval(), **opts)
+        return proposer
+
+    def _setup(self, draft: torch.nn.Module, num_blocks: int | None = None, block_size: int = 16,
+               attn_backend: str = "auto", tree: tuple[int, int, int] | None = None) -> None:
+        """num_blocks None: sized by attach(engine) (or DEFAULT_DRAFT_BLOCKS without an engine).
+        tree: (top_k, depth, max_nodes) of the EAGLE-2 dynamic tree, or None for chains."""
+        if getattr(draft, "kind", None) != self.kind:
+            raise ValueError(f"{type(self).__name__} needs a {self.kind!r} draft, got {getattr(draft, 'kind', None)!r}")
+        self.draft = draft
+        weight = draft.fc.weight
+        self.device, self.dtype = weight.device, weight.dtype
+        self.block_size, self.attn_backend = block_size, attn_backend
+        self.cache: DraftKVCache | None = None
+        if num_blocks is not None:
+            self._allocate(num_blocks)
+        self.tree = tree
+        if tree is not None:
+            DynamicTreeBuilder(*tree)  # validates the options now, not at the first request
+        self._states: dict[str, _RequestState] = {}
+
+    def attach(self, engine: Any) -> None:
+        """Size the draft pool like the engine's: every target KV token may need a draft entry, plus
+        each running sequence's lookahead and one partly filled block."""
+        if self.cache is not None:
+            return
+        tokens = engine.kv.num_gpu_blocks * engine.config.block_size
+        lookahead = getattr(getattr(engine, "strategy", None), "max_lookahead_tokens", 64)
+        per_seq = cdiv(lookahead, self.block_size) + 1
+        self._allocate(cdiv(tokens, self.block_size) + engine.config.max_num_seqs * per_seq)
+
+    def _allocate(self, num_blocks: int) -> None:
+        layer = self.draft.config.decoder
+        self.cache = DraftKVCache(num_blocks, self.block_size, layer.num_key_value_heads, layer.head_dim,
+                                  self.dtype, self.device, self.attn_backend)
+
+    def _ensure_cache(self) -> DraftKVCache:
+        if self.cache is None:
+            self._allocate(DEFAULT_DRAFT_BLOCKS)
+        return self.cache
+
+    # -- kind-specific pieces (EAGLE-3 overrides) ---------------------------------------------
+    @property
+    def feature_width(self) -> int:
+        return self.draft.config.hidden_size
+
+    def _feature_rows(self, feats: TargetFeatures) -> Tensor | None:
+        return feats.hidden
+
+    def _ingest_input(self, rows: Tensor) -> Tensor:  # fed rows [n, width] -> draft hidden input [n, d]
+        return rows
+
+    def _logits(self, hidden_out: Tensor) -> Tensor:  # -> target-vocab logits [n, V] float32
+        return self.draft.compute_logits(hidden_out).float()
+
+    # -- features and verification outcome ----------------------------------------------------
+    def add_features(self, request_id: str, feats: TargetFeatures) -> None:
+        self._ensure_cache()
+        state = self._states.setdefault(request_id, _RequestState())
+        started = state.base_pos is not None
+        check_features(feats, state.next_pos if started else None, request_id, self.feature_width,
+                       "hidden" if self.kind == "eagle" else "aux")
+        rows = self._feature_rows(feats)
+        if not rows.shape[0]:
+            return
+        if not started:
+            state.base_pos = feats.start_pos
+        state.pending.append(rows.detach().to(self.device, self.dtype, copy=True))
+        state.num_pending += rows.shape[0]
+
+    def on_accepted(self, request_id: str, result: VerifyResult) -> None:
+        """Drop the speculative unroll entries; the accepted positions return as true features."""
+        state = self._states.get(request_id)
+        if state is not None:
+            self.cache.resize(state.record, state.num_committed)
+
+    def reset(self, request_id: str) -> None:
+        state = self._states.pop(request_id, None)
+        if state is not None:
+            self.cache.free(state.record)
+
+    def num_cached_entries(self, request_id: str) -> tuple[int, int]:
+        """(committed entries, entries backed by blocks) of a request's draft cache (tests, stats)."""
+        state = self._states[request_id]
+        return state.num_committed, state.record.num_computed_tokens
+
+    def check_integrity(self) -> None:
+        if self.cache is not None:
+            self.cache.manager.check_integrity()
+
+    # -- proposing -----------------------------------------------------------------------------
+    @torch.inference_mode()
+    def propose(self, seqs: Sequence[SequenceView], num_tokens: Sequence[int],
+                features: Sequence[object] | None = None) -> list[Proposal]:
+        check_num_tokens(num_tokens, len(seqs))
+        feed_features(self, seqs, features)
+        out = [empty_proposal(self.device) for _ in seqs]
+        ready, queries = [], []
+        for b, seq in enumerate(seqs):
+            query = self._ingest_query(seq)
+            if query is not None:
+                ready.append(b)
+                queries.append(query)
+        if not ready:
+            return out
+        hidden = self._forward(queries)
+        ends = torch.tensor([len(q.token_ids) for q in queries]).cumsum(0) - 1
+        root_feats = hidden[ends.to(hidden.device)]  # [R, d]: predicted feature at each root position
+        for q in queries:
+            q.state.num_committed += len(q.token_ids)
+        ready_seqs = [seqs[b] for b in ready]
+        root_positions = [len(s.token_ids) - 1 for s in ready_seqs]
+        if self.tree is not None:
+            results = self._trees([q.state for q in queries], root_positions, root_feats)
+        else:
+            results = self._chains(ready_seqs, [num_tokens[b] for b in ready], [q.state for q in queries],
+                                   root_positions, root_feats)
+        for b, proposal in zip(ready, results):
+            out[b] = proposal
+        return out
+
+    def _ingest_query(self, seq: SequenceView) -> _Query | None:
+        """The fed (feature, next token) pairs up to the root, or None when this sequence cannot be drafted for."""
+        state = self._states.get(seq.request_id)
+        if state is None or state.base_pos is None:
+            return None
+        self.cache.resize(state.record, state.num_committed)  # speculative entries of an unverified proposal
+        root = len(seq.token_ids) - 1
+        first = state.base_pos + state.num_committed
+        num_new = min(root - first, state.num_pending)
+        if num_new <= 0 or first + num_new != root:  # features missing up to the root: no draft this step
+            return None
+        if not self.cache.resize(state.record, state.num_committed + num_new):
+            return None  # draft pool full: skip speculation for this sequence this step
+        rows = torch.cat(state.pending) if len(state.pending) > 1 else state.pending[0]
+        state.pending = [rows[num_new:]] if rows.shape[0] > num_new else []
+        state.num_pending -= num_new
+        positions = list(range(first, root))
+        return _Query(state, [seq.token_ids[p + 1] for p in positions], rows[:num_new], positions)
+
+    def _forward(self, queries: list[_Query], ingest: bool = True) -> Tensor:
+        """One flattened draft forward; each query's tokens are its cache's last entries. -> hidden out [T, d]."""
+        lens = [len(q.token_ids) for q in queries]
+        tree_mask = None
+        if any(q.tree_mask is not None for q in queries):
+            tree_mask = torch.zeros(sum(lens), max(lens), dtype=torch.bool, device=self.device)
+            row = 0
+            for q, n in zip(queries, lens):
+                tree_mask[row:row + n, :n] = q.tree_mask if q.tree_mask is not None else torch.ones(n, n, dtype=torch.bool, device=self.device).tril()
+                row += n
+        meta = AttentionMetadata.build(
+            lens, [q.state.record.num_computed_tokens for q in queries],
+            [self.cache.block_table(q.state.record) for q in queries], self.cache.block_size, self.device, tree_mask)
+        hidden_in = torch.cat([q.hidden_in for q in queries])
+        if ingest:
+            hidden_in = self._ingest_input(hidden_in)
+        input_ids = torch.tensor([t for q in queries for t in q.token_ids], dtype=torch.int64, device=self.device)
+        positions = torch.tensor([p for q in queries for p in q.positions], dtype=torch.int64, device=self.device)
+        return self.draft(input_ids, hidden_in, positions, self.cache.attn_fn(meta))
+
+    # -- chains --------------------------------------------------------------------------------
+    def _chains(self, seqs, num_tokens, states, root_positions, feats: Tensor) -> list[Proposal]:
+        temperature, top_k, top_p = sampling_arrays(seqs, self.device)
+        greedy = [s.params.temperature == 0 for s in seqs]
+        tokens: list[list[Tensor]] = [[] for _ in seqs]
+        rows: list[list[Tensor]] = [[] for _ in seqs]
+        active = list(range(len(seqs)))
+        step_feats = feats
+        for step in range(max(num_tokens)):
+            idx = torch.tensor(active, device=self.device)
+            probs = logits_to_probs(self._logits(step_feats), temperature[idx], top_k[idx], top_p[idx])
+            drawn = draw_rows(probs, [seqs[i].generator for i in active], [greedy[i] for i in active])
+            for j, i in enumerate(active):
+                tokens[i].append(drawn[j])
+                rows[i].append(probs[j])
+            # grow the chain of sequences that want more tokens: input (own output, drafted token) at root + step
+            keep = [j for j, i in enumerate(active) if len(tokens[i]) < num_tokens[i]
+                    and self.cache.resize(states[i].record, states[i].record.num_computed_tokens + 1)]
+            if not keep:
+                break
+            queries = [_Query(states[active[j]], [int(drawn[j])], step_feats[j:j + 1], [root_positions[active[j]] + step])
+                       for j in keep]
+            step_feats = self._forward(queries, ingest=False)
+            active = [active[j] for j in keep]
+        return [Proposal(torch.stack(t), None if greedy[i] else torch.stack(rows[i])) for i, t in enumerate(tokens)]
+
+    # -- EAGLE-2 dynamic trees -----------------------------------------------------------------
+    def _trees(self, states, root_positions, root_feats: Tensor) -> list[Proposal]:
+        top_k, depth, max_nodes = self.tree
+        builders = [DynamicTreeBuilder(top_k, depth, max_nodes) for _ in states]
+        parents: list[list[int]] = [[] for _ in states]  # builder node id -> parent id (-1 = root)
+        node_tokens: list[list[int]] = [[] for _ in states]
+        node_out: list[dict[int, Tensor]] = [{} for _ in states]  # expanded node id -> its output hidden
+        expanded: list[list[int]] = [[] for _ in states]
+        conf, cand = self._candidates(root_feats, top_k)
+        frontiers = []
+        for i, builder in enumerate(builders):
+            _record(parents[i], node_tokens[i], [-1], cand[i:i + 1])
+            frontiers.append(builder.add_root_candidates(cand[i], conf[i]))
+        while any(frontiers):
+            active = [i for i, f in enumerate(frontiers) if f]
+            queries = []
+            for i in active:
+                expanded[i].extend(frontiers[i])
+                nodes = expanded[i]
+                if not self.cache.resize(states[i].record, states[i].num_committed + len(nodes)):
+                    raise RuntimeError("EAGLE draft KV pool exhausted while growing a tree (raise draft_num_blocks)")
+                hidden_in = torch.stack([root_feats[i] if parents[i][n] == -1 else node_out[i][parents[i][n]]
+                                         for n in nodes])
+                positions = [root_positions[i] + _depth(parents[i], n) - 1 for n in nodes]
+                queries.append(_Query(states[i], [node_tokens[i][n] for n in nodes], hidden_in, positions,
+                                      _ancestor_mask(parents[i], nodes, self.device)))
+            hidden = self._forward(queries, ingest=False)
+            starts = torch.tensor([0] + [len(q.token_ids) for q in queries]).cumsum(0).tolist()
+            new_rows = []
+            for j, i in enumerate(active):  # the newest frontier is each query's tail
+                tail = range(starts[j + 1] - len(frontiers[i]), starts[j + 1])
+                for node, r in zip(frontiers[i], tail):
+                    node_out[i][node] = hidden[r]
+                new_rows.extend(tail)
+            conf, cand = self._candidates(hidden[torch.tensor(new_rows, device=hidden.device)], top_k)
+            row = 0
+            for i in active:
+                width = len(frontiers[i])
+                _record(parents[i], node_tokens[i], frontiers[i], cand[row:row + width])
+                frontiers[i] = builders[i].add_children(frontiers[i], cand[row:row + width], conf[row:row + width])
+                row += width
+        trees = [b.build() for b in builders]
+        return [Proposal(t.tokens, None, t) for t in trees]
+
+    def _candidates(self, hidden: Tensor, top_k: int) -> tuple[Tensor, Tensor]:
+        """(confidence, token) [n, top_k] of the draft's plain softmax: EAGLE-2's ranking signal."""
+        top = torch.softmax(self._logits(hidden), dim=-1).topk(top_k, dim=-1)
+        return top.values.cpu(), top.indices.cpu()
+
+
+def _record(parents: list[int], tokens: list[int], parent_ids: list[int], cand: Tensor) -> None:
+    """Mirror DynamicTreeBuilder's id assignment (row-major over parents x candidates)."""
+    for parent, row in zip(parent_ids, cand.tolist()):
+        for token in row:
+            parents.append(parent)
+            tokens.append(int(token))
+
+
+def _depth(parents: list[int], node: int) -> int:
+    depth = 0
+    while node != -1:
+        node, depth = parents[node], depth + 1
+    return depth
+
+
+def _ancestor_mask(parents: list[int], nodes: list[int], device) -> Tensor:  # bool [n, n]
+    """[r, c] = nodes[c] is nodes[r] or one of its ancestors (every ancestor of an expanded node is expanded)."""
+    local = {node: j for j, node in enumerate(nodes)}
+    mask = torch.zeros(len(nodes), len(nodes), dtype=torch.bool)
+    for r, node in enumerate(nodes):
+        while node != -1:
+            mask[r, local[node]] = True
+            node = parents[node]
+    return mask.to(device)
+
