@@ -1,0 +1,321 @@
+"""The eval harness: each domain x method x K x temperature through the engine -> report rows.
+
+Methods: `no-spec` (the baseline, K=0), `ngram`, one label per draft (its kind, or the caller's
+name), and transformers' assisted generation as an external reference (`assisted`, K>0, with the
+standalone draft as assistant, and `hf`, K=0, transformers' plain generate, its own baseline).
+Each cell runs `warmup` unmeasured requests, then `repetitions` passes over the domain's prompts.
+Every figure comes from serve_eval.spec.metrics; speed-ups divide by the no-spec ms/token of the
+same domain and temperature measured in this run (`assisted` by `hf`'s: same framework).
+A method, draft or domain that cannot run becomes a SkippedEntry with its reason; the rest still run.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import statistics
+import warnings
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from serve_eval.eval.recommend import Thresholds, recommend, write_recommendations
+from serve_eval.eval.report import (BASELINE_METHOD, Report, ReportFiles, ResultRow, SkippedEntry, TargetInfo,
+                                    log_to_wandb, write_report)
+from serve_eval.eval.runners import RunResult, Runner, RunSpec
+from serve_eval.eval.sources import DraftSource
+from serve_eval.schemas import EvalConfig
+from serve_eval.spec import metrics as M
+
+log = logging.getLogger(__name__)
+
+HF_BASELINE = "hf"          # transformers' generate without assistant: the baseline of `assisted`
+ASSISTED = "assisted"
+RECOMMENDATIONS_FILE = "recommendations.yaml"
+
+
+# ----------------------------------------------------------------------------- rows from runs
+
+def _finite_or_none(x: float | None) -> float | None:
+    return None if x is None or not math.isfinite(x) else x
+
+
+def run_ms_per_token(run: RunResult) -> float:
+    """Decode ms/token of one repetition: each request's first token is prefill (TTFT), the other
+    n - 1 are decode; decode times and tokens are summed over requests (= wall / tokens at batch 1)."""
+    decode_s = sum(r.token_times[-1] - r.token_times[0] for r in run.records if r.num_output_tokens > 1)
+    decode_tokens = sum(r.num_output_tokens - 1 for r in run.records if r.num_output_tokens > 1)
+    return M.ms_per_token(decode_s, decode_tokens)
+
+
+def spec_stats(runs: list[RunResult]) -> M.SpecStats | None:
+    """Counters of every request's rounds; times from the run-level accounting (None when no round)."""
+    parts = [r.spec for run in runs for r in run.records if r.spec is not None]
+    parts += [run.spec_totals for run in runs if run.spec_totals is not None]
+    if not parts:
+        return None
+    stats = M.SpecStats.merged(parts)
+    if all(run.draft_time_s is not None and run.target_time_s is not None for run in runs):
+        stats.draft_time_s = sum(run.draft_time_s for run in runs)
+        stats.target_time_s = sum(run.target_time_s for run in runs)
+    elif not (stats.draft_time_s or stats.target_time_s):
+        stats.draft_time_s = stats.target_time_s = 0.0
+    return stats
+
+
+def _share(part: list[float | None], whole: list[float | None]) -> float | None:
+    if any(p is None for p in part) or any(w is None for w in whole) or not sum(whole):
+        return None
+    return min(max(sum(part) / sum(whole), 0.0), 1.0)
+
+
+def build_row(domain: str, method: str, K: int, temperature: float, runs: list[RunResult],
+              baseline_ms_per_token: float | None) -> ResultRow:
+    """One report row from the repetitions of a cell (warm-up excluded)."""
+    if not runs:
+        raise ValueError(f"({domain}, {method}, K={K}, T={temperature}): no repetitions to summarize")
+    samples = [run_ms_per_token(run) for run in runs]
+    finite = [s for s in samples if math.isfinite(s)]
+    if not finite:
+        raise ValueError(f"({domain}, {method}, K={K}, T={temperature}): no request generated more than one token")
+    ms = statistics.fmean(finite)
+    tokens = sum(r.num_output_tokens for run in runs for r in run.records)
+    wall = sum(run.wall_s for run in runs)
+    ttfts = [r.ttft for run in runs for r in run.records if r.ttft is not None]
+    itls = [b - a for run in runs for r in run.records for a, b in zip(r.token_times, r.token_times[1:])]
+    stats = spec_stats(runs) if K > 0 else None
+    alpha = tau = predicted = None
+    a_k: list[float] = []
+    if stats is not None and stats.num_rounds:
+        alpha, tau = _finite_or_none(stats.alpha), _finite_or_none(stats.tau)
+        for a in stats.acceptance_by_position:  # nan = position never proposed (only past the last one)
+            if not math.isfinite(a):
+                break
+            a_k.append(a)
+        predicted = _finite_or_none(stats.predicted_speedup())
+    busy = [run.busy_time_s for run in runs]
+    draft_share = 0.0 if K == 0 and all(b is not None for b in busy) else _share([r.draft_time_s for r in runs], busy)
+    speed = None
+    if method == BASELINE_METHOD:
+        baseline_ms_per_token = ms
+    if baseline_ms_per_token is not None and math.isfinite(baseline_ms_per_token):
+        speed = _finite_or_none(M.speedup(baseline_ms_per_token, ms))
+    return ResultRow(
+        domain=domain, method=method, K=K, temperature=float(temperature), alpha=alpha, tau=tau, a_k=a_k,
+        ms_per_token=ms, tokens_per_s=tokens / wall if wall > 0 else 0.0, speedup=speed, predicted_speedup=predicted,
+        ttft_p50=_finite_or_none(M.percentile(ttfts, 50)), ttft_p99=_finite_or_none(M.percentile(ttfts, 99)),
+        itl_p50=_finite_or_none(M.percentile(itls, 50)), itl_p99=_finite_or_none(M.percentile(itls, 99)),
+        draft_time_share=draft_share, target_time_share=_share([r.target_time_s for r in runs], busy),
+        repetitions=len(runs), spread=statistics.stdev(finite) if len(finite) > 1 else 0.0,
+        ms_per_token_samples=finite)
+
+
+# ----------------------------------------------------------------------------- the plan
+
+@dataclass
+class MethodPlan:
+    method: str                      # report label
+    K: int
+    spec_method: str | None = None   # engine SpecConfig.method; None = plain decoding
+    draft_path: Path | None = None
+    framework: str = "engine"        # engine | hf
+
+
+# (plan) -> Runner; raises to skip the method. Tests pass scripted runners.
+RunnerFactory = Callable[[MethodPlan], Runner]
+
+
+def _check_draft(source: DraftSource, target_dir: Path, strict: bool | None) -> list[str]:
+    """Load the draft against the target (ValueError when it cannot serve it); returns warnings."""
+    from drafts.io import ExpectedTarget, load_draft
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        load_draft(source.path, ExpectedTarget.from_model_dir(target_dir), strict_fingerprint=strict)
+    return [str(w.message) for w in caught]
+
+
+def plan_methods(cfg: EvalConfig, drafts: list[DraftSource], target_dir: Path,
+                 skipped: list[SkippedEntry], notes: list[str]) -> list[MethodPlan]:
+    """Every (method, K) this run measures, no-spec first; unusable drafts go to `skipped`."""
+    ks = sorted(set(cfg.num_speculative_tokens))
+    plans = [MethodPlan(BASELINE_METHOD, 0)]
+    if "ngram" in cfg.methods:
+        plans += [MethodPlan("ngram", k, "ngram") for k in ks]
+    usable: list[DraftSource] = []
+    if "drafts" in cfg.methods or ASSISTED in cfg.methods:
+        for source in drafts:
+            try:
+                notes += [f"{source.method}: {w}" for w in _check_draft(source, target_dir, cfg.strict_fingerprint)]
+                usable.append(source)
+            except (ValueError, OSError) as e:
+                skipped.append(SkippedEntry("*", source.method, f"draft {source.path} cannot run on this target: {e}"))
+    if "drafts" in cfg.methods:
+        for source in usable:
+            plans += [MethodPlan(source.method, k, source.kind, source.path) for k in ks]
+    if ASSISTED in cfg.methods:
+        standalone = [s for s in usable if s.kind == "standalone"]
+        if standalone:
+            plans.append(MethodPlan(HF_BASELINE, 0, framework="hf"))
+            plans += [MethodPlan(ASSISTED, k, None, standalone[0].path, "hf") for k in ks]
+            notes.append(f"{ASSISTED}: transformers generate(assistant_model={standalone[0].path}); its speed-up is "
+                         f"relative to {HF_BASELINE!r} (transformers without assistant), whose speed-up is relative "
+                         "to our engine's no-spec")
+        else:
+            skipped.append(SkippedEntry("*", ASSISTED, "no standalone draft for this target to use as assistant"))
+    return plans
+
+
+# ----------------------------------------------------------------------------- running
+
+@dataclass
+class _Cell:
+    plan: MethodPlan
+    domain: str
+    temperature: float
+    runs: list[RunResult] = field(default_factory=list)
+
+
+def _measure(runner: Runner, prompts: list[str], cfg: EvalConfig, temperature: float, domain: str) -> list[RunResult]:
+    spec = RunSpec(temperature, cfg.max_tokens, cfg.ignore_eos, cfg.seed, cfg.batch_size)
+    if cfg.warmup:
+        runner.run(prompts[:cfg.warmup], spec, domain)
+    return [runner.run(prompts, spec, domain) for _ in range(cfg.repetitions)]
+
+
+def _baseline_of(cell: _Cell, rows_ms: dict[tuple[str, str, float], float]) -> float | None:
+    """The ms/token this cell's speed-up divides: no-spec's of its (domain, T); `assisted` uses `hf`'s.
+    no-spec itself gets None here and its own figure in build_row (speed-up exactly 1)."""
+    if cell.plan.method == ASSISTED:
+        return rows_ms.get((HF_BASELINE, cell.domain, cell.temperature))
+    return rows_ms.get((BASELINE_METHOD, cell.domain, cell.temperature))
+
+
+def run_cells(cfg: EvalConfig, plans: list[MethodPlan], prompts: dict[str, list[str]], factory: RunnerFactory,
+              skipped: list[SkippedEntry], progress: Callable[[str], None] = log.info) -> list[ResultRow]:
+    """Measure every plan x domain x temperature; rows with speed-ups against this run's baselines."""
+    cells: dict[tuple[str, str, int, float], _Cell] = {}
+    for plan in plans:
+        try:
+            runner = factory(plan)
+        except Exception as e:  # noqa: BLE001 - any failure to build one method must not stop the others
+            skipped.append(SkippedEntry("*", plan.method, f"K={plan.K}: cannot start: {type(e).__name__}: {e}"))
+            continue
+        try:
+            for domain, domain_prompts in prompts.items():
+                for temperature in cfg.temperatures:
+                    progress(f"eval domain={domain} method={plan.method} K={plan.K} T={temperature:g}")
+                    try:
+                        runs = _measure(runner, domain_prompts, cfg, temperature, domain)
+                    except Exception as e:  # noqa: BLE001 - a failing cell is reported, the sweep goes on
+                        skipped.append(SkippedEntry(domain, plan.method,
+                                                    f"K={plan.K} T={temperature:g}: {type(e).__name__}: {e}"))
+                        continue
+                    cells[(domain, plan.method, plan.K, float(temperature))] = _Cell(plan, domain, temperature, runs)
+        finally:
+            runner.close()
+    rows: list[ResultRow] = []
+    baseline_ms: dict[tuple[str, str, float], float] = {}
+    # Baselines first (no-spec, then hf whose own baseline is no-spec), then everything else.
+    order = sorted(cells.values(), key=lambda c: (c.plan.method != BASELINE_METHOD, c.plan.method != HF_BASELINE))
+    for cell in order:
+        try:
+            row = build_row(cell.domain, cell.plan.method, cell.plan.K, cell.temperature, cell.runs,
+                            _baseline_of(cell, baseline_ms))
+        except ValueError as e:
+            skipped.append(SkippedEntry(cell.domain, cell.plan.method, str(e)))
+            continue
+        if cell.plan.K == 0:
+            baseline_ms[(cell.plan.method, cell.domain, cell.temperature)] = row.ms_per_token
+        rows.append(row)
+    return rows
+
+
+def default_runner_factory(cfg: EvalConfig, target_dir: Path) -> RunnerFactory:
+    """Engines share one executor (the target's weights load once); hf runners load transformers."""
+    shared: dict[str, Any] = {}
+
+    def factory(plan: MethodPlan) -> Runner:
+        from serve_eval.eval import runners
+
+        if plan.framework == "hf":
+            return runners.HFRunner(target_dir, plan.method, plan.K, plan.draft_path if plan.K else None,
+                                    cfg.engine.dtype, cfg.engine.device)
+        if "executor" not in shared:
+            from serve_eval.engine.model_executor import ModelExecutor
+
+            e = cfg.engine
+            shared["executor"] = ModelExecutor(target_dir, e.dtype, e.device, e.attn_backend)
+        return runners.build_engine_runner(target_dir, plan.method, plan.K, cfg.engine, cfg.seed, plan.spec_method,
+                                           plan.draft_path, shared["executor"])
+
+    return factory
+
+
+def run_eval(cfg: EvalConfig, target_dir: Path, fingerprint: str, prompts: dict[str, list[str]],
+             drafts: list[DraftSource], skipped: list[SkippedEntry] | None = None,
+             factory: RunnerFactory | None = None, progress: Callable[[str], None] = log.info) -> Report:
+    """Plan, measure and assemble the Report (recommendations included); writes nothing."""
+    skipped = list(skipped or [])
+    notes: list[str] = []
+    plans = plan_methods(cfg, drafts, Path(target_dir), skipped, notes)
+    rows = run_cells(cfg, plans, prompts, factory or default_runner_factory(cfg, Path(target_dir)), skipped, progress)
+    return assemble_report(cfg, str(target_dir), fingerprint, prompts, rows, skipped, notes,
+                           {d.method: str(d.path) for d in drafts})
+
+
+def assemble_report(cfg: EvalConfig, target_path: str, fingerprint: str, prompts: dict[str, list[str]],
+                    rows: list[ResultRow], skipped: list[SkippedEntry], notes: list[str],
+                    drafts: dict[str, str]) -> Report:
+    recs = recommend(rows, Thresholds(cfg.min_alpha, cfg.min_speedup), fingerprint)
+    config = {**asdict(cfg), "notes": notes, "prompts_per_domain": {d: len(p) for d, p in sorted(prompts.items())},
+              "drafts": drafts}
+    return Report(TargetInfo(target_path, fingerprint), config, rows, skipped, recs.to_dict())
+
+
+# ----------------------------------------------------------------------------- outputs
+
+def report_dir(artifacts_root: str | Path, fingerprint: str, out_dir: str | None = None) -> Path:
+    if out_dir:
+        return Path(out_dir)
+    stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S")
+    return Path(artifacts_root) / "targets" / fingerprint / "reports" / stamp
+
+
+def write_outputs(report: Report, out_dir: Path, plots: bool = True, wandb_run: Any = None) -> ReportFiles:
+    """report.json / report.md / PNGs, recommendations.yaml beside them, tables + plots to W&B."""
+    files = write_report(report, out_dir, plots=plots)
+    recs = recommend(report.results, Thresholds(**report.recommendations.get("thresholds", {})),
+                     report.target.fingerprint)
+    write_recommendations(recs, out_dir / RECOMMENDATIONS_FILE)
+    log_to_wandb(report, files.plots, wandb_run)
+    return files
+
+
+def evaluate(*, target_dir: str | Path, drafts: dict[str, Path], domains: list[str], profile: str,
+             overrides: list[str]) -> Report:
+    """The retrain hook's entry: evaluate `drafts` (rows labelled by their keys) on `target_dir`.
+
+    Empty `domains` = every domain of the held-out prompts; `profile` names conf/eval/<profile>.yaml
+    ("quick": a small subset at one (K, T) point). Drafts load with strict_fingerprint=False (an old
+    draft on a new target is the point). Writes nothing: the caller saves the report.
+    """
+    from drafts.identity import target_fingerprint
+    from serve_eval.eval.settings import load_settings, validate
+    from serve_eval.eval.sources import collect_drafts, gather_prompts
+
+    settings = load_settings(profile, overrides)
+    cfg = settings.eval
+    cfg.domains = list(domains) or cfg.domains
+    cfg.drafts = {name: str(p) for name, p in drafts.items()}
+    cfg.discover_drafts = False
+    cfg.strict_fingerprint = False
+    if cfg.drafts and "drafts" not in cfg.methods:
+        cfg.methods = [*cfg.methods, "drafts"]
+    validate(cfg)
+    target_dir = Path(target_dir)
+    fingerprint = target_fingerprint(target_dir)
+    prompts, skipped = gather_prompts(cfg, settings.artifacts_root, target_dir)
+    sources = collect_drafts(cfg.drafts, settings.artifacts_root, fingerprint, discover=False)
+    return run_eval(cfg, target_dir, fingerprint, prompts, sources, skipped)

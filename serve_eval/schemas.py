@@ -1,0 +1,89 @@
+"""Schemas of serve_eval's open config groups (`eval`, and the server's `serve` entry).
+
+Listed in train.config.SCHEMA_PROVIDERS; imported at every job start, so no torch here. The eval
+schema is also used without Hydra: `serve_eval.eval.settings` merges profiles and `key=value`
+overrides onto `EvalConfig` for the retrain hook's `evaluate(...)`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from serve_eval.eval.external_datasets import ExternalDomain
+
+
+@dataclass
+class EngineSettings:
+    """The EngineConfig fields an eval run may set (the model comes from the target)."""
+
+    dtype: str = "float32"
+    device: str = "cpu"
+    attn_backend: str = "auto"
+    block_size: int = 16
+    kv_cache_memory_gb: float = 0.25
+    max_num_batched_tokens: int = 2048
+    # Off by default: repetitions re-send the same prompts, and cache hits would flatter TTFT.
+    enable_prefix_caching: bool = False
+    # None = the target's max positions, lowered to what a draft with fewer positions can follow.
+    max_model_len: int | None = None
+
+
+@dataclass
+class EndpointEntry:
+    """An OpenAI-compatible server to measure (endpoint mode). `name` is the report's method label;
+    name it "no-spec" for the server that runs without speculation (the speed-up baseline)."""
+
+    name: str = "endpoint"
+    url: str = "http://127.0.0.1:8000"
+    model: str | None = None          # None = the first id of GET /v1/models
+    K: int = 0                        # draft tokens per round the server runs (0 = unknown / none)
+    api_key_env: str | None = None    # environment variable holding the bearer token
+    timeout_s: float = 120.0
+    metrics_path: str = "/metrics"    # Prometheus page; absent -> no alpha / a_k, timings still measured
+    send_domain: bool = False         # add draftsmith's `domain` request field (per-domain server counters)
+
+
+@dataclass
+class EvalConfig:
+    name: str = "default"
+    mode: str = "engine"              # engine: run methods in our engine | endpoint: drive `endpoints`
+    target: str | None = None         # target model dir; None = target.path, else the latest artifacts target
+    prompts: str | None = None        # jsonl of {domain, prompt}; None = the held-out corpus split of the target
+    domains: list[str] = field(default_factory=list)   # empty = every domain in the prompts
+    max_prompts_per_domain: int = 8
+    # Methods: no-spec (always, the baseline), ngram, drafts (every draft of this target + `drafts`),
+    # assisted (transformers' generate(assistant_model=...) with the standalone draft, plus its "hf" baseline).
+    methods: list[str] = field(default_factory=lambda: ["no-spec", "ngram", "drafts", "assisted"])
+    drafts: dict[str, str] = field(default_factory=dict)   # method label -> draft dir, in addition to found ones
+    discover_drafts: bool = True
+    # A draft made for another target: True = skip it, False = run it with a warning, None = drafts.io rule
+    # (skip feature drafts - medusa/eagle/eagle3 read hidden states -, warn for standalone).
+    strict_fingerprint: bool | None = None
+    num_speculative_tokens: list[int] = field(default_factory=lambda: [2, 4])
+    temperatures: list[float] = field(default_factory=lambda: [0.0])
+    max_tokens: int = 64
+    ignore_eos: bool = False
+    batch_size: int = 1               # requests in flight at once (1 = latency)
+    repetitions: int = 3
+    warmup: int = 1                   # unmeasured requests before each cell
+    seed: int = 0
+    engine: EngineSettings = field(default_factory=EngineSettings)
+    min_alpha: float = 0.5            # recommendations: speculation off below these
+    min_speedup: float = 1.0
+    plots: bool = True
+    wandb: bool = True
+    out_dir: str | None = None        # None = <artifacts>/targets/<fingerprint>/reports/<stamp>
+    endpoints: list[EndpointEntry] = field(default_factory=list)
+    external_domains: list[ExternalDomain] = field(default_factory=list)
+    allow_download: bool = False
+
+
+# schema_default too: train.config registers a placeholder under that name, this replaces it.
+SCHEMAS: dict[str, Any] = {"eval/schema_eval": EvalConfig, "eval/schema_default": EvalConfig}
+
+try:  # the server room's `serve` schema lives with its code; register it from here as well
+    from serve_eval.server.run import SCHEMAS as _SERVER_SCHEMAS
+
+    SCHEMAS.update(_SERVER_SCHEMAS)
+except ImportError:
+    pass
