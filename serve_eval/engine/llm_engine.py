@@ -1,0 +1,357 @@
+"""LLMEngine: add_request / step / abort over the scheduler, KV cache manager and executor.
+
+step() = schedule -> run KV moves (swap-out, copy-on-write, swap-in) -> strategy.execute
+(build the flattened batch, forward, sample) -> append tokens, check stops, free finished.
+The strategy object is the seam for speculative decoding: a speculative strategy sets
+seq.num_lookahead_tokens before scheduling (scheduler reserves 1 + k slots), runs
+propose -> verify inside execute, and reports per sequence the emitted tokens and how many
+of the reserved slots were rejected; the engine rolls those back.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import NamedTuple, Protocol
+
+import torch
+
+from kernels.attention import AttentionMetadata
+from kernels.sampling import logits_to_probs, sample
+from serve_eval.engine.kv_cache_manager import KVCacheManager, cdiv
+from serve_eval.engine.model_executor import ModelExecutor
+from serve_eval.engine.outputs import EngineStats, RequestMetrics, RequestOutput
+from serve_eval.engine.request import Sequence, SequenceStatus
+from serve_eval.engine.sampling_params import SamplingParams
+from serve_eval.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+
+
+@dataclass
+class EngineConfig:
+    model: str                      # HF checkpoint dir (Llama/Mistral/Qwen2-style)
+    dtype: str = "float32"          # "float32" | "bfloat16"
+    block_size: int = 16
+    kv_cache_memory_gb: float = 1.0 # budget -> num blocks (num_gpu_blocks overrides when set)
+    num_gpu_blocks: int | None = None
+    num_cpu_blocks: int = 256       # swap space
+    max_num_batched_tokens: int = 2048   # per-step token budget
+    max_num_seqs: int = 256
+    prefill_chunk_size: int = 512
+    enable_prefix_caching: bool = True
+    swap_threshold_tokens: int = 512     # preempt by swap at/above this many tokens, else recompute
+    free_block_watermark: float = 0.01
+    attn_backend: str = "auto"
+    seed: int = 0
+    max_model_len: int | None = None     # None = the config's max_position_embeddings
+    device: str = "cpu"
+
+
+class BatchInputs(NamedTuple):
+    input_ids: torch.Tensor        # int64 [T]
+    positions: torch.Tensor        # int64 [T]
+    meta: AttentionMetadata
+    query_lens: list[int]          # new tokens per sequence (scheduled + extra)
+
+
+class StepResult(NamedTuple):
+    new_token_ids: list[list[int]]   # per scheduled seq: emitted tokens ([] mid-prefill)
+    # Per scheduled seq: how many of its reserved lookahead slots hold no accepted token
+    # (lookahead - accepted drafts, unproposed slots included). The engine first counts all
+    # n + lookahead slots as computed, then rolls these back (freeing emptied blocks).
+    num_rejected_slots: list[int]
+
+
+class StepStrategy(Protocol):
+    max_lookahead_tokens: int
+    def before_schedule(self, engine: "LLMEngine") -> None: ...
+    def execute(self, engine: "LLMEngine", out: SchedulerOutput) -> StepResult: ...
+
+
+class DefaultStrategy:
+    """Non-speculative decoding: one forward, one sampled token per sequence that finished its prompt."""
+    max_lookahead_tokens = 0
+
+    def before_schedule(self, engine: "LLMEngine") -> None:
+        pass
+
+    def execute(self, engine: "LLMEngine", out: SchedulerOutput) -> StepResult:
+        batch = engine.prepare_batch(out)
+        # Only sequences whose scheduled chunk reaches their last token produce a token.
+        cu = 0
+        rows, sampled = [], []
+        for i, (seq, n) in enumerate(zip(out.seqs, out.num_scheduled_tokens)):
+            cu += batch.query_lens[i]
+            if seq.num_computed_tokens + n == seq.num_tokens:
+                rows.append(cu - 1)
+                sampled.append(i)
+        # A step of partial prefill chunks only still runs: it fills the cache.
+        logits = engine.run_forward(batch, rows).logits
+        new_tokens: list[list[int]] = [[] for _ in out.seqs]
+        if rows:
+            for i, tok in zip(sampled, engine.sample([out.seqs[i] for i in sampled], logits)):
+                new_tokens[i] = [tok]
+        return StepResult(new_tokens, [0] * len(out.seqs))
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, speculative=None, strategy: StepStrategy | None = None,
+                 executor: ModelExecutor | None = None) -> None:
+        self.config = config
+        self.executor = executor or ModelExecutor(config.model, config.dtype, config.device, config.attn_backend)
+        self.tokenizer = self._load_tokenizer(config.model)
+        model_cfg = self.executor.config
+        self.max_model_len = config.max_model_len or int(model_cfg.max_position_embeddings)
+        if self.max_model_len > model_cfg.max_position_embeddings:
+            raise ValueError(f"max_model_len {self.max_model_len} exceeds the model's "
+                             f"max_position_embeddings {model_cfg.max_position_embeddings}")
+        if strategy is None and speculative is not None:
+            # The speculative package supplies the strategy; the engine only knows the protocol.
+            strategy = speculative.make_strategy(self)
+        self.strategy: StepStrategy = strategy or DefaultStrategy()
+        num_blocks = self._num_gpu_blocks()
+        self.kv = KVCacheManager(num_blocks, config.block_size, config.num_cpu_blocks,
+                                 config.enable_prefix_caching, config.free_block_watermark)
+        self.executor.allocate_kv_cache(num_blocks, config.block_size, config.num_cpu_blocks)
+        self.scheduler = Scheduler(SchedulerConfig(config.max_num_batched_tokens, config.max_num_seqs,
+                                                   config.prefill_chunk_size, config.swap_threshold_tokens), self.kv)
+        self.eos_token_ids = self._eos_ids(model_cfg)
+        self.generator = torch.Generator().manual_seed(config.seed)   # for unseeded requests
+        self.requests: dict[str, Sequence] = {}
+        self.num_steps = 0
+        self.forward_time_s = 0.0     # inside executor.forward
+        self.step_time_s = 0.0        # whole step() calls
+
+    # -- setup -------------------------------------------------------------------------
+    @staticmethod
+    def _load_tokenizer(model_dir: str):
+        try:
+            from transformers import AutoTokenizer
+            return AutoTokenizer.from_pretrained(model_dir)
+        except Exception:   # token-id-only checkpoints (tests, benchmarks) have no tokenizer
+            return None
+
+    def _eos_ids(self, model_cfg) -> frozenset[int]:
+        ids = getattr(model_cfg, "eos_token_id", None)
+        ids = set(ids if isinstance(ids, (list, tuple)) else [ids] if ids is not None else [])
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        return frozenset(ids)
+
+    def _num_gpu_blocks(self) -> int:
+        cfg = self.config
+        bytes_per_block = self.executor.kv_bytes_per_block(cfg.block_size)
+        need = cdiv(self.max_model_len + self.strategy.max_lookahead_tokens, cfg.block_size)
+        if cfg.num_gpu_blocks is not None:
+            num, field = cfg.num_gpu_blocks, f"num_gpu_blocks={cfg.num_gpu_blocks}"
+        else:
+            num = int(cfg.kv_cache_memory_gb * 1024**3) // bytes_per_block
+            field = f"kv_cache_memory_gb={cfg.kv_cache_memory_gb} ({num} blocks)"
+        if num < need:
+            raise ValueError(
+                f"{field} cannot hold one max-length sequence of {self.max_model_len} tokens: it needs "
+                f"{need} blocks of {cfg.block_size} tokens = {need * bytes_per_block} bytes "
+                f"({need * bytes_per_block / 1024**2:.3f} MiB at {bytes_per_block} bytes per block)")
+        return num
+
+    # -- requests ----------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
+                    priority: int = 0, domain: str | None = None) -> None:
+        """Validate and queue; any ValueError leaves the engine untouched."""
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise ValueError(f"priority must be an int, got {priority!r}")
+        if params.n != 1:
+            raise ValueError(f"n={params.n}: this engine serves n=1 per request (submit copies instead)")
+        if params.logprobs is not None:
+            raise ValueError("logprobs: not supported by this engine")
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop: stop strings need a tokenizer and the model dir has none")
+        prompt_ids = self._tokenize(prompt)
+        if len(prompt_ids) > self.max_model_len:
+            raise ValueError(f"prompt has {len(prompt_ids)} tokens, more than the model's max length "
+                             f"{self.max_model_len}")
+        if len(prompt_ids) + params.max_tokens > self.max_model_len:
+            raise ValueError(f"max_tokens={params.max_tokens} plus the {len(prompt_ids)}-token prompt exceeds "
+                             f"the model's max length {self.max_model_len}")
+        seq = Sequence(request_id, prompt_ids, params, priority, domain)
+        self.requests[request_id] = seq
+        self.scheduler.add(seq)
+
+    def _tokenize(self, prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("prompt: text prompts need a tokenizer; pass token ids")
+            ids = self.tokenizer.encode(prompt)
+        elif isinstance(prompt, (list, tuple)):
+            ids = list(prompt)
+            vocab = self.executor.vocab_size
+            if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in ids):
+                raise ValueError(f"prompt: token ids must be ints in [0, {vocab})")
+        else:
+            raise ValueError(f"prompt must be a str or a list of token ids, got {type(prompt).__name__}")
+        if not ids:
+            raise ValueError("prompt must not be empty")
+        return ids
+
+    def abort(self, request_id: str) -> None:
+        seq = self.requests.pop(request_id, None)
+        if seq is not None and not seq.is_finished:
+            self.scheduler.abort(seq)
+            seq.finished_time = time.perf_counter()
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # -- the step --------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        t_start = time.perf_counter()
+        self.strategy.before_schedule(self)
+        out = self.scheduler.schedule()
+        ex = self.executor
+        if out.blocks_to_swap_out:
+            ex.swap_out(out.blocks_to_swap_out)
+        if out.blocks_to_copy:
+            ex.copy_blocks(out.blocks_to_copy)
+        if out.blocks_to_swap_in:
+            ex.swap_in(out.blocks_to_swap_in)
+        if out.is_empty:
+            return []
+        result = self.strategy.execute(self, out)
+        outputs = self._update(out, result)
+        after_step = getattr(self.strategy, "after_step", None)   # e.g. release finished requests' draft state
+        if after_step is not None:
+            after_step(self, out, outputs)
+        self.num_steps += 1
+        self.step_time_s += time.perf_counter() - t_start
+        return outputs
+
+    def prepare_batch(self, out: SchedulerOutput, extra_tokens: list[list[int]] | None = None) -> BatchInputs:
+        """Flatten the scheduled chunks (+ optional draft tokens in the lookahead slots) into one
+        batch. Slots come from one gather over a padded block-table tensor, not per token."""
+        bs = self.kv.block_size
+        ids: list[int] = []
+        query_lens, starts, tables = [], [], []
+        for i, (seq, n) in enumerate(zip(out.seqs, out.num_scheduled_tokens)):
+            start = seq.num_computed_tokens
+            ids.extend(seq.token_ids[start:start + n])
+            q = n
+            if extra_tokens is not None and extra_tokens[i]:
+                ids.extend(extra_tokens[i])
+                q += len(extra_tokens[i])
+            query_lens.append(q)
+            starts.append(start)
+            tables.append(self.kv.get_block_ids(seq))
+        dev = self.executor.device
+        width = max(len(t) for t in tables)
+        block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+        qlens = torch.tensor(query_lens, dtype=torch.int64)
+        seq_lens = torch.tensor(starts, dtype=torch.int64) + qlens
+        cu = torch.zeros(len(query_lens) + 1, dtype=torch.int64)
+        torch.cumsum(qlens, 0, out=cu[1:])
+        num_tokens = int(cu[-1])
+        seq_of_token = torch.repeat_interleave(torch.arange(len(query_lens)), qlens)
+        positions = torch.arange(num_tokens) - cu[:-1][seq_of_token] + (seq_lens - qlens)[seq_of_token]
+        slots = block_tables[seq_of_token, positions // bs].long() * bs + positions % bs
+        meta = AttentionMetadata(
+            cu_seqlens_q=cu.to(torch.int32).to(dev), seq_lens=seq_lens.to(torch.int32).to(dev),
+            block_tables=block_tables.to(dev), slot_mapping=slots.to(dev),
+            max_seqlen_q=max(query_lens), max_seqlen_k=int(seq_lens.max()))
+        return BatchInputs(torch.tensor(ids, dtype=torch.int64, device=dev), positions.to(dev), meta, query_lens)
+
+    def run_forward(self, batch: BatchInputs, logits_rows: list[int], aux_hidden_layers: tuple[int, ...] = ()):
+        """executor.forward over a prepared batch, timed (the scheduler-overhead figure needs it).
+        logits_rows: flat token rows whose logits are wanted."""
+        start = time.perf_counter()
+        rows = torch.tensor(logits_rows, dtype=torch.long, device=self.executor.device)
+        out = self.executor.forward(batch.input_ids, batch.positions, batch.meta, rows, aux_hidden_layers)
+        self.forward_time_s += time.perf_counter() - start
+        return out
+
+    def sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list[int]:
+        """logits [N, V] fp32, one row per seq -> one token per seq (kernels.sampling)."""
+        # Greedy rows take the argmax directly: the same rule as logits_to_probs' temperature-0
+        # rows, without the sort, softmax and noise that only the sampled rows need.
+        tokens = logits.argmax(dim=-1).tolist()
+        rows = [i for i, s in enumerate(seqs) if s.params.temperature != 0]
+        if not rows:
+            return tokens
+        sampled = [seqs[i] for i in rows]
+        sub = logits if len(rows) == len(seqs) else logits[torch.tensor(rows, device=logits.device)]
+        probs = logits_to_probs(sub, [s.params.temperature for s in sampled], [s.params.top_k for s in sampled],
+                                [s.params.top_p for s in sampled])
+        if any(s.generator is not None for s in sampled):
+            gens = [s.generator or self.generator for s in sampled]
+        else:
+            gens = self.generator
+        for i, tok in zip(rows, sample(probs, gens).tolist()):
+            tokens[i] = tok
+        return tokens
+
+    def _update(self, out: SchedulerOutput, result: StepResult) -> list[RequestOutput]:
+        now = time.perf_counter()
+        outputs = []
+        for seq, n, la, new, rejected in zip(out.seqs, out.num_scheduled_tokens, out.num_lookahead_tokens,
+                                             result.new_token_ids, result.num_rejected_slots):
+            if seq.is_finished:   # aborted by a strategy callback mid-step
+                continue
+            seq.num_computed_tokens += n + la
+            if rejected:
+                self.kv.rollback(seq, rejected)
+            emitted = []
+            for tok in new:
+                seq.append_token(tok, now)
+                emitted.append(tok)
+                reason = self._stop_reason(seq, tok)
+                if reason is not None:
+                    self.scheduler.finish(seq, reason)
+                    seq.finished_time = now
+                    break
+            if not seq.is_finished:
+                self.kv.cache_full_blocks(seq)
+            if emitted:
+                outputs.append(self._output(seq, emitted))
+        self.scheduler.drop_finished()
+        for o in outputs:
+            if o.finished:
+                self.requests.pop(o.request_id, None)
+        return outputs
+
+    def _stop_reason(self, seq: Sequence, tok: int) -> str | None:
+        p = seq.params
+        if (not p.ignore_eos and tok in self.eos_token_ids) or tok in p.stop_token_ids:
+            return "stop"
+        if p.stop:
+            text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
+            hits = [i for i in (text.find(s) for s in p.stop) if i >= 0]
+            if hits:
+                seq.stop_text_len = min(hits)
+                return "stop"
+        if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    def _output(self, seq: Sequence, new: list[int]) -> RequestOutput:
+        detok = None
+        if self.tokenizer is not None:
+            tok = self.tokenizer
+            detok = lambda ids: tok.decode(ids, skip_special_tokens=True)   # noqa: E731
+        metrics = RequestMetrics(seq.arrival_time, seq.first_token_time, seq.token_times, seq.finished_time)
+        return RequestOutput(seq.request_id, seq.prompt_token_ids, seq.output_token_ids, new,
+                             seq.is_finished, seq.finish_reason, metrics,
+                             spec=getattr(seq, "spec_stats", None),   # set by a speculative strategy
+                             _detokenize=detok, _text_limit=seq.stop_text_len)
+
+    # -- stats ---------------------------------------------------------------------------
+    def stats(self) -> EngineStats:
+        pool = self.kv.pool
+        return EngineStats(
+            num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
+            num_swapped=len(self.scheduler.swapped), kv_blocks_total=pool.num_blocks,
+            kv_blocks_used=pool.num_used_blocks, kv_blocks_cached=pool.num_cached_free,
+            kv_blocks_free=pool.num_free_blocks - pool.num_cached_free,
+            prefix_cache_hit_rate=self.kv.prefix_hit_rate, num_preemptions=self.scheduler.num_preemptions,
+            num_swap_preemptions=self.scheduler.num_swap_preemptions, num_steps=self.num_steps,
+            spec=getattr(self.strategy, "stats", lambda: {})())

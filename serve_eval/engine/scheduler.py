@@ -1,0 +1,222 @@
+"""Scheduler: iteration-level continuous batching under a per-step token budget.
+
+Each step: (1) a waiting request of a higher priority tier may preempt lower tiers to get
+its first chunk in; (2) running sequences in priority order (higher tier, then earlier
+arrival) get their next chunk / decode token, preempting from the tail of that order
+(lowest tier, latest arrival) when blocks run out; (3) if nothing was preempted for lack of
+blocks, swapped sequences come back, then (4) waiting ones are admitted FCFS per tier,
+with prefix-cache hits and the free-block watermark. Preemption swaps long sequences
+(>= swap_threshold_tokens) to the CPU pool and recomputes short ones.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from serve_eval.engine.kv_cache_manager import KVCacheManager, cdiv
+from serve_eval.engine.request import Sequence, SequenceStatus
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 256
+    prefill_chunk_size: int = 512
+    swap_threshold_tokens: int = 512
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_batched_tokens", "max_num_seqs", "prefill_chunk_size"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.swap_threshold_tokens < 0:
+            raise ValueError(f"swap_threshold_tokens must be >= 0, got {self.swap_threshold_tokens}")
+
+
+class SchedulerOutput(NamedTuple):
+    seqs: list[Sequence]                      # scheduled this step, in batch order
+    num_scheduled_tokens: list[int]           # tokens of seq.token_ids to run, per seq
+    num_lookahead_tokens: list[int]           # extra KV slots reserved for draft tokens, per seq
+    num_batched_tokens: int                   # sum of the two above (the budget spent)
+    blocks_to_swap_out: list[tuple[int, int]] # (gpu, cpu); run first
+    blocks_to_copy: list[tuple[int, int]]     # (src, dst) copy-on-write; run second
+    blocks_to_swap_in: list[tuple[int, int]]  # (cpu, gpu); run third
+    preempted: list[Sequence]
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.seqs
+
+
+def _order_key(seq: Sequence) -> tuple[int, float, int]:
+    return (-seq.priority, seq.arrival_time, seq.seq_id)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+        self.config = config
+        self.kv = kv
+        self.waiting: list[Sequence] = []   # kept sorted by _order_key
+        self.running: list[Sequence] = []
+        self.swapped: list[Sequence] = []
+        self.num_preemptions = 0
+        self.num_swap_preemptions = 0
+
+    # -- queue management --------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        self._push_waiting(seq)
+
+    def _push_waiting(self, seq: Sequence) -> None:
+        key = _order_key(seq)
+        i = len(self.waiting)
+        while i > 0 and _order_key(self.waiting[i - 1]) > key:   # usually appends at the end
+            i -= 1
+        self.waiting.insert(i, seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running or self.swapped)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """Mark finished and free its blocks at once; removal from queues is lazy for
+        running sequences (see drop_finished) so finishing many is O(n) per step."""
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        self.kv.free(seq)
+
+    def drop_finished(self) -> None:
+        self.running = [s for s in self.running if s.status is SequenceStatus.RUNNING]
+
+    def fork(self, parent: Sequence, request_id: str) -> Sequence:
+        """A running copy of `parent` sharing its blocks (copy-on-write on the next write)."""
+        assert parent.status is SequenceStatus.RUNNING, "only running sequences fork"
+        child = parent.fork(request_id)
+        self.kv.fork(parent, child)
+        child.status = SequenceStatus.RUNNING
+        self.running.append(child)
+        return child
+
+    def abort(self, seq: Sequence) -> None:
+        for queue in (self.waiting, self.running, self.swapped):
+            if seq in queue:
+                queue.remove(seq)
+        self.finish(seq, "abort")
+
+    # -- preemption ----------------------------------------------------------------------
+    def _preempt(self, seq: Sequence, swap_out: list[tuple[int, int]]) -> None:
+        self.num_preemptions += 1
+        if seq.num_computed_tokens >= self.config.swap_threshold_tokens and self.kv.can_swap_out(seq):
+            swap_out.extend(self.kv.swap_out(seq))
+            seq.status = SequenceStatus.SWAPPED
+            self.swapped.append(seq)
+            self.num_swap_preemptions += 1
+        else:  # recompute: forget the KV, keep the tokens (prompt + outputs so far)
+            self.kv.free(seq)
+            seq.num_computed_tokens = 0
+            seq.status = SequenceStatus.WAITING
+            self._push_waiting(seq)
+
+    def _next_chunk(self, seq: Sequence, budget: int) -> tuple[int, int]:
+        """(tokens to compute, lookahead slots) for seq within `budget`."""
+        remaining = seq.num_tokens - seq.num_computed_tokens
+        num_new = min(remaining, self.config.prefill_chunk_size, budget)
+        lookahead = min(seq.num_lookahead_tokens, budget - num_new) if remaining == 1 else 0
+        return num_new, lookahead
+
+    def _priority_preemption(self, swap_out: list, preempted: list) -> None:
+        """Let the head of the waiting queue evict running sequences of lower tiers."""
+        if not self.waiting or not self.running:
+            return
+        head = self.waiting[0]
+        order = sorted(self.running, key=_order_key)
+        need = cdiv(min(head.num_tokens, self.config.prefill_chunk_size), self.kv.block_size)
+        while (order and order[-1].priority < head.priority
+               and self.kv.pool.num_free_blocks - self.kv.watermark_blocks < need):
+            victim = order.pop()
+            self.running.remove(victim)
+            self._preempt(victim, swap_out)
+            preempted.append(victim)
+
+    # -- the step --------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        seqs: list[Sequence] = []
+        num_tokens: list[int] = []
+        lookaheads: list[int] = []
+        swap_out: list[tuple[int, int]] = []
+        swap_in: list[tuple[int, int]] = []
+        preempted: list[Sequence] = []
+
+        def take(seq: Sequence, n: int, la: int) -> None:
+            nonlocal budget
+            seqs.append(seq)
+            num_tokens.append(n)
+            lookaheads.append(la)
+            budget -= n + la
+
+        self._priority_preemption(swap_out, preempted)
+
+        # (2) running sequences, highest tier / earliest arrival first.
+        order = sorted(self.running, key=_order_key)
+        still_running: list[Sequence] = []
+        out_of_blocks = False
+        i = 0
+        while i < len(order):
+            seq = order[i]
+            i += 1
+            if budget <= 0:
+                still_running.append(seq)
+                continue
+            n, la = self._next_chunk(seq, budget)
+            if n + la == 0:   # nothing to compute (e.g. waiting on a strategy); keep its blocks
+                still_running.append(seq)
+                continue
+            while not self.kv.allocate_slots(seq, n, la):
+                out_of_blocks = True
+                victim = order.pop() if len(order) > i else seq   # lowest tier, latest arrival
+                self._preempt(victim, swap_out)
+                preempted.append(victim)
+                if victim is seq:
+                    break
+            else:
+                take(seq, n, la)
+                still_running.append(seq)
+        self.running = still_running
+
+        # (3) swapped sequences return before any new admission.
+        if not out_of_blocks:
+            for seq in sorted(self.swapped, key=_order_key):
+                if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
+                    break
+                n, la = self._next_chunk(seq, budget)
+                extra = cdiv(seq.num_computed_tokens + n + la, self.kv.block_size) - len(self.kv.cpu_tables[seq.seq_id])
+                if not self.kv.can_swap_in(seq, max(extra, 0)):
+                    break
+                swap_in.extend(self.kv.swap_in(seq))
+                self.swapped.remove(seq)
+                seq.status = SequenceStatus.RUNNING
+                self.running.append(seq)
+                ok = self.kv.allocate_slots(seq, n, la)
+                assert ok, "swap-in reserved room for the next chunk"
+                take(seq, n, la)
+
+        # (4) waiting sequences, FCFS within a tier; a higher tier may pass swapped ones.
+        if not out_of_blocks:
+            top_swapped = max((s.priority for s in self.swapped), default=None)
+            while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+                seq = self.waiting[0]
+                if top_swapped is not None and seq.priority <= top_swapped:
+                    break
+                assert seq.num_computed_tokens == 0, "waiting sequences hold no KV"
+                hits = self.kv.lookup_prefix(seq)
+                remaining = seq.num_tokens - len(hits) * self.kv.block_size
+                n = min(remaining, self.config.prefill_chunk_size, budget)
+                if not self.kv.allocate_slots(seq, n, 0, computed_blocks=hits, admit=True):
+                    break
+                self.waiting.pop(0)
+                seq.status = SequenceStatus.RUNNING
+                self.running.append(seq)
+                take(seq, n, 0)
+
+        return SchedulerOutput(seqs, num_tokens, lookaheads,
+                               self.config.max_num_batched_tokens - budget,
+                               swap_out, self.kv.take_pending_copies(), swap_in, preempted)
