@@ -1,0 +1,186 @@
+"""Paged attention behind one signature, plus backend selection.
+
+Every backend implements ``attention(q, k_cache, v_cache, meta, scale) -> out`` over a paged KV cache
+and shares ``write_kv``. The torch backend is the reference (and the CPU default); Triton and
+flash-attn are imported lazily so this package imports on a machine without a GPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+AttentionFn = Callable[[Tensor, Tensor, Tensor, "AttentionMetadata", float], Tensor]
+
+BACKENDS = ("torch", "triton", "flash")
+
+
+@dataclass
+class AttentionMetadata:
+    """Where the new tokens of a flattened batch come from and where their context lives.
+
+    Query token j (local index) of sequence i sits at position ``seq_lens[i] - q_len_i + j`` and sees
+    every context position before ``seq_lens[i] - q_len_i`` plus its own sequence's new tokens that are
+    allowed by causality (local <= j) or, when ``tree_mask`` is set, by ``tree_mask[t, local]``.
+    """
+
+    cu_seqlens_q: Tensor  # int32 [B+1]; new tokens of seq i are rows cu[i]:cu[i+1]
+    seq_lens: Tensor  # int32 [B]; context length of seq i INCLUDING its new tokens
+    block_tables: Tensor  # int32 [B, max_blocks_per_seq]; padded with 0, never read past seq_lens
+    slot_mapping: Tensor  # int64 [T]; flat slot (block * block_size + offset) of each new token's K/V
+    max_seqlen_q: int
+    max_seqlen_k: int
+    tree_mask: Tensor | None = None  # bool [T, max_seqlen_q]; None = causal
+    # Filled once per forward by prepare_decode() for all-decode batches, so every layer reuses them:
+    decode_block_tables: Tensor | None = None  # int64 [B, ceil(max_seqlen_k / block_size)]
+    decode_key_mask: Tensor | None = None  # bool [B, 1, 1, that * block_size]; True = a real key (< seq_len)
+
+    def __post_init__(self) -> None:
+        num_seqs = self.seq_lens.shape[0]
+        if self.cu_seqlens_q.shape[0] != num_seqs + 1:
+            raise ValueError(
+                f"cu_seqlens_q must have len(seq_lens)+1={num_seqs + 1} entries, got {self.cu_seqlens_q.shape[0]}"
+            )
+        if self.block_tables.dim() != 2 or self.block_tables.shape[0] != num_seqs:
+            raise ValueError(f"block_tables must be [B={num_seqs}, max_blocks], got {tuple(self.block_tables.shape)}")
+        if self.tree_mask is not None and self.tree_mask.dim() != 2:
+            raise ValueError(f"tree_mask must be [T, max_seqlen_q], got {tuple(self.tree_mask.shape)}")
+
+    @property
+    def num_seqs(self) -> int:
+        return int(self.seq_lens.shape[0])
+
+    @property
+    def is_pure_decode(self) -> bool:
+        """True when every sequence brings exactly one new token and there is no tree mask."""
+        return self.max_seqlen_q == 1 and self.tree_mask is None
+
+    def prepare_decode(self, block_size: int) -> None:
+        """Precompute the per-batch tensors the decode path needs (idempotent; no-op unless pure decode)."""
+        if not self.is_pure_decode or self.decode_block_tables is not None:
+            return
+        num_blocks = -(-self.max_seqlen_k // block_size)
+        self.decode_block_tables = self.block_tables[:, :num_blocks].long()
+        key_positions = torch.arange(num_blocks * block_size, device=self.seq_lens.device)
+        self.decode_key_mask = (key_positions[None, :] < self.seq_lens[:, None])[:, None, None, :]
+
+    @classmethod
+    def build(
+        cls,
+        query_lens: list[int],
+        seq_lens: list[int],
+        block_tables: list[list[int]],
+        block_size: int,
+        device: torch.device | str = "cpu",
+        tree_mask: Tensor | None = None,
+    ) -> "AttentionMetadata":
+        """Build metadata from Python lists (convenience for tests, drafts and simple callers).
+
+        The new tokens of each sequence are its last ``query_lens[i]`` context positions, so their slots
+        follow from the block table.
+        """
+        if not (len(query_lens) == len(seq_lens) == len(block_tables)):
+            raise ValueError("query_lens, seq_lens and block_tables must have one entry per sequence")
+        cu = [0]
+        slots: list[int] = []
+        for q_len, s_len, table in zip(query_lens, seq_lens, block_tables):
+            if q_len < 1 or q_len > s_len:
+                raise ValueError(f"query_lens entry {q_len} must be in [1, seq_len={s_len}]")
+            if len(table) * block_size < s_len:
+                raise ValueError(f"block table of {len(table)} blocks cannot hold seq_len={s_len}")
+            cu.append(cu[-1] + q_len)
+            slots.extend(table[p // block_size] * block_size + p % block_size for p in range(s_len - q_len, s_len))
+        width = max(1, max(len(t) for t in block_tables))
+        padded = [t + [0] * (width - len(t)) for t in block_tables]
+        return cls(
+            cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=device),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+            block_tables=torch.tensor(padded, dtype=torch.int32, device=device),
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+            max_seqlen_q=max(query_lens),
+            max_seqlen_k=max(seq_lens),
+            tree_mask=tree_mask,
+        )
+
+
+def write_kv(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor) -> None:
+    """Scatter new K/V rows into their slots.
+
+    k, v: [T, num_kv_heads, head_dim]; k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim];
+    slot_mapping: int64 [T]. A flat view of the cache makes this one index_copy per tensor.
+    """
+    num_slots = k_cache.shape[0] * k_cache.shape[1]
+    k_cache.view(num_slots, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_cache.view(num_slots, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+
+
+def _cuda_available() -> bool:
+    return torch.cuda.is_available()
+
+
+def select_backend(name: str = "auto", device: torch.device | str | None = None, block_size: int | None = None) -> str:
+    """Resolve a backend name. ``auto``: flash on CUDA with flash_attn (and a block size it pages with),
+    else triton on CUDA, else torch. Asking for a backend this machine cannot run raises ValueError."""
+    if name not in ("auto", *BACKENDS):
+        raise ValueError(f"attn_backend must be one of auto/{'/'.join(BACKENDS)}, got {name!r}")
+    on_cuda = _cuda_available() and (device is None or torch.device(device).type == "cuda")
+    if name == "auto":
+        if not on_cuda:
+            return "torch"
+        from kernels.attention import flash
+
+        if flash.is_available() and (block_size is None or flash.supports_block_size(block_size)):
+            return "flash"
+        return "triton"
+    if name == "flash":
+        from kernels.attention import flash
+
+        if not on_cuda:
+            raise ValueError("attn_backend='flash' needs a CUDA device; this run has none (use 'torch' or 'auto')")
+        if not flash.is_available():
+            raise ValueError("attn_backend='flash' needs the flash_attn package, which is not importable here")
+    if name == "triton" and not on_cuda and not _triton_interpreted():
+        raise ValueError("attn_backend='triton' needs CUDA or TRITON_INTERPRET=1 set before import")
+    return name
+
+
+def _triton_interpreted() -> bool:
+    import os
+
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def get_attention_backend(name: str) -> AttentionFn:
+    """Return the ``attention`` callable of a concrete backend (``auto`` is resolved first)."""
+    name = select_backend(name)
+    if name == "torch":
+        from kernels.attention.torch_paged import paged_attention
+
+        return paged_attention
+    if name == "triton":
+        from kernels.attention.triton_paged import paged_attention
+
+        return paged_attention
+    from kernels.attention.flash import paged_attention
+
+    return paged_attention
+
+
+def attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata, scale: float) -> Tensor:
+    """Reference paged attention (torch backend). q: [T, H, D] -> [T, H, D]."""
+    from kernels.attention.torch_paged import paged_attention
+
+    return paged_attention(q, k_cache, v_cache, meta, scale)
+
+
+__all__ = [
+    "AttentionMetadata",
+    "BACKENDS",
+    "attention",
+    "get_attention_backend",
+    "select_backend",
+    "write_kv",
+]

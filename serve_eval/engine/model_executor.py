@@ -1,0 +1,273 @@
+"""Our own Llama-family forward over a flattened batch of many sequences (selective batching).
+
+Norms, projections and the MLP run over all T new tokens of the step as one [T, d] matrix; only attention
+looks at sequence boundaries, through ``AttentionMetadata`` and the paged KV cache. The executor owns the
+KV cache tensors ([L, num_blocks, block_size, KVH, D] for K and for V) and the block-level copies the
+cache manager asks for (copy-on-write, swap to/from a CPU pool, compaction of accepted tree slots).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from kernels.attention import AttentionMetadata, get_attention_backend, select_backend, write_kv
+from serve_eval.engine.layers import Linear, RotaryEmbedding, apply_rope, rms_norm
+from serve_eval.engine.weights import (
+    LayerWeights,
+    ModelWeights,
+    check_config,
+    fuse_weights,
+    load_config,
+    read_state_dict,
+    weight_bytes,
+)
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+           "float16": torch.float16, "fp16": torch.float16}
+
+
+class ForwardOutput(NamedTuple):
+    logits: Tensor  # [N, V] float32, rows = logits_indices (all T if None)
+    hidden: Tensor  # [T, d] final-norm output (the lm_head input)
+    aux_hidden: dict[int, Tensor]  # {i: [T, d]} in HF hidden_states indexing (0 = embeddings)
+
+
+def resolve_dtype(dtype: torch.dtype | str) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+    return _DTYPES[dtype]
+
+
+class ModelExecutor:
+    """Loads a HF checkpoint dir and runs paged forwards. See docs/interfaces.md for the contract."""
+
+    def __init__(self, model_dir: str | Path, dtype: torch.dtype | str = torch.float32, device: str = "cpu",
+                 attn_backend: str = "auto", compile: bool = False):
+        config = load_config(model_dir)
+        self._setup(config, read_state_dict(model_dir), dtype, device, attn_backend, source=str(model_dir))
+        if compile:
+            self.enable_compile()
+
+    @classmethod
+    def from_state_dict(cls, config, state_dict: dict[str, Tensor], dtype: torch.dtype | str = torch.float32,
+                        device: str = "cpu", attn_backend: str = "auto") -> "ModelExecutor":
+        """Build from an in-memory HF config + state dict (tests, standalone drafts)."""
+        check_config(config)
+        executor = cls.__new__(cls)
+        executor._setup(config, state_dict, dtype, device, attn_backend, source="state dict")
+        return executor
+
+    @classmethod
+    def from_hf_model(cls, model: torch.nn.Module, dtype: torch.dtype | str = torch.float32, device: str = "cpu",
+                      attn_backend: str = "auto") -> "ModelExecutor":
+        """Build from a loaded transformers LlamaForCausalLM-like model (weights are copied)."""
+        return cls.from_state_dict(model.config, model.state_dict(), dtype, device, attn_backend)
+
+    def _setup(self, config, state_dict, dtype, device, attn_backend: str, source: str) -> None:
+        self.config = config
+        self.dtype = resolve_dtype(dtype)
+        self.device = torch.device(device)
+        self.num_layers: int = config.num_hidden_layers
+        self.num_heads: int = config.num_attention_heads
+        self.num_kv_heads: int = config.num_key_value_heads
+        self.head_dim: int = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.hidden_size: int = config.hidden_size
+        self.vocab_size: int = config.vocab_size
+        self.eps: float = config.rms_norm_eps
+        self.scale: float = self.head_dim ** -0.5
+        self.sliding_window: int | None = self._sliding_window(config)
+        self.weights: ModelWeights = fuse_weights(config, state_dict, self.dtype, self.device, source)
+        self.rope = RotaryEmbedding(config, self.head_dim, self.dtype, self.device)
+        self._pack_linears(Linear.should_pack(self.dtype, self.device))
+        self.attn_backend_name = attn_backend
+        self.attn_backend = select_backend(attn_backend, self.device)
+        self._attention = get_attention_backend(self.attn_backend)
+        self._q_width = self.num_heads * self.head_dim
+        self._qk_width = (self.num_heads + self.num_kv_heads) * self.head_dim
+        self.k_cache: Tensor | None = None  # [L, num_blocks, block_size, KVH, D]
+        self.v_cache: Tensor | None = None
+        self.cpu_k_cache: Tensor | None = None  # swap space, same layout, on the CPU
+        self.cpu_v_cache: Tensor | None = None
+        self.block_size: int | None = None
+        self._compiled_run = None
+
+    def _pack_linears(self, pack: bool) -> None:
+        """Per-layer projection callables (qkv, o, gate_up, down) and the lm_head, packed when it pays."""
+        self._linears = [
+            (Linear(w.qkv, w.qkv_bias, pack), Linear(w.o_proj, w.o_bias, pack), Linear(w.gate_up, None, pack),
+             Linear(w.down, None, pack))
+            for w in self.weights.layers
+        ]
+        self._lm_head = Linear(self.weights.lm_head, None, pack)
+
+    def enable_compile(self) -> None:
+        """torch.compile the all-decode forward (one graph for every layer; dynamic batch and context sizes).
+
+        Only pure-decode steps use it (the batch-1 latency path); prefill and mixed steps stay eager. The first
+        decode step pays the compile (tens of seconds on a small CPU).
+        """
+        self._pack_linears(False)  # inductor traces plain matmuls; oneDNN-packed weights are opaque to it
+        # Measured on the shared 2-CPU dev box (scripts/bench_roofline.py --threads 1 --compile): 15-20% faster
+        # than the plain-weight eager path, but ~2x slower than eager with packed bf16 weights. Opt-in only.
+        self._compiled_run = torch.compile(self._run, dynamic=True)
+
+    @staticmethod
+    def _sliding_window(config) -> int | None:
+        """Window of Mistral/Qwen2 configs that actually use one (we run full attention; see forward)."""
+        window = getattr(config, "sliding_window", None)
+        if window is None or (config.model_type == "qwen2" and not getattr(config, "use_sliding_window", False)):
+            return None
+        return int(window)
+
+    # ------------------------------------------------------------------ KV cache
+    def kv_bytes_per_block(self, block_size: int) -> int:
+        """Bytes of K and V of all layers for one block."""
+        element = torch.empty(0, dtype=self.dtype).element_size()
+        return 2 * self.num_layers * block_size * self.num_kv_heads * self.head_dim * element
+
+    def allocate_kv_cache(self, num_blocks: int, block_size: int, num_cpu_blocks: int = 0) -> None:
+        """Preallocate the paged cache (and, if asked, a CPU swap pool of the same layout)."""
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(f"num_blocks and block_size must be >= 1, got {num_blocks}, {block_size}")
+        shape = (self.num_layers, num_blocks, block_size, self.num_kv_heads, self.head_dim)
+        self.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.block_size = block_size
+        # Per-layer views made once, not on every layer of every step.
+        self._layer_caches = list(zip(self.k_cache.unbind(0), self.v_cache.unbind(0)))
+        if num_cpu_blocks:
+            self.allocate_cpu_cache(num_cpu_blocks)
+
+    def allocate_cpu_cache(self, num_cpu_blocks: int) -> None:
+        if self.k_cache is None:
+            raise ValueError("allocate_kv_cache must run before allocate_cpu_cache")
+        shape = (self.num_layers, num_cpu_blocks, *self.k_cache.shape[2:])
+        pin = self.device.type == "cuda"
+        self.cpu_k_cache = torch.zeros(shape, dtype=self.dtype, pin_memory=pin)
+        self.cpu_v_cache = torch.zeros(shape, dtype=self.dtype, pin_memory=pin)
+
+    def _require_cache(self) -> None:
+        if self.k_cache is None:
+            raise ValueError("KV cache not allocated: call allocate_kv_cache(num_blocks, block_size) first")
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy whole blocks src -> dst in every layer (copy-on-write)."""
+        self._require_cache()
+        if pairs:
+            src, dst = (torch.tensor(x, device=self.device) for x in zip(*pairs))
+            self.k_cache[:, dst] = self.k_cache[:, src]
+            self.v_cache[:, dst] = self.v_cache[:, src]
+
+    def swap_out(self, pairs: list[tuple[int, int]]) -> None:
+        """pairs: (device block, cpu block). Copies device blocks into the CPU pool."""
+        self._swap(pairs, self.k_cache, self.v_cache, self.cpu_k_cache, self.cpu_v_cache)
+
+    def swap_in(self, pairs: list[tuple[int, int]]) -> None:
+        """pairs: (cpu block, device block). Copies CPU pool blocks back into the device cache."""
+        self._swap(pairs, self.cpu_k_cache, self.cpu_v_cache, self.k_cache, self.v_cache)
+
+    def _swap(self, pairs, src_k, src_v, dst_k, dst_v) -> None:
+        self._require_cache()
+        if self.cpu_k_cache is None:
+            raise ValueError("no CPU swap pool: pass num_cpu_blocks to allocate_kv_cache or call allocate_cpu_cache")
+        if not pairs:
+            return
+        src, dst = zip(*pairs)
+        src_idx = torch.tensor(src, device=src_k.device)
+        dst_idx = torch.tensor(dst, device=dst_k.device)
+        # Blocking copies: a non-blocking device->host copy could be read before it lands.
+        dst_k[:, dst_idx] = src_k[:, src_idx].to(dst_k.device)
+        dst_v[:, dst_idx] = src_v[:, src_idx].to(dst_v.device)
+
+    def copy_slots(self, src: Tensor, dst: Tensor) -> None:
+        """Copy single token slots src[i] -> dst[i] in every layer (compacting an accepted tree path).
+
+        src, dst: int64 [n] flat slots (block * block_size + offset). Sources are read before any write,
+        so overlapping src/dst is safe.
+        """
+        self._require_cache()
+        src = torch.as_tensor(src, dtype=torch.int64, device=self.device)
+        dst = torch.as_tensor(dst, dtype=torch.int64, device=self.device)
+        if src.shape != dst.shape:
+            raise ValueError(f"copy_slots: src {tuple(src.shape)} and dst {tuple(dst.shape)} differ")
+        for cache in (self.k_cache, self.v_cache):
+            flat = cache.view(self.num_layers, -1, self.num_kv_heads, self.head_dim)
+            flat[:, dst] = flat[:, src]
+
+    # ------------------------------------------------------------------ forward
+    def _layer(self, index: int, w: LayerWeights, h: Tensor, cos: Tensor, sin: Tensor,
+               meta: AttentionMetadata) -> Tensor:
+        """One decoder layer over the flattened tokens. h: [T, d] residual stream -> [T, d]."""
+        num_tokens = h.shape[0]
+        qkv_proj, o_proj, gate_up_proj, down_proj = self._linears[index]
+        qkv = qkv_proj(rms_norm(h, w.input_norm, self.eps))
+        # Rotate q and k heads together: one rope pass over [T, H + KVH, D].
+        qk = apply_rope(qkv[:, :self._qk_width].view(num_tokens, -1, self.head_dim), cos, sin)
+        q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
+        v = qkv[:, self._qk_width:].view(num_tokens, self.num_kv_heads, self.head_dim)
+        k_cache, v_cache = self._layer_caches[index]
+        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        attn = self._attention(q, k_cache, v_cache, meta, self.scale)
+        h = h + o_proj(attn.reshape(num_tokens, self._q_width))
+        gate, up = gate_up_proj(rms_norm(h, w.post_norm, self.eps)).chunk(2, dim=-1)
+        return h + down_proj(F.silu(gate) * up)
+
+    @torch.no_grad()
+    def forward(self, input_ids: Tensor, positions: Tensor, meta: AttentionMetadata,
+                logits_indices: Tensor | None = None, aux_hidden_layers: tuple[int, ...] = ()) -> ForwardOutput:
+        """input_ids, positions: int [T]; logits_indices: int [N] rows to project (None = all T).
+
+        aux_hidden_layers index HF ``hidden_states``: 0 = embeddings, i = output of layer i-1, L = final norm.
+        """
+        self._require_cache()
+        if input_ids.shape != positions.shape or input_ids.dim() != 1:
+            raise ValueError(f"input_ids {tuple(input_ids.shape)} and positions {tuple(positions.shape)} must be [T]")
+        if self.sliding_window is not None and meta.max_seqlen_k > self.sliding_window:
+            raise ValueError(f"context of {meta.max_seqlen_k} tokens exceeds the config's sliding_window "
+                             f"{self.sliding_window}; sliding-window attention is not implemented")
+        aux_layers = tuple(sorted(set(aux_hidden_layers)))
+        bad = [i for i in aux_layers if not 0 <= i <= self.num_layers]
+        if bad:
+            raise ValueError(f"aux_hidden_layers {bad} outside [0, {self.num_layers}]")
+        # Positions never exceed max_seqlen_k - 1 (new tokens sit inside the context), so no device sync here.
+        cos, sin = self.rope(positions, meta.max_seqlen_k - 1)
+        body = self._run
+        if meta.is_pure_decode and self._compiled_run is not None and self.attn_backend == "torch":
+            meta.prepare_decode(self.block_size)
+            body = self._compiled_run
+        logits, hidden, aux = body(input_ids, cos, sin, meta, logits_indices, aux_layers)
+        return ForwardOutput(logits=logits, hidden=hidden, aux_hidden=aux)
+
+    def _run(self, input_ids: Tensor, cos: Tensor, sin: Tensor, meta: AttentionMetadata,
+             logits_indices: Tensor | None, aux_layers: tuple[int, ...]) -> tuple[Tensor, Tensor, dict[int, Tensor]]:
+        """The model proper: embeddings -> layers -> final norm -> lm_head rows (compilable as one graph)."""
+        aux: dict[int, Tensor] = {}
+        h = F.embedding(input_ids, self.weights.embed)
+        if 0 in aux_layers:
+            aux[0] = h
+        for index, layer in enumerate(self.weights.layers):
+            h = self._layer(index, layer, h, cos, sin, meta)
+            if index + 1 in aux_layers and index + 1 < self.num_layers:
+                aux[index + 1] = h
+        hidden = rms_norm(h, self.weights.norm, self.eps)
+        if self.num_layers in aux_layers:
+            aux[self.num_layers] = hidden  # HF's last hidden_states entry is the final-norm output
+        rows = hidden if logits_indices is None else hidden.index_select(0, logits_indices)
+        return self._lm_head(rows).float(), hidden, aux
+
+    __call__ = forward
+
+    def compute_logits(self, hidden: Tensor) -> Tensor:
+        """lm_head over final-norm hidden rows [N, d] -> fp32 [N, V] (drafts that reuse the target's head)."""
+        return self._lm_head(hidden.to(self.dtype)).float()
+
+    def weight_bytes(self) -> int:
+        """Bytes of weights a decode step reads (roofline numerator)."""
+        return weight_bytes(self.weights)

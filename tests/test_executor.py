@@ -1,0 +1,293 @@
+"""ModelExecutor against transformers on tiny random Llama / Mistral / Qwen2 checkpoints (fp32, exact to 1e-4)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+from kernels.attention import AttentionMetadata
+from serve_eval.engine.model_executor import ModelExecutor
+
+VOCAB = 160
+BLOCK_SIZE = 4
+TOL = 1e-4
+
+
+def tiny_model(kind: str = "llama", kv_heads: int = 2, tied: bool = False, rope_scaling: dict | None = None,
+               max_pos: int = 256, seed: int = 0):
+    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+                  num_key_value_heads=kv_heads, max_position_embeddings=max_pos, tie_word_embeddings=tied)
+    torch.manual_seed(seed)
+    if kind == "qwen2":
+        model = Qwen2ForCausalLM(Qwen2Config(**common))
+        with torch.no_grad():  # HF initialises biases to zero, which would make the bias path untested
+            for layer in model.model.layers:
+                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                    proj.bias.normal_(0, 0.5)
+    elif kind == "mistral":
+        model = MistralForCausalLM(MistralConfig(**common, sliding_window=None))
+    else:
+        model = LlamaForCausalLM(LlamaConfig(**common, rope_scaling=rope_scaling))
+    return model.eval()
+
+
+def hf_logits(model, tokens: list[int]) -> torch.Tensor:
+    """Full-sequence, cache-free logits [S, V] from transformers."""
+    with torch.no_grad():
+        return model(torch.tensor([tokens])).logits[0].float()
+
+
+class PagedRunner:
+    """Minimal engine stand-in: per-sequence token lists and block tables over shuffled physical blocks."""
+
+    def __init__(self, executor: ModelExecutor, num_blocks: int = 64, seed: int = 0):
+        self.executor = executor
+        executor.allocate_kv_cache(num_blocks, BLOCK_SIZE, num_cpu_blocks=8)
+        self.free = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed)).tolist()
+        self.tokens: dict[str, list[int]] = {}
+        self.tables: dict[str, list[int]] = {}
+
+    def step(self, work: dict[str, list[int]], **kwargs):
+        """Append each sequence's new tokens and run one forward; returns ({seq: logits rows}, output)."""
+        ids, positions, q_lens, s_lens, tables = [], [], [], [], []
+        for name, new in work.items():
+            toks = self.tokens.setdefault(name, [])
+            table = self.tables.setdefault(name, [])
+            start = len(toks)
+            toks.extend(new)
+            while len(table) * BLOCK_SIZE < len(toks):
+                table.append(self.free.pop())
+            ids.extend(new)
+            positions.extend(range(start, len(toks)))
+            q_lens.append(len(new))
+            s_lens.append(len(toks))
+            tables.append(table)
+        meta = AttentionMetadata.build(q_lens, s_lens, tables, BLOCK_SIZE)
+        out = self.executor.forward(torch.tensor(ids), torch.tensor(positions), meta, **kwargs)
+        rows, offset = {}, 0
+        for name, n in zip(work, q_lens):
+            rows[name] = out.logits[offset:offset + n]
+            offset += n
+        return rows, out
+
+
+# (sequence -> new tokens) per step: chunked prefill of A over 3 steps, B prefill then decode, C joins late;
+# step 4 is pure decode (vectorized path), step 5 a single decode.
+SCHEDULE = [
+    {"A": 5, "B": 9},
+    {"A": 7, "B": 1, "C": 6},
+    {"A": 4, "B": 1, "C": 1},
+    {"A": 1, "B": 1, "C": 1},
+    {"A": 1},
+]
+
+
+def run_schedule_and_compare(model, executor) -> float:
+    gen = torch.Generator().manual_seed(1)
+    runner = PagedRunner(executor)
+    seen: dict[str, list[torch.Tensor]] = {}
+    for step in SCHEDULE:
+        work = {name: torch.randint(0, VOCAB, (n,), generator=gen).tolist() for name, n in step.items()}
+        rows, _ = runner.step(work)
+        for name, logits in rows.items():
+            seen.setdefault(name, []).append(logits)
+    worst = 0.0
+    for name, chunks in seen.items():
+        ours = torch.cat(chunks)
+        worst = max(worst, (ours - hf_logits(model, runner.tokens[name])).abs().max().item())
+    return worst
+
+
+@pytest.mark.parametrize("kind,kv_heads,tied", [
+    ("llama", 2, False),  # GQA, untied
+    ("llama", 4, True),   # MHA, tied embeddings
+    ("qwen2", 2, False),  # attention bias
+    ("mistral", 1, False),  # MQA
+])
+def test_logits_match_transformers_over_mixed_steps(tmp_path, kind, kv_heads, tied):
+    """Prefill, chunked prefill (3 chunks), decode and mixed batches give HF's full-sequence logits."""
+    model = tiny_model(kind, kv_heads=kv_heads, tied=tied)
+    model.save_pretrained(tmp_path)
+    executor = ModelExecutor(tmp_path)
+    assert executor.weights.tied == tied
+    assert run_schedule_and_compare(model, executor) < TOL
+
+
+@pytest.mark.parametrize("rope_scaling", [
+    {"rope_type": "linear", "factor": 2.0},
+    {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+     "original_max_position_embeddings": 16},
+])
+def test_rope_scaling_matches_transformers(tmp_path, rope_scaling):
+    """Linear and llama3 rope scaling read from the saved config reproduce HF logits."""
+    model = tiny_model(rope_scaling=rope_scaling)
+    model.save_pretrained(tmp_path)
+    assert run_schedule_and_compare(model, ModelExecutor(tmp_path)) < TOL
+
+
+def test_dynamic_rope_beyond_max_positions():
+    """Dynamic NTK scaling: a 24-token prefill past max_position_embeddings=16 matches HF."""
+    model = tiny_model(rope_scaling={"rope_type": "dynamic", "factor": 2.0}, max_pos=16)
+    runner = PagedRunner(ModelExecutor.from_hf_model(model))
+    tokens = torch.randint(0, VOCAB, (24,), generator=torch.Generator().manual_seed(2)).tolist()
+    rows, _ = runner.step({"A": tokens})
+    assert (rows["A"] - hf_logits(model, tokens)).abs().max().item() < TOL
+
+
+def test_sharded_checkpoint_loads(tmp_path):
+    """A checkpoint split into shards with model.safetensors.index.json loads to the same logits."""
+    model = tiny_model()
+    model.save_pretrained(tmp_path, max_shard_size="100KB")
+    assert (tmp_path / "model.safetensors.index.json").is_file()
+    assert run_schedule_and_compare(model, ModelExecutor(tmp_path)) < TOL
+
+
+def test_aux_hidden_and_final_hidden_match_hf_hidden_states():
+    """aux_hidden[i] equals HF output_hidden_states[i] (0 = embeddings, L = final norm); hidden = last_hidden_state."""
+    model = tiny_model()
+    runner = PagedRunner(ModelExecutor.from_hf_model(model))
+    gen = torch.Generator().manual_seed(3)
+    work = {"A": torch.randint(0, VOCAB, (7,), generator=gen).tolist(),
+            "B": torch.randint(0, VOCAB, (5,), generator=gen).tolist()}
+    layers = (0, 1, 2, 3)
+    _, out = runner.step(work, aux_hidden_layers=layers)
+    offset = 0
+    for name, toks in work.items():
+        with torch.no_grad():
+            ref = model.model(torch.tensor([toks]), output_hidden_states=True)
+        for i in layers:
+            got = out.aux_hidden[i][offset:offset + len(toks)]
+            assert (got - ref.hidden_states[i][0]).abs().max().item() < TOL, i
+        assert (out.hidden[offset:offset + len(toks)] - ref.last_hidden_state[0]).abs().max().item() < TOL
+        offset += len(toks)
+
+
+def test_logits_indices_select_rows():
+    """logits_indices returns exactly those rows of the full logits."""
+    model = tiny_model()
+    executor = ModelExecutor.from_hf_model(model)
+    runner = PagedRunner(executor)
+    toks = list(range(10))
+    _, full = runner.step({"A": toks})
+    runner2 = PagedRunner(ModelExecutor.from_hf_model(model))
+    _, picked = runner2.step({"A": toks}, logits_indices=torch.tensor([9, 3]))
+    torch.testing.assert_close(picked.logits, full.logits[[9, 3]])
+
+
+def _tree_fixture(model):
+    """A prefix plus a 6-node draft tree; returns runner, prefix, nodes, parents, per-node logits rows."""
+    executor = ModelExecutor.from_hf_model(model)
+    runner = PagedRunner(executor)
+    gen = torch.Generator().manual_seed(4)
+    prefix = torch.randint(0, VOCAB, (6,), generator=gen).tolist()
+    runner.step({"A": prefix})
+    nodes = torch.randint(0, VOCAB, (6,), generator=gen).tolist()
+    parents = [-1, 0, 0, 1, 3, 2]
+    depth, mask = [], torch.zeros(6, 6, dtype=torch.bool)
+    for j, p in enumerate(parents):
+        depth.append(0 if p == -1 else depth[p] + 1)
+        mask[j] = mask[p] if p != -1 else mask[j]
+        mask[j, j] = True
+    table = runner.tables["A"]
+    while len(table) * BLOCK_SIZE < len(prefix) + 6:
+        table.append(runner.free.pop())
+    meta = AttentionMetadata.build([6], [len(prefix) + 6], [table], BLOCK_SIZE, tree_mask=mask)
+    positions = torch.tensor([len(prefix) + d for d in depth])
+    out = executor.forward(torch.tensor(nodes), positions, meta)
+    return runner, prefix, nodes, parents, out.logits
+
+
+def _path(parents, j):
+    path = []
+    while j != -1:
+        path.append(j)
+        j = parents[j]
+    return path[::-1]
+
+
+def test_tree_mask_verification_matches_per_path_reference():
+    """With a tree mask and depth positions, node j's logits equal HF on prefix + its root-to-node path."""
+    model = tiny_model()
+    _, prefix, nodes, parents, logits = _tree_fixture(model)
+    for j in range(len(nodes)):
+        path_tokens = prefix + [nodes[i] for i in _path(parents, j)]
+        assert (logits[j] - hf_logits(model, path_tokens)[-1]).abs().max().item() < TOL, j
+
+
+def test_copy_slots_compacts_an_accepted_path():
+    """After moving the accepted path's K/V to consecutive slots, decoding continues exactly as HF would."""
+    model = tiny_model()
+    runner, prefix, nodes, parents, _ = _tree_fixture(model)
+    accepted = _path(parents, 4)  # nodes 0, 1, 3, 4 -> slots must become prefix positions 6..9
+    table = runner.tables["A"]
+    slot = lambda pos: table[pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE  # noqa: E731
+    runner.executor.copy_slots(torch.tensor([slot(len(prefix) + j) for j in accepted]),
+                               torch.tensor([slot(len(prefix) + i) for i in range(len(accepted))]))
+    runner.tokens["A"] = prefix + [nodes[j] for j in accepted]
+    rows, _ = runner.step({"A": [7]})
+    assert (rows["A"][0] - hf_logits(model, runner.tokens["A"])[-1]).abs().max().item() < TOL
+
+
+def test_copy_blocks_and_swap_round_trip():
+    """A sequence whose blocks were copied (CoW) or swapped out and back in to new blocks decodes unchanged."""
+    model = tiny_model()
+    runner = PagedRunner(ModelExecutor.from_hf_model(model))
+    executor = runner.executor
+    runner.step({"A": list(range(11))})
+    old = list(runner.tables["A"])
+    copied = [runner.free.pop() for _ in old]
+    executor.copy_blocks(list(zip(old, copied)))
+    executor.swap_out(list(zip(copied, range(len(copied)))))
+    executor.k_cache[:, copied] = 0  # the device copies are gone; only the CPU pool holds them
+    executor.v_cache[:, copied] = 0
+    swapped_in = [runner.free.pop() for _ in old]
+    executor.swap_in(list(zip(range(len(copied)), swapped_in)))
+    runner.tables["A"] = swapped_in
+    rows, _ = runner.step({"A": [3]})
+    assert (rows["A"][0] - hf_logits(model, list(range(11)) + [3])[-1]).abs().max().item() < TOL
+
+
+def test_bfloat16_tracks_transformers_bfloat16():
+    """bf16 executor logits stay close to HF's bf16 forward (same rounding points, loose tolerance)."""
+    model = tiny_model().to(torch.bfloat16)
+    runner = PagedRunner(ModelExecutor.from_hf_model(model, dtype="bfloat16"))
+    toks = list(range(20, 33))
+    rows, out = runner.step({"A": toks})
+    assert runner.executor.k_cache.dtype == torch.bfloat16 and out.logits.dtype == torch.float32
+    ref = hf_logits(model, toks)
+    assert (rows["A"] - ref).abs().max().item() < 0.1
+    assert (rows["A"].argmax(-1) == ref.argmax(-1)).float().mean() > 0.9
+
+
+def test_kv_cache_layout_and_bytes():
+    """allocate_kv_cache makes [L, blocks, bs, KVH, D] tensors; kv_bytes_per_block matches their size."""
+    executor = ModelExecutor.from_hf_model(tiny_model())
+    executor.allocate_kv_cache(5, 8)
+    assert executor.k_cache.shape == (3, 5, 8, 2, 16)
+    per_block = 2 * executor.k_cache[:, 0].numel() * executor.k_cache.element_size()
+    assert executor.kv_bytes_per_block(8) == per_block
+
+
+def test_bad_inputs(tmp_path):
+    """Missing config, unsupported model type, forward before allocation and bad aux layers raise ValueError."""
+    with pytest.raises(ValueError, match="config.json"):
+        ModelExecutor(tmp_path)
+    model = tiny_model()
+    model.save_pretrained(tmp_path)
+    for f in tmp_path.glob("*.safetensors"):
+        f.unlink()
+    with pytest.raises(ValueError, match="safetensors"):
+        ModelExecutor(tmp_path)
+    executor = ModelExecutor.from_hf_model(model)
+    meta = AttentionMetadata.build([1], [1], [[0]], BLOCK_SIZE)
+    with pytest.raises(ValueError, match="allocate_kv_cache"):
+        executor.forward(torch.tensor([1]), torch.tensor([0]), meta)
+    executor.allocate_kv_cache(4, BLOCK_SIZE)
+    with pytest.raises(ValueError, match="aux_hidden_layers"):
+        executor.forward(torch.tensor([1]), torch.tensor([0]), meta, aux_hidden_layers=(9,))
+    with pytest.raises(ValueError, match="dtype"):
+        ModelExecutor.from_hf_model(model, dtype="int8")
+    with pytest.raises(ValueError, match="model_type"):
+        from transformers import GPT2Config
+        ModelExecutor.from_state_dict(GPT2Config(), {})
