@@ -1,0 +1,74 @@
+"""Tiny target + prompt corpus shared by the distillation tests (not a test module itself).
+
+The target is a 4-layer Llama (hidden 64, vocab 96) with a word-level tokenizer "w0".."w95" (w95 = EOS),
+briefly trained on a deterministic rule (next word = (3 * word + 7) mod 90, with noise) so its greedy
+answers are structured yet not trivially constant. Prompts are short word lists in four domains.
+"""
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import torch
+
+VOCAB = 96
+EOS = VOCAB - 1
+DOMAINS = ("code", "prose", "math", "chat")
+
+
+def rule_sequence(rng: random.Random, length: int, offset: int) -> list[int]:
+    tokens = [rng.randrange(1, 90)]
+    for _ in range(length - 1):
+        tokens.append(rng.randrange(1, 90) if rng.random() < 0.1 else (3 * tokens[-1] + offset) % 90 + 1)
+    return tokens
+
+
+def make_target(path: Path, seed: int = 0, train_steps: int = 0) -> Path:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                         eos_token_id=EOS, bos_token_id=0, pad_token_id=0, tie_word_embeddings=False,
+                         initializer_range=0.1)
+    model = LlamaForCausalLM(config)
+    rng = random.Random(seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    for _ in range(train_steps):
+        batch = torch.tensor([rule_sequence(rng, 32, 7) for _ in range(16)])
+        loss = model(input_ids=batch, labels=batch).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    model.eval()
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path)
+    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(VOCAB)}, unk_token="w1"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##")
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=f"w{EOS}", unk_token="w1", pad_token="w0").save_pretrained(path)
+    return path
+
+
+def make_corpus(path: Path, per_domain: int = 24, seed: int = 1) -> Path:
+    rng = random.Random(seed)
+    with path.open("w") as f:
+        for domain in DOMAINS:
+            for _ in range(per_domain):
+                prompt = " ".join(f"w{t}" for t in rule_sequence(rng, rng.randint(3, 8), 7))
+                reference = " ".join(f"w{t}" for t in rule_sequence(rng, 12, 11))  # another rule than the target's
+                f.write(json.dumps({"domain": domain, "prompt": prompt, "reference": reference}) + "\n")
+    return path
+
+
+def overrides(tmp: Path, target: Path, corpus: Path, **extra: str) -> list[str]:
+    """Hydra overrides for a fast job on the tiny target."""
+    base = {
+        "artifacts_root": str(tmp / "artifacts"), "target.path": str(target), "data.path": str(corpus),
+        "data.eval_per_domain": "2", "data.distill_per_domain": "20", "target.eval_records_per_domain": "2",
+        "wandb.mode": "disabled",
+    }
+    base.update(extra)
+    return [f"{k}={v}" for k, v in base.items()]
