@@ -1,0 +1,130 @@
+"""The embedded corpus: domains, splits, determinism, generated math, and datasets round trips."""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from omegaconf import OmegaConf
+
+from train.artifacts import Artifacts
+from train.config import DataConfig
+from train.corpus import SYSTEM_PROMPT, build_corpus, build_embedded_records, math_problem, render_chat, split_records
+
+DOMAINS = ("code", "prose", "math", "chat")
+
+
+def small_data(**overrides):
+    base = DataConfig(eval_per_domain=6, distill_per_domain=10, pool_per_domain=40, max_source_files=15)
+    return OmegaConf.merge(OmegaConf.structured(base), overrides)
+
+
+@pytest.fixture(scope="module")
+def records():
+    return build_embedded_records(small_data())
+
+
+def test_every_domain_present_with_nonempty_fields(records):
+    """Each of the four domains yields records, and every record has a non-empty prompt and reference."""
+    by_domain = {d: [r for r in records if r["domain"] == d] for d in DOMAINS}
+    for domain, rows in by_domain.items():
+        assert len(rows) >= 20, domain
+    assert all(r["prompt"].strip() and r["reference"].strip() for r in records)
+    assert set(records[0]) == {"domain", "prompt", "reference"}
+
+
+def test_code_is_stdlib_source_and_math_is_worked(records):
+    """Code prompts are real stdlib functions (signature first); math references end with an answer."""
+    code = [r for r in records if r["domain"] == "code"]
+    assert all(re.search(r"^(async )?def \w+", r["prompt"], re.M) for r in code)
+    math = [r for r in records if r["domain"] == "math"]
+    assert all(re.search(r"Answer: -?\d+\n$", r["reference"]) for r in math)
+
+
+def test_splits_disjoint_and_deterministic(records):
+    """Eval prompts never appear in distill or pretraining; the split depends only on the seed."""
+    cfg = small_data()
+    first, again, other = split_records(records, cfg, 0), split_records(records, cfg, 0), split_records(records, cfg, 1)
+    assert first == again
+    assert first["eval"] != other["eval"]
+    eval_prompts = {r["prompt"] for r in first["eval"]}
+    assert not eval_prompts & {r["prompt"] for r in first["distill"]}
+    assert not eval_prompts & {r["prompt"] for r in first["pretrain"]}
+    assert {r["prompt"] for r in first["distill"]} <= {r["prompt"] for r in first["pretrain"]}
+    for domain in DOMAINS:
+        assert sum(r["domain"] == domain for r in first["eval"]) == cfg.eval_per_domain
+        assert sum(r["domain"] == domain for r in first["distill"]) == cfg.distill_per_domain
+
+
+def test_build_is_deterministic(records):
+    """Building the embedded corpus twice from the same config gives identical records."""
+    assert build_embedded_records(small_data()) == records
+
+
+def test_chat_prompts_share_the_system_prefix(records):
+    """Every chat prompt starts with the one fixed system turn and ends by opening an assistant turn."""
+    prefix = render_chat([{"role": "system", "content": SYSTEM_PROMPT}])
+    chat = [r for r in records if r["domain"] == "chat"]
+    assert chat and all(r["prompt"].startswith(prefix) for r in chat)
+    assert all(r["prompt"].endswith("<|assistant|>\n") for r in chat)
+    assert all(r["prompt"].count("<|user|>") == 2 for r in chat)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(0, 2**32 - 1))
+def test_math_worked_steps_are_correct(seed):
+    """Every arithmetic step written in a generated solution is true, and the answer is the last result."""
+    question, solution = math_problem(random.Random(seed))
+    assert question.startswith("Question: ")
+    steps = re.findall(r"(\d+) ([-+*]) (\d+) = (\d+)", solution)
+    assert steps
+    for a, op, b, result in steps:
+        assert eval(f"{a} {op} {b}") == int(result)
+    answer = int(re.search(r"Answer: (\d+)", solution).group(1))
+    remainder = re.search(r"remainder is (\d+)", solution)
+    assert answer == int(remainder.group(1) if remainder else steps[-1][3])
+
+
+def test_build_corpus_caches_and_loads_through_datasets(tmp_path):
+    """build_corpus writes jsonl splits once (second call is cached) and reads them back via datasets."""
+    cfg = OmegaConf.create({"data": small_data(), "seed": 0})
+    artifacts = Artifacts(tmp_path)
+    corpus, cached = build_corpus(cfg, artifacts)
+    assert not cached
+    again, cached = build_corpus(cfg, artifacts)
+    assert cached and again.content_hash == corpus.content_hash
+    evals = corpus.records("eval")
+    assert {r["domain"] for r in evals} == set(DOMAINS)
+    assert sum(corpus.counts["eval"].values()) == len(evals)
+    assert corpus.texts("pretrain")[0]
+
+
+def test_data_path_reads_a_user_file(tmp_path):
+    """data.path may point at a local jsonl with {domain, prompt, reference}; a 'split' column is honoured."""
+    rows = [{"domain": "qa", "prompt": f"q{i}?", "reference": f"a{i}", "split": "eval" if i < 3 else "distill"}
+            for i in range(12)]
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = OmegaConf.create({"data": small_data(path=str(path), domains=["qa"]), "seed": 0})
+    corpus, _ = build_corpus(cfg, Artifacts(tmp_path / "art"))
+    assert sorted(r["prompt"] for r in corpus.records("eval")) == ["q0?", "q1?", "q2?"]
+    assert len(corpus.records("distill")) == 9
+
+
+def test_failed_cache_build_leaves_nothing_behind(tmp_path):
+    """An exception while filling a cache entry leaves neither the entry nor its temporary dir."""
+    from train.artifacts import atomic_dir, is_complete
+
+    entry = tmp_path / "cache" / "key"
+    with pytest.raises(RuntimeError):
+        with atomic_dir(entry) as tmp:
+            (tmp / "half.json").write_text("{}")
+            raise RuntimeError("interrupted")
+    assert not entry.exists() and list((tmp_path / "cache").iterdir()) == []
+    with atomic_dir(entry) as tmp:
+        (tmp / "done.json").write_text("{}")
+    assert is_complete(entry) and (entry / "done.json").is_file()

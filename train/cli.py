@@ -1,0 +1,68 @@
+"""``draftsmith <job> [key=value ...]``: dispatch to a job's Hydra app, imported only when asked for.
+
+Every job is also runnable as ``python -m <module> key=value ...``. A job whose module is not in
+this checkout yet says so in one line instead of failing with an import traceback.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+
+# job name -> ("module:function", one-line description). The function is a Hydra app (train.config.hydra_app).
+JOBS: dict[str, tuple[str, str]] = {
+    "pipeline": ("train.pipeline:main", "main job: corpus -> tokenizer -> target (-> distill -> eval -> report)"),
+    "generate": ("train.generate:main", "regenerate answers to the distill prompts with the target"),
+    "distill": ("train.distill.run:main", "train a draft (draft=standalone|medusa|eagle|eagle3)"),
+    "eval": ("serve_eval.eval.run:main", "measure drafts per domain: alpha, tau, ms/token, speedup"),
+    "plan": ("serve_eval.eval.plan:main", "predict speedups from measured acceptance and step costs"),
+    "serve": ("serve_eval.server.run:main", "OpenAI-compatible HTTP server with speculative decoding"),
+    "export": ("drafts.export:main", "export a draft to vLLM speculators / SGLang / Medusa layouts"),
+    "hook": ("train.hook:main", "target changed? re-measure, re-distill on regression, promote if better"),
+    "drafts": ("train.registry:main", "list the drafts filed under each target fingerprint"),
+}
+
+
+def usage() -> str:
+    width = max(map(len, JOBS))
+    lines = ["usage: draftsmith <job> [key=value ...] [-m] [--cfg job] [--help]", "", "jobs:"]
+    lines += [f"  {name:<{width}}  {description}" for name, (_, description) in JOBS.items()]
+    lines += ["", "Each job is a Hydra app over conf/: 'draftsmith <job> --help' shows its config groups."]
+    return "\n".join(lines)
+
+
+def load_job(name: str):
+    """The job's entry function, or SystemExit with a one-line reason."""
+    if name not in JOBS:
+        raise SystemExit(f"draftsmith: unknown job {name!r}\n\n{usage()}")
+    spec = JOBS[name][0]
+    module_name, _, attr = spec.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as err:
+        # Only "this job's module does not exist yet" is a missing job; a broken import inside it is a bug.
+        if err.name is not None and module_name.startswith(err.name):
+            raise SystemExit(f"draftsmith {name}: not available yet ({module_name} is not in this checkout)") from None
+        raise
+    fn = getattr(module, attr, None)
+    if fn is None:
+        raise SystemExit(f"draftsmith {name}: not available yet ({spec} does not exist)")
+    return fn
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(usage())
+        return
+    name, rest = argv[0], argv[1:]
+    # Before torch loads: on a shared CPU, spinning OpenMP workers make every op 5-10x slower.
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    fn = load_job(name)
+    sys.argv = [f"draftsmith {name}", *rest]  # Hydra parses overrides from sys.argv
+    fn()
+
+
+if __name__ == "__main__":
+    main()
