@@ -39,6 +39,17 @@ class SequenceView(Protocol):
     generator: torch.Generator | None  # the request's generator: draw draft samples from it
 
 
+class TargetFeatures(NamedTuple):
+    """Target outputs for consecutive positions start_pos .. start_pos + n - 1 of one sequence.
+
+    Handed to proposers with needs_hidden after every target forward (see Proposer.add_features).
+    """
+
+    start_pos: int
+    hidden: Tensor  # [n, d] final-norm hidden (the lm_head input; Medusa / EAGLE-1 feature)
+    aux: Tensor | None = None  # [n, len(aux_layers) * d]: aux hidden states concatenated in aux_layers order
+
+
 class Proposal(NamedTuple):
     tokens: Tensor  # int64 [K] chain tokens (K may be 0: no proposal); for a tree, tree.tokens
     draft_probs: Tensor | None = None  # [K, V] rows the tokens were drawn from; None = point masses
@@ -89,7 +100,17 @@ def sampling_arrays(seqs: Sequence[SequenceView], device: torch.device | str = "
 
 @runtime_checkable
 class Proposer(Protocol):
-    """Subclass it (hooks default to no-ops) or satisfy it structurally."""
+    """Subclass it (hooks default to no-ops) or satisfy it structurally.
+
+    Class attributes tell the speculative strategy what to compute for the proposer:
+    needs_hidden: the target forward keeps hidden states and the strategy calls add_features;
+    aux_layers: HF hidden_states indices to concatenate into TargetFeatures.aux (EAGLE-3);
+    supports_tree: the proposer may return tree proposals (else a tree config is refused).
+    """
+
+    needs_hidden: bool = False
+    aux_layers: tuple[int, ...] = ()
+    supports_tree: bool = False
 
     def propose(
         self,
@@ -104,3 +125,10 @@ class Proposer(Protocol):
 
     def reset(self, request_id: str) -> None:
         """Forget the request (finished, aborted or preempted)."""
+
+    def add_features(self, request_id: str, features: TargetFeatures) -> None:
+        """Target features of the positions the target just computed and kept (needs_hidden only).
+
+        Called after every forward + verify, after on_accepted, before the sequence's next propose.
+        Consecutive calls cover consecutive positions; after reset they start again at the first
+        position the target computes (0, or the prefix-cache hit length)."""

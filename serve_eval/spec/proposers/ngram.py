@@ -47,6 +47,10 @@ class NgramProposer(Proposer):
             raise ValueError(f"max_lookback ({max_lookback}) must exceed max_n ({max_n})")
         self.max_n, self.min_n, self.max_lookback = max_n, min_n, max_lookback
 
+    @classmethod
+    def from_spec_config(cls, config, engine=None) -> "NgramProposer":
+        return cls(config.ngram_max_n, config.ngram_min_n, config.ngram_max_lookback)
+
     def propose(
         self,
         seqs: Sequence[SequenceView],

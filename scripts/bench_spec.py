@@ -1,0 +1,266 @@
+"""Issue 4 benchmark: speculative decoding in our engine, side by side.
+
+Batch 1, T = 0 and T = 1, per domain: ms/token (decode phase, serve_eval.spec.metrics) and speedup
+over our own no-spec engine for no-spec, n-gram, standalone, Medusa, EAGLE-1, EAGLE-3, and
+transformers' generate(assistant_model=...) with the same standalone draft (ms/token = (time of n
+new tokens - time of 1) / (n - 1), so its prefill is excluded too). Then batch 16: speculation (with
+the policy's fallback) vs no-spec.
+
+Inputs: --target DIR, else the embedded target found under artifacts/ (target-cache/*/ or
+targets/<fp>/target.json), else a small untrained Llama. Drafts: the newest of each kind under
+artifacts/targets/<fp>/drafts/ when present, else untrained drafts built from drafts/*. Prompts:
+the eval split of the corpus under artifacts/corpus/*/ (per domain) when present, else synthetic
+token prompts (domain "synthetic"). The table says which of these it used.
+
+  python scripts/bench_spec.py --max-tokens 64 --prompts-per-domain 2 --dtype bfloat16
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from serve_eval.engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
+from serve_eval.spec.config import SpecConfig  # noqa: E402
+from serve_eval.spec.metrics import ms_per_token, speedup  # noqa: E402
+
+METHODS = ("nospec", "ngram", "standalone", "medusa", "eagle", "eagle3", "hf-assisted")
+
+
+# -- inputs ---------------------------------------------------------------------------------
+def find_target(artifacts: Path) -> Path | None:
+    for meta in sorted(artifacts.glob("targets/*/target.json")):
+        model_dir = json.loads(meta.read_text()).get("model_dir")
+        if model_dir and (Path(model_dir) / "config.json").is_file():
+            return Path(model_dir)
+    found = sorted(artifacts.glob("target-cache/*/config.json"), key=lambda p: p.stat().st_mtime)
+    return found[-1].parent if found else None
+
+
+def untrained_target(root: Path) -> Path:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=704, num_hidden_layers=8,
+                      num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=1024)
+    LlamaForCausalLM(cfg).save_pretrained(root / "target")
+    return root / "target"
+
+
+def find_drafts(artifacts: Path, target: Path, root: Path) -> tuple[dict[str, Path], str]:
+    """Trained drafts for this target when present, untrained ones for the rest."""
+    from drafts.identity import target_fingerprint
+    from drafts.io import read_draft_meta
+
+    fp = target_fingerprint(target)
+    found: dict[str, Path] = {}
+    for d in sorted((artifacts / "targets" / fp / "drafts").glob("*/"), key=lambda p: p.stat().st_mtime):
+        try:
+            found[read_draft_meta(d).kind] = d
+        except ValueError:
+            continue
+    source = {k: "trained" for k in found}
+    for kind in ("standalone", "medusa", "eagle", "eagle3"):
+        if kind not in found:
+            found[kind] = untrained_draft(kind, target, fp, root)
+            source[kind] = "untrained"
+    return found, ", ".join(f"{k}={v}" for k, v in sorted(source.items()))
+
+
+def untrained_draft(kind: str, target: Path, fp: str, root: Path) -> Path:
+    from drafts.common import hf_config_dict
+    from drafts.io import save_draft
+
+    torch.manual_seed(1)
+    out = root / f"draft_{kind}"
+    t = hf_config_dict(target)
+    if kind == "standalone":
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        cfg = LlamaConfig(vocab_size=t["vocab_size"], hidden_size=max(64, t["hidden_size"] // 4),
+                          intermediate_size=max(128, t["hidden_size"] // 2), num_hidden_layers=1,
+                          num_attention_heads=4, num_key_value_heads=2,
+                          max_position_embeddings=t["max_position_embeddings"])
+        LlamaForCausalLM(cfg).save_pretrained(out)
+        return out
+    import importlib
+
+    cls = {"medusa": "MedusaDraft", "eagle": "EagleDraft", "eagle3": "Eagle3Draft"}[kind]
+    module = importlib.import_module(f"drafts.{kind}")
+    save_draft(getattr(module, cls).from_target_config(target), out, kind, fp)
+    return out
+
+
+def load_prompts(artifacts: Path, per_domain: int, vocab: int, tokenizer) -> tuple[dict[str, list], str]:
+    files = sorted(artifacts.glob("corpus/*/eval.jsonl"))
+    if files and tokenizer is not None:
+        by_domain: dict[str, list] = {}
+        for line in files[-1].read_text().splitlines():
+            rec = json.loads(line)
+            bucket = by_domain.setdefault(rec.get("domain") or "default", [])
+            if len(bucket) < per_domain:
+                bucket.append(tokenizer.encode(rec["prompt"])[-256:])
+        return by_domain, f"corpus eval split {files[-1].parent.name}"
+    rng = random.Random(0)
+    prompts = []
+    for _ in range(per_domain):
+        body = [rng.randrange(vocab) for _ in range(24)]
+        prompts.append(body + body[:12])  # some repetition so prompt lookup has something to find
+    return {"synthetic": prompts}, "synthetic token prompts"
+
+
+# -- measurement ------------------------------------------------------------------------------
+def engine_for(args, target: Path, method: str, drafts: dict[str, Path], fallback: bool = True) -> LLMEngine:
+    cfg = EngineConfig(str(target), dtype=args.dtype, device=args.device, kv_cache_memory_gb=args.kv_gb,
+                       max_model_len=args.max_model_len)
+    if method == "nospec":
+        return LLMEngine(cfg)
+    from serve_eval.spec.policy import SpecPolicyConfig
+
+    spec = SpecConfig(method, draft_path=None if method == "ngram" else str(drafts[method]),
+                      num_speculative_tokens=args.k, policy=SpecPolicyConfig(fallback=fallback))
+    return LLMEngine(cfg, speculative=spec)
+
+
+def decode_ms_per_token(engine: LLMEngine, prompts: list, params: SamplingParams, batch: int) -> float:
+    """Run prompts `batch` at a time; decode wall (first token -> last token) / decode tokens."""
+    wall, tokens = 0.0, 0
+    for start in range(0, len(prompts), batch):
+        ids = []
+        for j, prompt in enumerate(prompts[start:start + batch]):
+            rid = f"b{start}-{j}-{time.perf_counter_ns()}"
+            engine.add_request(rid, prompt, params)
+            ids.append(rid)
+        outs = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    outs[out.request_id] = out
+        first = min(o.metrics.first_token_time for o in outs.values())
+        last = max(o.metrics.token_times[-1] for o in outs.values())
+        wall += last - first
+        tokens += sum(len(o.output_token_ids) - 1 for o in outs.values())
+    return ms_per_token(wall, tokens)
+
+
+def hf_assisted_ms_per_token(args, target: Path, draft: Path, prompts: list, temperature: float) -> float:
+    from transformers import AutoModelForCausalLM
+
+    dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[args.dtype]
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=dtype).to(args.device).eval()
+    assistant = AutoModelForCausalLM.from_pretrained(draft, dtype=dtype).to(args.device).eval()
+    kw = dict(assistant_model=assistant, do_sample=temperature > 0, pad_token_id=0, eos_token_id=None)
+    if temperature > 0:
+        kw["temperature"] = temperature
+
+    def timed(prompt, n):
+        ids = torch.tensor([prompt], device=args.device)
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n, **kw)
+        if args.device.startswith("cuda"):
+            torch.cuda.synchronize()
+        return time.perf_counter() - t0, out.shape[1] - ids.shape[1]
+
+    wall, tokens = 0.0, 0
+    for prompt in prompts:
+        t_one, _ = timed(prompt, 1)
+        t_all, n = timed(prompt, args.max_tokens)
+        wall += max(t_all - t_one, 0.0)
+        tokens += n - 1
+    return ms_per_token(wall, tokens)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", type=Path)
+    ap.add_argument("--artifacts", type=Path, default=ROOT / "artifacts")
+    ap.add_argument("--methods", default=",".join(METHODS))
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--k", type=int, default=4)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--prompts-per-domain", type=int, default=2)
+    ap.add_argument("--max-model-len", type=int, default=None)
+    ap.add_argument("--kv-gb", type=float, default=0.5)
+    ap.add_argument("--batch16-prompts", type=int, default=16, help="0 skips the batch-16 comparison")
+    ap.add_argument("--temperatures", default="0,1")
+    args = ap.parse_args()
+    methods = [m for m in args.methods.split(",") if m]
+    unknown = sorted(set(methods) - set(METHODS))
+    if unknown:
+        raise SystemExit(f"--methods: unknown {unknown} (choose from {METHODS})")
+
+    tmp = Path(tempfile.mkdtemp(prefix="bench_spec_"))
+    target = args.target or find_target(args.artifacts)
+    target_source = "given" if args.target else ("embedded (artifacts)" if target else "untrained (no artifacts)")
+    target = target or untrained_target(tmp)
+    drafts, draft_source = find_drafts(args.artifacts, target, tmp)
+    base = LLMEngine(EngineConfig(str(target), dtype=args.dtype, device=args.device, kv_cache_memory_gb=args.kv_gb,
+                                  max_model_len=args.max_model_len))
+    prompts, prompt_source = load_prompts(args.artifacts, args.prompts_per_domain, base.executor.vocab_size,
+                                          base.tokenizer)
+    del base
+    print(f"target: {target} [{target_source}]; drafts: {draft_source}; prompts: {prompt_source}; "
+          f"dtype {args.dtype}, device {args.device}, K={args.k}, max_tokens={args.max_tokens}")
+
+    # Process-wide warm-up (allocator, first-use kernel setup) so the first measured cell is not charged for it.
+    first = next(iter(prompts.values()))[:1]
+    decode_ms_per_token(engine_for(args, target, "nospec", drafts), first,
+                        SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True), 1)
+    rows = []
+    for temperature in [float(t) for t in args.temperatures.split(",")]:
+        params = SamplingParams(temperature=temperature, max_tokens=args.max_tokens, ignore_eos=True, seed=0)
+        for domain, domain_prompts in prompts.items():
+            results = {}
+            for method in methods:
+                try:
+                    if method == "hf-assisted":
+                        results[method] = hf_assisted_ms_per_token(args, target, drafts["standalone"], domain_prompts,
+                                                                   temperature)
+                    else:
+                        engine = engine_for(args, target, method, drafts, fallback=False)
+                        # warm-up: lazy allocations, first-call kernels
+                        decode_ms_per_token(engine, domain_prompts[:1], SamplingParams(temperature=0, max_tokens=4), 1)
+                        results[method] = decode_ms_per_token(engine, domain_prompts, params, batch=1)
+                except (ValueError, ImportError) as exc:
+                    print(f"  {method}: skipped ({exc})")
+                    results[method] = math.nan
+            for method in methods:
+                rows.append((f"T={temperature:g}", domain, method, results[method],
+                             speedup(results.get("nospec", math.nan), results[method])))
+
+    print(f"\n{'temp':<6} {'domain':<14} {'method':<12} {'ms/token':>10} {'speedup':>9}")
+    for temp, domain, method, ms, sp in rows:
+        print(f"{temp:<6} {domain:<14} {method:<12} {ms:>10.2f} {sp:>8.2f}x")
+
+    if args.batch16_prompts:
+        flat = [p for ps in prompts.values() for p in ps]
+        batch_prompts = (flat * (args.batch16_prompts // max(len(flat), 1) + 1))[:args.batch16_prompts]
+        params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
+        base_ms = decode_ms_per_token(engine_for(args, target, "nospec", drafts), batch_prompts, params, batch=16)
+        print(f"\nbatch 16, T=0: nospec {base_ms:.2f} ms/token")
+        for method in [m for m in methods if m not in ("nospec", "hf-assisted")]:
+            try:
+                ms = decode_ms_per_token(engine_for(args, target, method, drafts, fallback=True), batch_prompts,
+                                         params, batch=16)
+            except (ValueError, ImportError) as exc:
+                print(f"  {method}: skipped ({exc})")
+                continue
+            ratio = speedup(base_ms, ms)
+            print(f"batch 16, T=0: {method:<12} {ms:.2f} ms/token  {ratio:.2f}x of no-spec "
+                  f"({'meets' if ratio >= 0.95 else 'BELOW'} the 0.95x floor)")
+
+
+if __name__ == "__main__":
+    main()

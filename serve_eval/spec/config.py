@@ -1,0 +1,145 @@
+"""SpecConfig: which draft speculates, how far (K, tree), under which policy; and the proposer registry.
+
+`LLMEngine(config, speculative=SpecConfig(...))` calls `make_strategy(engine)`, which builds the
+proposer named by `method` and wraps it in the SpeculativeStrategy (serve_eval.spec.strategy).
+
+Proposer classes are registered by method name as "module:Class" strings and imported lazily, so a
+proposer module (Medusa / EAGLE, written elsewhere) plugs in by existing. A registered class builds
+itself with `from_spec_config(config, engine)`; it may define `attach(engine)`, called once when the
+engine's KV cache exists (to size its own draft cache), before the first propose.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any
+
+from serve_eval.spec.policy import SpecPolicyConfig
+from serve_eval.spec.tree import DynamicTreeBuilder, TreeShape, check_node_budget
+
+if TYPE_CHECKING:
+    from serve_eval.engine.llm_engine import LLMEngine
+
+PROPOSERS: dict[str, str] = {
+    "ngram": "serve_eval.spec.proposers.ngram:NgramProposer",
+    "standalone": "serve_eval.spec.proposers.standalone:StandaloneProposer",
+    "medusa": "serve_eval.spec.proposers.medusa:MedusaProposer",
+    "eagle": "serve_eval.spec.proposers.eagle:EagleProposer",
+    "eagle3": "serve_eval.spec.proposers.eagle3:Eagle3Proposer",
+}
+DRAFT_METHODS = ("standalone", "medusa", "eagle", "eagle3")  # methods that load a draft dir
+TREE_MODES = ("none", "static", "dynamic")
+
+
+@dataclass
+class SpecConfig:
+    method: str  # ngram | standalone | medusa | eagle | eagle3
+    draft_path: str | None = None  # draft dir (all methods but ngram)
+    num_speculative_tokens: int = 4  # K: chain length; depth budget of trees
+    tree: str = "none"  # none (chains) | static (tree_paths / tree_branching) | dynamic (EAGLE-2)
+    tree_paths: list[list[int]] | None = None  # static shape, Medusa "choices" form
+    tree_branching: list[int] | None = None  # static shape: children per node at each depth
+    tree_top_k: int = 4  # dynamic: candidates per expanded node and frontier width
+    tree_depth: int | None = None  # dynamic: draft depth (None = K)
+    max_draft_nodes: int = 16  # node budget of one tree (= KV lookahead slots reserved per step)
+    draft_dtype: str | None = None  # None = the target's dtype
+    draft_num_blocks: int | None = None  # draft KV pool size (None = sized from the engine)
+    ngram_max_n: int = 3
+    ngram_min_n: int = 1
+    ngram_max_lookback: int | None = None
+    policy: SpecPolicyConfig | None = None  # its num_speculative_tokens is replaced by the K above
+    proposer_kwargs: dict[str, Any] = field(default_factory=dict)  # extra, method-specific
+
+    def __post_init__(self) -> None:
+        if self.method not in PROPOSERS:
+            raise ValueError(f"speculative method {self.method!r} is not one of {sorted(PROPOSERS)}")
+        if isinstance(self.num_speculative_tokens, bool) or not isinstance(self.num_speculative_tokens, int) \
+                or self.num_speculative_tokens <= 0:
+            raise ValueError(f"num_speculative_tokens (K) must be an int > 0, got {self.num_speculative_tokens!r}")
+        if self.method in DRAFT_METHODS and not self.draft_path:
+            raise ValueError(f"speculative method {self.method!r} needs draft_path (a draft dir)")
+        if self.tree not in TREE_MODES:
+            raise ValueError(f"tree must be one of {TREE_MODES}, got {self.tree!r}")
+        if self.max_draft_nodes <= 0:
+            raise ValueError(f"max_draft_nodes must be > 0, got {self.max_draft_nodes}")
+        if self.tree == "static":
+            self.tree_shape()  # validates the shape and its node budget now, not at the first step
+        if self.tree == "dynamic":
+            if self.tree_top_k <= 0 or self.dynamic_depth <= 0:
+                raise ValueError(f"dynamic tree needs tree_top_k > 0 and tree_depth > 0, got "
+                                 f"{self.tree_top_k}, {self.dynamic_depth}")
+        if self.draft_dtype not in (None, "float32", "fp32", "bfloat16", "bf16", "float16", "fp16"):
+            raise ValueError(f"draft_dtype must be float32/bfloat16/float16 or None, got {self.draft_dtype!r}")
+        if self.draft_num_blocks is not None and self.draft_num_blocks <= 0:
+            raise ValueError(f"draft_num_blocks must be > 0, got {self.draft_num_blocks}")
+        self.policy = replace(self.policy or SpecPolicyConfig(), num_speculative_tokens=self.num_speculative_tokens)
+
+    # -- trees ---------------------------------------------------------------------------
+    @property
+    def uses_tree(self) -> bool:
+        return self.tree != "none"
+
+    @property
+    def dynamic_depth(self) -> int:
+        return self.tree_depth if self.tree_depth is not None else self.num_speculative_tokens
+
+    def tree_shape(self) -> TreeShape | None:
+        """Static shape (ValueError naming both counts when it exceeds max_draft_nodes)."""
+        if self.tree != "static":
+            return None
+        if (self.tree_paths is None) == (self.tree_branching is None):
+            raise ValueError("tree='static' needs exactly one of tree_paths or tree_branching")
+        if self.tree_paths is not None:
+            return TreeShape.from_paths(self.tree_paths, self.max_draft_nodes)
+        return TreeShape.from_branching(self.tree_branching, self.max_draft_nodes)
+
+    def dynamic_tree_builder(self) -> DynamicTreeBuilder | None:
+        """A fresh EAGLE-2-style builder per proposal (tree='dynamic')."""
+        if self.tree != "dynamic":
+            return None
+        return DynamicTreeBuilder(self.tree_top_k, self.dynamic_depth, self.max_draft_nodes)
+
+    def check_tree(self, num_nodes: int) -> None:
+        check_node_budget(num_nodes, self.max_draft_nodes, "draft tree")
+
+    @property
+    def max_lookahead_tokens(self) -> int:
+        """KV slots a step may reserve per sequence: the node budget for trees, the largest K for chains."""
+        if self.uses_tree:
+            return self.max_draft_nodes
+        ks = [self.num_speculative_tokens, *self.policy.k_by_domain.values()]
+        if self.policy.adaptive_k:
+            ks.append(self.policy.k_max)
+        return max(ks)
+
+    # -- building ------------------------------------------------------------------------
+    def proposer_class(self) -> type:
+        module_name, class_name = PROPOSERS[self.method].split(":")
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as exc:
+            if exc.name == module_name:
+                raise ValueError(f"speculative method {self.method!r}: its proposer module {module_name} "
+                                 f"is not available in this install") from exc
+            raise
+        return getattr(module, class_name)
+
+    def make_proposer(self, engine: "LLMEngine"):
+        cls = self.proposer_class()
+        proposer = cls.from_spec_config(self, engine)
+        if self.uses_tree and not getattr(proposer, "supports_tree", False):
+            raise ValueError(f"speculative method {self.method!r} does not support trees, but tree={self.tree!r}")
+        return proposer
+
+    def make_strategy(self, engine: "LLMEngine"):
+        from serve_eval.spec.strategy import SpeculativeStrategy
+
+        return SpeculativeStrategy(self, self.make_proposer(engine), engine)
+
+
+def expected_target(engine: "LLMEngine"):
+    """drafts.io.ExpectedTarget of the engine's target (vocab, hidden size, fingerprint)."""
+    from drafts.io import ExpectedTarget
+
+    return ExpectedTarget.from_model_dir(engine.config.model)
