@@ -26,4 +26,12 @@ echo "[setup] installing draftsmith[$EXTRAS] into $VENV" >&2
 constraints="$VENV/draftsmith-constraints.txt"
 echo "torch==2.13.0" > "$constraints"
 "$VENV/bin/python" -m pip install --quiet -c "$constraints" -e ".[$EXTRAS]" >&2
+# DeepSpeed (the cluster extra) is also installed here so the 2-process ZeRO-2 test runs on CPU.
+# It builds against the torch already in the venv (--no-build-isolation); an isolated build env
+# would fetch a multi-GB CUDA torch. Its ops are JIT-built only when used, so the CPU install is
+# quick. Failure is not fatal: the ZeRO test then skips and says why.
+if [ "${DRAFTSMITH_SKIP_DEEPSPEED:-0}" != "1" ]; then
+  "$VENV/bin/python" -m pip install --quiet -c "$constraints" --no-build-isolation \
+      "deepspeed==0.19.8" >&2 || echo "[setup] deepspeed not installed; ZeRO tests will skip" >&2
+fi
 echo "$want" > "$STAMP"
