@@ -1,19 +1,36 @@
 """Reference paged attention in plain torch (CPU default, and the oracle the other backends are tested against).
 
 Two paths:
-- decode rows (one new token, no tree mask) of all sequences are served together: gather every such
-  sequence's blocks padded to the longest context, mask the padding, one batched SDPA call;
+- decode rows (one new token, no tree mask) of all sequences are served together. Once per forward a
+  ``DecodePlan`` (shared by every layer) sorts them by context length into a few length buckets and
+  precomputes, per bucket, the row index of each (sequence, kv head, position) in the flat cache and an
+  additive padding mask. Each layer then gathers K and V with one ``index_select`` each straight into
+  the head-major [B*KVH, S, D] layout a batched GEMV wants, and runs two ``baddbmm``/``bmm`` calls;
+  buckets keep padding (wasted reads) small when context lengths differ a lot;
 - any other sequence (prefill chunk, several new tokens, tree verification) is served one at a time
-  with SDPA over its gathered context and an explicit boolean mask.
+  with SDPA over its gathered context (``is_causal`` when it has no prefix, else an explicit mask).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from kernels.attention import AttentionMetadata
+
+# Bucketing cost model, in "key positions" (one sequence's K and V at one position): every extra bucket costs
+# about this many positions' worth of fixed per-op work (~8 small ops per layer), measured on a 2-core CPU.
+_BUCKET_OVERHEAD_POSITIONS = 256
+_MAX_BUCKET_CUTS = 16  # candidate cut points considered (keeps planning O(B) in Python)
+# Padded widths are rounded up to a multiple of this (and of the block size): oneDNN builds a new GEMM primitive
+# for every new shape (~0.7 ms for a bf16 bmm here), so a width that grew by one token each step would pay that
+# on every step; rounding makes shapes repeat for many steps at the cost of a few masked positions.
+_WIDTH_GRANULE = 32
+_SMALL_BUCKET_ROWS = 4096  # gathered (sequence, kv head, position) rows up to which bf16/fp16 buckets run in fp32
+_PLAN_ATTR = "_torch_decode_plan"  # cached on the metadata object: built once per forward, reused by layers
 
 
 def gather_context(cache: Tensor, block_table: Tensor, num_tokens: int) -> Tensor:
@@ -45,21 +62,152 @@ def query_mask(
     return mask
 
 
-def _decode_batch(q: Tensor, k_cache: Tensor, v_cache: Tensor, tables: Tensor, key_mask: Tensor,
-                  scale: float) -> Tensor:
-    """One new token per sequence, all sequences at once.
+@dataclass
+class _Bucket:
+    """Decode sequences of similar context length, padded to the longest of them."""
 
-    q: [B, H, D]; tables: int64 [B, nb] (blocks covering the longest context);
-    key_mask: bool [B, 1, 1, nb * block_size], True where a key slot holds that sequence's context.
-    Returns [B, H, D].
+    query_rows: Tensor | None  # int64 [B_b] rows of q/out; None = all rows, in order
+    cache_rows: Tensor  # int64 [B_b * KVH * S_b] rows of the cache viewed as [slots * KVH, D]
+    bag_rows: Tensor  # int64 [B_b * H, S_b] the same rows per query head (V's embedding_bag input)
+    key_bias: Tensor | None  # fp32 [B_b * KVH, 1, S_b], 0 / -inf on padding; None = no padding
+    num_seqs: int
+    width: int  # S_b = longest context in the bucket, rounded up to _WIDTH_GRANULE
+
+
+@dataclass
+class DecodePlan:
+    """Per-forward precomputation of the batched decode path (same for every layer)."""
+
+    key: tuple  # (block_size, num_kv_heads, num_heads): another layout (e.g. a draft's) rebuilds
+    buckets: list[_Bucket]
+
+
+def _bucket_bounds(sorted_lens: list[int]) -> list[tuple[int, int]]:
+    """Split lengths sorted ascending into contiguous buckets minimizing sum(count * max) + overhead per bucket.
+
+    Exact DP over at most _MAX_BUCKET_CUTS candidate cut points (quantiles), so planning stays cheap at 256 seqs.
     """
+    n = len(sorted_lens)
+    step = max(1, n // _MAX_BUCKET_CUTS)
+    cuts = list(range(0, n, step)) + [n]  # bucket = sorted_lens[cuts[i]:cuts[j]]
+    best = [0.0] + [float("inf")] * (len(cuts) - 1)
+    prev = [0] * len(cuts)
+    for j in range(1, len(cuts)):
+        for i in range(j):
+            cost = best[i] + _BUCKET_OVERHEAD_POSITIONS + (cuts[j] - cuts[i]) * sorted_lens[cuts[j] - 1]
+            if cost < best[j]:
+                best[j], prev[j] = cost, i
+    bounds, j = [], len(cuts) - 1
+    while j > 0:
+        bounds.append((cuts[prev[j]], cuts[j]))
+        j = prev[j]
+    return bounds[::-1]
+
+
+def build_decode_plan(seq_lens: list[int], block_tables: Tensor, seq_ids: list[int] | None,
+                      query_rows: list[int] | None, block_size: int, num_kv_heads: int,
+                      num_heads: int) -> DecodePlan:
+    """Plan the decode path of some sequences: seq_lens[j] is the context length of planned sequence j,
+    seq_ids[j] its row of block_tables ([num_seqs, max_blocks]) and query_rows[j] its row of q
+    (None = j for both: every sequence is planned, as in a pure-decode batch).
+    """
+    device = block_tables.device
+    order = sorted(range(len(seq_lens)), key=seq_lens.__getitem__)
+    sorted_lens = [seq_lens[i] for i in order]
+    buckets = []
+    heads = torch.arange(num_kv_heads, device=device)
+    bounds = _bucket_bounds(sorted_lens)
+    granule = block_size * -(-_WIDTH_GRANULE // block_size)
+    for start, end in bounds:
+        # One bucket keeps the batch order, so its output needs no scatter back.
+        members = order[start:end] if len(bounds) > 1 else list(range(len(seq_lens)))
+        member_lens = [seq_lens[i] for i in members]
+        table_rows = members if seq_ids is None else [seq_ids[i] for i in members]
+        width = granule * -(-sorted_lens[end - 1] // granule)
+        positions = torch.arange(width, device=device)
+        table_idx = torch.tensor(table_rows, device=device)
+        tables = block_tables.index_select(0, table_idx).long()
+        # Slot of every (sequence, position < width); padding positions read some valid slot (a column past the
+        # table reads its last one, padded columns block 0) and are masked below.
+        columns = (positions // block_size).clamp_max_(tables.shape[1] - 1).expand(len(members), -1)
+        slots = tables.gather(1, columns) * block_size + positions % block_size
+        head_rows = slots[:, None, None, :] * num_kv_heads + heads[None, :, None, None]  # [B_b, KVH, 1, S_b]
+        cache_rows = head_rows.reshape(-1)
+        bag_rows = head_rows.expand(-1, -1, num_heads // num_kv_heads, -1).reshape(-1, width)
+        lens = torch.tensor(member_lens, device=device)
+        key_bias = None
+        if min(member_lens) != width:  # padding positions get -inf
+            pad = positions[None, :] >= lens[:, None]  # [B_b, S_b]
+            key_bias = torch.zeros(pad.shape, dtype=torch.float32, device=device).masked_fill_(pad, float("-inf"))
+            key_bias = key_bias[:, None, None, :].expand(-1, num_kv_heads, 1, -1).reshape(-1, 1, width)
+        in_order = query_rows is None and members == list(range(len(seq_lens)))
+        rows = None if in_order else torch.tensor(
+            members if query_rows is None else [query_rows[i] for i in members], device=device)
+        buckets.append(_Bucket(rows, cache_rows, bag_rows, key_bias, len(members), width))
+    return DecodePlan((block_size, num_kv_heads, num_heads), buckets)
+
+
+def _decode_bucket(q: Tensor, k_rows: Tensor, v_rows: Tensor, kv_heads: int, bucket: _Bucket,
+                   scale: float) -> Tensor:
+    """q: [B_b, H, D]; k_rows/v_rows: cache viewed as [slots * KVH, D]. Returns [B_b, H, D] in q's dtype."""
     num_seqs, num_heads, head_dim = q.shape
-    # [B, nb, bs, kvh, D] -> [B, kvh, S, D] with S = nb * bs; slots past seq_len are masked out.
-    keys = k_cache[tables].flatten(1, 2).transpose(1, 2)
-    values = v_cache[tables].flatten(1, 2).transpose(1, 2)
-    out = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, attn_mask=key_mask, scale=scale,
-                                         enable_gqa=keys.shape[1] != num_heads)
-    return out.view(num_seqs, num_heads, head_dim)
+    group = num_heads // kv_heads
+    keys = k_rows.index_select(0, bucket.cache_rows).view(num_seqs * kv_heads, bucket.width, head_dim)
+    # Query heads h*group .. (h+1)*group-1 share kv head h (HF's repeat_kv order).
+    q_grouped = q.reshape(num_seqs * kv_heads, group, head_dim)
+    if keys.dtype != torch.float32 and keys.shape[0] * keys.shape[1] <= _SMALL_BUCKET_ROWS:
+        # oneDNN's bf16/fp16 bmm costs ~40 us per call whatever its size; a small bucket is faster in fp32.
+        q_grouped, keys = q_grouped.float(), keys.float()
+    if keys.dtype == torch.float32:
+        if bucket.key_bias is None:
+            scores = torch.bmm(q_grouped, keys.transpose(1, 2)).mul_(scale)
+        else:
+            scores = torch.baddbmm(bucket.key_bias, q_grouped, keys.transpose(1, 2), alpha=scale)
+    else:
+        # Scores leave the bmm in the cache dtype; scaling, padding and softmax run in fp32 (as SDPA's do).
+        scores = torch.bmm(q_grouped, keys.transpose(1, 2))
+        scores = scores.float().mul_(scale) if bucket.key_bias is None else torch.add(bucket.key_bias, scores,
+                                                                                        alpha=scale)
+    probs = scores.softmax(dim=-1).to(v_rows.dtype)  # [B_b * KVH, group, S_b]; padding gets exactly 0
+    # probs @ V without materializing the gathered V: one weighted bag of cache rows per (sequence, query head).
+    out = F.embedding_bag(bucket.bag_rows, v_rows, per_sample_weights=probs.view(-1, bucket.width), mode="sum")
+    return out.to(q.dtype).view(num_seqs, num_heads, head_dim)
+
+
+def _run_decode_plan(q: Tensor, out: Tensor | None, k_cache: Tensor, v_cache: Tensor, plan: DecodePlan,
+                     scale: float) -> Tensor:
+    """Serve the plan's rows of q ([T, H, D]); writes them into out (allocated if None) and returns it."""
+    kv_heads, head_dim = k_cache.shape[-2:]
+    k_rows, v_rows = k_cache.view(-1, head_dim), v_cache.view(-1, head_dim)
+    buckets = plan.buckets
+    if len(buckets) == 1 and buckets[0].query_rows is None:
+        return _decode_bucket(q, k_rows, v_rows, kv_heads, buckets[0], scale)
+    out = torch.empty_like(q) if out is None else out
+    for bucket in buckets:
+        rows = bucket.query_rows
+        out[rows] = _decode_bucket(q.index_select(0, rows), k_rows, v_rows, kv_heads, bucket, scale)
+    return out
+
+
+def _cached_plan(meta: AttentionMetadata, k_cache: Tensor, num_heads: int) -> DecodePlan:
+    """The metadata's decode plan for this cache layout, built on the first layer (no buckets: no decode rows)."""
+    key = (k_cache.shape[1], k_cache.shape[2], num_heads)
+    plan = getattr(meta, _PLAN_ATTR, None)
+    if plan is not None and plan.key == key:
+        return plan
+    seq_lens = meta.seq_lens.tolist()
+    if meta.is_pure_decode:
+        plan = build_decode_plan(seq_lens, meta.block_tables, None, None, *key)
+    elif meta.tree_mask is not None:
+        plan = DecodePlan(key, [])
+    else:
+        # Sequences with a single new token (no tree mask) still go through the batched decode path.
+        cu = meta.cu_seqlens_q.tolist()
+        seq_ids = [i for i in range(len(seq_lens)) if cu[i + 1] - cu[i] == 1]
+        plan = build_decode_plan([seq_lens[i] for i in seq_ids], meta.block_tables, seq_ids,
+                                 [cu[i] for i in seq_ids], *key)
+    setattr(meta, _PLAN_ATTR, plan)
+    return plan
 
 
 def _one_sequence(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Tensor, ctx_len: int,
@@ -68,12 +216,15 @@ def _one_sequence(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Tens
     q_len, num_heads, _ = q.shape
     keys = gather_context(k_cache, block_table, ctx_len)
     values = gather_context(v_cache, block_table, ctx_len)
-    mask = query_mask(q_len, ctx_len, tree_rows, q.device)
+    # Without a prefix or tree, the mask is plain causal: SDPA's is_causal skips the masked half.
+    causal = tree_rows is None and q_len == ctx_len
+    mask = None if causal else query_mask(q_len, ctx_len, tree_rows, q.device)
     out = F.scaled_dot_product_attention(
         q.transpose(0, 1).unsqueeze(0),  # [1, H, L, D]
         keys.transpose(0, 1).unsqueeze(0),  # [1, kvh, S, D]
         values.transpose(0, 1).unsqueeze(0),
         attn_mask=mask,
+        is_causal=causal,
         scale=scale,
         enable_gqa=keys.shape[1] != num_heads,
     )
@@ -87,29 +238,17 @@ def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: Attention
     """
     if q.shape[1] % k_cache.shape[2] != 0:
         raise ValueError(f"num_heads={q.shape[1]} is not a multiple of num_kv_heads={k_cache.shape[2]}")
+    plan = _cached_plan(meta, k_cache, q.shape[1])
     if meta.is_pure_decode:
-        meta.prepare_decode(k_cache.shape[1])
-        return _decode_batch(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_key_mask, scale)
+        return _run_decode_plan(q, None, k_cache, v_cache, plan, scale)
 
-    cu = meta.cu_seqlens_q.tolist()
-    seq_lens = meta.seq_lens.tolist()
     out = torch.empty_like(q)
-    # Sequences with a single new token and no tree mask still go through the batched decode path.
-    decode_ids = [i for i in range(len(seq_lens)) if cu[i + 1] - cu[i] == 1] if meta.tree_mask is None else []
-    if decode_ids:
-        ids = torch.tensor(decode_ids, device=q.device)
-        rows = meta.cu_seqlens_q[ids].long()
-        block_size = k_cache.shape[1]
-        num_blocks = -(-max(seq_lens[i] for i in decode_ids) // block_size)
-        key_mask = torch.arange(num_blocks * block_size, device=q.device)[None, :] < meta.seq_lens[ids][:, None]
-        out[rows] = _decode_batch(q[rows], k_cache, v_cache, meta.block_tables[ids, :num_blocks].long(),
-                                  key_mask[:, None, None, :], scale)
-    decode_set = set(decode_ids)
-    for i, ctx_len in enumerate(seq_lens):
-        if i in decode_set:
-            continue
+    if plan.buckets:
+        _run_decode_plan(q, out, k_cache, v_cache, plan, scale)
+    cu = meta.cu_seqlens_q.tolist()
+    for i, ctx_len in enumerate(meta.seq_lens.tolist()):
         start, end = cu[i], cu[i + 1]
-        if end == start:
+        if end == start or (end - start == 1 and meta.tree_mask is None):  # empty, or served by the plan
             continue
         tree_rows = meta.tree_mask[start:end] if meta.tree_mask is not None else None
         out[start:end] = _one_sequence(q[start:end], k_cache, v_cache, meta.block_tables[i], ctx_len,

@@ -217,7 +217,7 @@ class ModelExecutor:
         attn = self._attention(q, k_cache, v_cache, meta, self.scale)
         h = h + o_proj(attn.reshape(num_tokens, self._q_width))
         gate, up = gate_up_proj(rms_norm(h, w.post_norm, self.eps)).chunk(2, dim=-1)
-        return h + down_proj(F.silu(gate) * up)
+        return h + down_proj(F.silu(gate).mul_(up))
 
     @torch.no_grad()
     def forward(self, input_ids: Tensor, positions: Tensor, meta: AttentionMetadata,
@@ -240,7 +240,6 @@ class ModelExecutor:
         cos, sin = self.rope(positions, meta.max_seqlen_k - 1)
         body = self._run
         if meta.is_pure_decode and self._compiled_run is not None and self.attn_backend == "torch":
-            meta.prepare_decode(self.block_size)
             body = self._compiled_run
         logits, hidden, aux = body(input_ids, cos, sin, meta, logits_indices, aux_layers)
         return ForwardOutput(logits=logits, hidden=hidden, aux_hidden=aux)
