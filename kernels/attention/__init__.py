@@ -7,7 +7,7 @@ flash-attn are imported lazily so this package imports on a machine without a GP
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -34,9 +34,10 @@ class AttentionMetadata:
     max_seqlen_q: int
     max_seqlen_k: int
     tree_mask: Tensor | None = None  # bool [T, max_seqlen_q]; None = causal
-    # Filled once per forward by prepare_decode() for all-decode batches, so every layer reuses them:
-    decode_block_tables: Tensor | None = None  # int64 [B, ceil(max_seqlen_k / block_size)]
-    decode_key_mask: Tensor | None = None  # bool [B, 1, 1, that * block_size]; True = a real key (< seq_len)
+    # Per-forward cache a backend may fill on the first layer's call and reuse in every later layer
+    # (the torch backend keeps its decode bucketing plan here). Metadata is built fresh each step and
+    # must not be mutated after the first attention call of a forward.
+    backend_plan: object | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         num_seqs = self.seq_lens.shape[0]
@@ -57,15 +58,6 @@ class AttentionMetadata:
     def is_pure_decode(self) -> bool:
         """True when every sequence brings exactly one new token and there is no tree mask."""
         return self.max_seqlen_q == 1 and self.tree_mask is None
-
-    def prepare_decode(self, block_size: int) -> None:
-        """Precompute the per-batch tensors the decode path needs (idempotent; no-op unless pure decode)."""
-        if not self.is_pure_decode or self.decode_block_tables is not None:
-            return
-        num_blocks = -(-self.max_seqlen_k // block_size)
-        self.decode_block_tables = self.block_tables[:, :num_blocks].long()
-        key_positions = torch.arange(num_blocks * block_size, device=self.seq_lens.device)
-        self.decode_key_mask = (key_positions[None, :] < self.seq_lens[:, None])[:, None, None, :]
 
     @classmethod
     def build(

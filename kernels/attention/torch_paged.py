@@ -30,7 +30,6 @@ _MAX_BUCKET_CUTS = 16  # candidate cut points considered (keeps planning O(B) in
 # on every step; rounding makes shapes repeat for many steps at the cost of a few masked positions.
 _WIDTH_GRANULE = 32
 _SMALL_BUCKET_ROWS = 4096  # gathered (sequence, kv head, position) rows up to which bf16/fp16 buckets run in fp32
-_PLAN_ATTR = "_torch_decode_plan"  # cached on the metadata object: built once per forward, reused by layers
 
 
 def gather_context(cache: Tensor, block_table: Tensor, num_tokens: int) -> Tensor:
@@ -192,8 +191,8 @@ def _run_decode_plan(q: Tensor, out: Tensor | None, k_cache: Tensor, v_cache: Te
 def _cached_plan(meta: AttentionMetadata, k_cache: Tensor, num_heads: int) -> DecodePlan:
     """The metadata's decode plan for this cache layout, built on the first layer (no buckets: no decode rows)."""
     key = (k_cache.shape[1], k_cache.shape[2], num_heads)
-    plan = getattr(meta, _PLAN_ATTR, None)
-    if plan is not None and plan.key == key:
+    plan = meta.backend_plan
+    if isinstance(plan, DecodePlan) and plan.key == key:
         return plan
     seq_lens = meta.seq_lens.tolist()
     if meta.is_pure_decode:
@@ -206,7 +205,7 @@ def _cached_plan(meta: AttentionMetadata, k_cache: Tensor, num_heads: int) -> De
         seq_ids = [i for i in range(len(seq_lens)) if cu[i + 1] - cu[i] == 1]
         plan = build_decode_plan([seq_lens[i] for i in seq_ids], meta.block_tables, seq_ids,
                                  [cu[i] for i in seq_ids], *key)
-    setattr(meta, _PLAN_ATTR, plan)
+    meta.backend_plan = plan
     return plan
 
 
