@@ -248,7 +248,7 @@ def default_runner_factory(cfg: EvalConfig, target_dir: Path) -> RunnerFactory:
             e = cfg.engine
             shared["executor"] = ModelExecutor(target_dir, e.dtype, e.device, e.attn_backend)
         return runners.build_engine_runner(target_dir, plan.method, plan.K, cfg.engine, cfg.seed, plan.spec_method,
-                                           plan.draft_path, shared["executor"])
+                                           plan.draft_path, shared["executor"], cfg.strict_fingerprint)
 
     return factory
 

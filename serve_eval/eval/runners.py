@@ -141,7 +141,7 @@ def _draft_limited_len(target_dir: Path, draft_dir: Path, K: int) -> int | None:
 
 def build_engine_runner(target_dir: Path, method: str, K: int, engine_settings: Any, seed: int,
                         spec_method: str | None = None, draft_path: Path | None = None,
-                        executor: Any = None) -> EngineRunner:
+                        executor: Any = None, strict_fingerprint: bool | None = None) -> EngineRunner:
     """An engine for one (method, K). spec_method None = no speculation. The executor (target
     weights) can be shared between engines; each engine allocates its own KV cache on it."""
     from serve_eval.engine.llm_engine import EngineConfig, LLMEngine
@@ -161,7 +161,8 @@ def build_engine_runner(target_dir: Path, method: str, K: int, engine_settings: 
 
         # Fallback off: the eval measures the method at this K, not the server's adaptive policy.
         speculative = SpecConfig(method=spec_method, draft_path=str(draft_path) if draft_path else None,
-                                 num_speculative_tokens=K, policy=SpecPolicyConfig(fallback=False))
+                                 num_speculative_tokens=K, policy=SpecPolicyConfig(fallback=False),
+                                 strict_fingerprint=strict_fingerprint)
     return EngineRunner(LLMEngine(cfg, speculative=speculative, executor=executor), method, K)
 
 

@@ -50,6 +50,10 @@ class SpecConfig:
     ngram_max_lookback: int | None = None
     policy: SpecPolicyConfig | None = None  # its num_speculative_tokens is replaced by the K above
     proposer_kwargs: dict[str, Any] = field(default_factory=dict)  # extra, method-specific
+    # Target-fingerprint rule when loading the draft (drafts.io.load_draft): None = error for feature
+    # drafts (Medusa/EAGLE) made for another target, warning for standalone. The eval harness and the
+    # retrain hook pass False to measure an old draft on an updated target.
+    strict_fingerprint: bool | None = None
 
     def __post_init__(self) -> None:
         if self.method not in PROPOSERS:

@@ -55,7 +55,8 @@ def load_feature_draft(spec_config: Any, target_executor: Any, device, dtype, ki
         expected = ExpectedTarget.from_model_dir(target_model_dir)
     else:
         expected = ExpectedTarget.from_config(target_executor.config)
-    loaded = load_draft(draft_path, expected, device=device, dtype=dtype)
+    loaded = load_draft(draft_path, expected, device=device, dtype=dtype,
+                        strict_fingerprint=getattr(spec_config, "strict_fingerprint", None))
     if loaded.kind not in kinds:
         raise ValueError(f"{draft_path}: draft kind is {loaded.kind!r}, but this proposer needs {' or '.join(kinds)}")
     return loaded

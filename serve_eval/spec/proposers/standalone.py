@@ -62,7 +62,7 @@ class StandaloneProposer(Proposer):
         from serve_eval.spec.config import expected_target
 
         # Raises naming both sides on a vocabulary mismatch; warns on a foreign target fingerprint.
-        loaded = load_draft(config.draft_path, expected_target(engine))
+        loaded = load_draft(config.draft_path, expected_target(engine), strict_fingerprint=config.strict_fingerprint)
         if loaded.kind != "standalone":
             raise ValueError(f"{config.draft_path}: method 'standalone' needs a standalone draft, got a {loaded.kind!r} draft")
         del loaded
