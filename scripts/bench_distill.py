@@ -25,6 +25,38 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 os.environ.setdefault("DRAFTSMITH_NO_PROGRESS", "1")
 
 DIVERGENCES = ("forward_kl", "reverse_kl", "jsd", "tv")
+START = time.perf_counter()
+
+
+def note(what: str) -> None:
+    """Progress on stderr (a bounded run is watched while it runs)."""
+    print(f"[bench_distill {time.perf_counter() - START:7.1f}s] {what}", file=sys.stderr, flush=True)
+
+
+def save_partial(args, report: dict) -> None:
+    """Whatever is measured so far, so a run stopped by its time budget still leaves its figures."""
+    if args.out:
+        args.out.write_text(json.dumps(report, indent=2, default=str))
+
+
+def print_table(report: dict) -> None:
+    print("\nkind        variant      alpha   tau    measured_by")
+    for kind, rows in report["kinds"].items():
+        for variant in ("untrained", "corpus_only", "distilled"):
+            r = rows[variant]
+            print(f"{kind:<11} {variant:<12} {r['alpha']:.3f}  {r['tau']:.3f}  {r['measured_by'][:60]}")
+        print(f"{kind:<11} train tokens/s: {rows['train_tokens_per_s'] or math.nan:.1f}   distill job wall: {rows['job_wall_s']:.1f} s")
+    if "eagle3_offline_vs_online_epoch_speedup" in report:
+        print(f"\neagle3 offline vs online epoch time: offline is {report['eagle3_offline_vs_online_epoch_speedup']:.2f}x "
+              f"faster (train tokens/s offline {report['eagle3_train_tokens_per_s']['offline']:.1f}, "
+              f"online {report['eagle3_train_tokens_per_s']['online']:.1f})")
+    if "divergences" in report:
+        domains = sorted(report["best_divergence_by_domain"])
+        print("\nstandalone token_kd alpha by domain: " + "  ".join(f"{d:>7}" for d in domains) + "   overall")
+        for name, r in report["divergences"].items():
+            cells = "  ".join(f"{r['per_domain'].get(d, {}).get('alpha', math.nan):7.3f}" for d in domains)
+            print(f"  {name:<34}{cells}   {r['alpha']:.3f}")
+        print("best divergence by domain: " + ", ".join(f"{d}: {w}" for d, w in report["best_divergence_by_domain"].items()))
 
 
 def target_model_dir(path: Path) -> Path:
@@ -40,8 +72,8 @@ def distill(args, kind: str, **extra: str) -> tuple[Path, float]:
 
     overrides = {"artifacts_root": args.artifacts, "target.path": str(args.model_dir), "wandb.mode": "disabled",
                  "draft": kind, "draft.data.max_prompts": str(args.max_prompts),
-                 "draft.data.max_new_tokens": str(args.max_new_tokens), "+train.max_steps": str(args.steps),
-                 "+train.batch_size": str(args.batch_size), "+train.lr": str(args.lr), "+train.warmup_steps": "5",
+                 "draft.data.max_new_tokens": str(args.max_new_tokens), "++train.max_steps": str(args.steps),
+                 "++train.batch_size": str(args.batch_size), "++train.lr": str(args.lr), "++train.warmup_steps": "5",
                  **extra}
     if args.data_path:
         overrides["data.path"] = args.data_path
@@ -156,25 +188,34 @@ def main() -> None:
     report: dict = {"target": str(args.model_dir), "steps": args.steps, "kinds": {}}
 
     for kind in args.kinds:
+        note(f"{kind}: distill from target outputs")
         distilled, wall = distill(args, kind)
+        note(f"{kind}: train on corpus references only")
         corpus_only, _ = distill(args, kind, **{"draft.data.source": "corpus"})
         rows = {"untrained": untrained(args, kind, distilled), "corpus_only": corpus_only, "distilled": distilled}
         meta = json.loads((distilled / "draftsmith.json").read_text())["metrics"]
+        note(f"{kind}: acceptance through the engine (untrained, corpus_only, distilled)")
         report["kinds"][kind] = {name: acceptance(args, kind, path, prompts) for name, path in rows.items()}
         report["kinds"][kind]["train_tokens_per_s"] = meta.get("train_tokens_per_s")
         report["kinds"][kind]["job_wall_s"] = wall
+        save_partial(args, report)
 
     if "eagle3" in args.kinds:
+        note("eagle3: offline mode (cached hidden states) vs online")
         online = json.loads((distill(args, "eagle3")[0] / "draftsmith.json").read_text())["metrics"]
         offline = json.loads((distill(args, "eagle3", **{"draft.mode": "offline"})[0] / "draftsmith.json").read_text())["metrics"]
         # Same examples and steps: epoch time ratio = inverse ratio of training throughput.
         report["eagle3_offline_vs_online_epoch_speedup"] = offline["train_tokens_per_s"] / online["train_tokens_per_s"]
+        report["eagle3_train_tokens_per_s"] = {"online": online["train_tokens_per_s"], "offline": offline["train_tokens_per_s"]}
+        save_partial(args, report)
 
     if not args.skip_divergences:
         report["divergences"] = {}
         for name in DIVERGENCES:
+            note(f"standalone token_kd divergence={name}")
             out, _ = distill(args, "standalone", **{"draft.loss": "token_kd", "draft.divergence": name})
             report["divergences"][name] = acceptance(args, "standalone", out, prompts)
+            save_partial(args, report)
         domains = sorted(prompts)
         def best(domain: str) -> str:
             scored = {n: report["divergences"][n]["per_domain"].get(domain, {}).get("alpha", math.nan) for n in DIVERGENCES}
@@ -183,15 +224,10 @@ def main() -> None:
 
         report["best_divergence_by_domain"] = {d: best(d) for d in domains}
 
+    report["wall_s"] = time.perf_counter() - START
+    save_partial(args, report)
     print(json.dumps(report, indent=2, default=str))
-    print("\nkind        variant      alpha   tau    measured_by")
-    for kind, rows in report["kinds"].items():
-        for variant in ("untrained", "corpus_only", "distilled"):
-            r = rows[variant]
-            print(f"{kind:<11} {variant:<12} {r['alpha']:.3f}  {r['tau']:.3f}  {r['measured_by'][:60]}")
-        print(f"{kind:<11} train tokens/s: {rows['train_tokens_per_s']}")
-    if args.out:
-        args.out.write_text(json.dumps(report, indent=2, default=str))
+    print_table(report)
 
 
 if __name__ == "__main__":

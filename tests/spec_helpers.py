@@ -30,8 +30,9 @@ def make_llama(path: Path, vocab: int = VOCAB, hidden: int = 64, layers: int = 2
     return Path(path)
 
 
-def feature_draft(kind: str, target_dir: Path, out_dir: Path, seed: int = 0) -> Path:
-    """An untrained Medusa / EAGLE / EAGLE-3 draft for target_dir, saved with its fingerprint."""
+def feature_draft(kind: str, target_dir: Path, out_dir: Path, seed: int = 0, init=None) -> Path:
+    """An untrained Medusa / EAGLE / EAGLE-3 draft for target_dir, saved with its fingerprint.
+    init: optional callable(draft module) that sets weights before saving."""
     from drafts.identity import target_fingerprint
     from drafts.io import save_draft
 
@@ -46,6 +47,8 @@ def feature_draft(kind: str, target_dir: Path, out_dir: Path, seed: int = 0) -> 
         num_layers = int(hf_config_dict(target_dir)["num_hidden_layers"])
         opts["aux_layers"] = [1, num_layers // 2, num_layers - 1] if num_layers >= 3 else [0, 1, num_layers]
     draft = cls.from_target_config(target_dir, **opts)
+    if init is not None:
+        init(draft)
     save_draft(draft, out_dir, kind, target_fingerprint(target_dir))
     return Path(out_dir)
 

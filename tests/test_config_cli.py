@@ -28,7 +28,8 @@ def test_default_config_composes_with_every_group():
     for group in ("target", "data", "pipeline", *OPEN_GROUPS):
         assert group in cfg
     assert cfg.target.num_layers >= 8 and cfg.wandb.mode == "offline"
-    assert list(cfg.pipeline.stages) == ["corpus", "tokenizer", "target"]
+    assert list(cfg.pipeline.stages)[:4] == ["corpus", "tokenizer", "target", "generate"]
+    assert list(cfg.pipeline.stages)[-3:] == ["eval", "report", "register"]
 
 
 def test_smoke_profile_overrides_target_and_data():
@@ -102,7 +103,9 @@ def test_multirun_sweeps_seeds(tmp_path):
 
 def test_smoke_pipeline_end_to_end_and_cached_rerun(tmp_path):
     """The smoke pipeline trains a tiny target, prints per-domain perplexity and its dir; a rerun reuses it."""
-    proc = run_cli("pipeline", "pipeline=smoke", f"artifacts_root={tmp_path}")
+    # The foundation stages only; the whole chain is tests/test_pipeline_smoke.py.
+    stages = "pipeline.stages=[corpus,tokenizer,target]"
+    proc = run_cli("pipeline", "pipeline=smoke", stages, f"artifacts_root={tmp_path}")
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout
     assert "held-out perplexity per domain" in out
@@ -120,6 +123,6 @@ def test_smoke_pipeline_end_to_end_and_cached_rerun(tmp_path):
         assert f"stage={name} status=done" in logs
     assert "wall_s=" in logs
 
-    again = run_cli("pipeline", "pipeline=smoke", f"artifacts_root={tmp_path}", "wandb.mode=disabled")
+    again = run_cli("pipeline", "pipeline=smoke", stages, f"artifacts_root={tmp_path}", "wandb.mode=disabled")
     assert again.returncode == 0, again.stderr[-3000:]
     assert "cached=True" in again.stdout and str(model_dir) in again.stdout

@@ -12,7 +12,7 @@ from distill_fixtures import VOCAB, make_corpus, make_target, overrides
 
 os.environ.setdefault("DRAFTSMITH_NO_PROGRESS", "1")
 FAST = {"draft.data.max_new_tokens": "6", "draft.data.max_prompts": "16", "draft.data.shard_size": "16",
-        "+train.max_steps": "1", "+train.batch_size": "4"}
+        "++train.max_steps": "1", "++train.batch_size": "4"}
 
 
 @pytest.fixture(scope="module")

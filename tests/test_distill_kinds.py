@@ -12,8 +12,8 @@ from distill_fixtures import make_corpus, make_target, overrides
 os.environ.setdefault("DRAFTSMITH_NO_PROGRESS", "1")
 
 FAST = {"draft.data.max_new_tokens": "8", "draft.data.max_prompts": "40", "draft.data.shard_size": "40",
-        "draft.data.eval_fraction": "0.2", "+train.max_steps": "6", "+train.batch_size": "8", "+train.lr": "1e-2",
-        "+train.eval_every": "2", "+train.eval_batch_size": "8"}
+        "draft.data.eval_fraction": "0.2", "++train.max_steps": "6", "++train.batch_size": "8", "++train.lr": "1e-2",
+        "++train.eval_every": "2", "++train.eval_batch_size": "8"}
 _RUNS: dict = {}
 
 
@@ -74,7 +74,7 @@ def test_eagle3_offline_matches_online(world):
 def test_init_from_warm_starts(world):
     """init_from loads an earlier draft: with a vanishing LR the job starts where that draft ended."""
     source, source_evals = distill(world, draft="eagle")
-    _, warm = distill(world, draft="eagle", **{"+train.lr": "1e-9", "+train.max_steps": "1", "draft.init_from": str(source)})
+    _, warm = distill(world, draft="eagle", **{"++train.lr": "1e-9", "++train.max_steps": "1", "draft.init_from": str(source)})
     assert warm[0]["eval/loss"] == pytest.approx(source_evals[-1]["eval/loss"], rel=1e-3)
     assert warm[0]["eval/loss"] < source_evals[0]["eval/loss"]
 

@@ -13,8 +13,8 @@ N = 80,000 samples per configuration. Power: for any alternative at total-variat
 delta from the target, the Pearson noncentrality is >= N * 4 * delta^2 (Cauchy-Schwarz on the
 positive and negative parts of the perturbation, each of mass delta). Pooling can hide at most the
 pooled mass, so we use delta_eff = 0.02 - pooled_mass and the asymptotic noncentral chi-square:
-power = P(ncx2(df, N * 4 * delta_eff^2) > chi2.ppf(1 - ALPHA, df)), computed in each test and
-asserted >= 0.99 (with df <= 63 it is >= 0.9999). Negative controls (a verifier that always accepts,
+power = P(ncx2(df, N * 4 * delta_eff^2) > chi2.ppf(1 - ALPHA, df)) (tests/stats_helpers.py), computed in
+each test and asserted >= 0.99 (with df <= 63 it is >= 0.9999). Negative controls (a verifier that always accepts,
 and one that resamples from the target instead of the residual on rejection) are rejected by the same
 test, and so is a verifier whose output is off by TV ~0.02 (target mixed 2.7% with uniform), which
 shows the power is real.
@@ -26,7 +26,6 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from scipy.stats import chi2, chisquare, ncx2
 
 from kernels.sampling import logits_to_probs, sample
 from serve_eval.spec.tree import DraftTree, TreeShape
@@ -38,6 +37,7 @@ from serve_eval.spec.verify import (
     verify_tree,
     verify_trees,
 )
+from tests.stats_helpers import chi_square_fit
 
 VOCAB = 8
 START = 0
@@ -132,25 +132,14 @@ def simulate(shape: TreeShape, kind: str, target, draft, verifier=exact_verifier
 
 
 def assert_matches_target(x1, x2, target, expect_match: bool = True) -> float:
-    """Chi-square test of the (x1, x2) counts against the exact joint; returns the p-value."""
+    """Chi-square test of the (x1, x2) counts against the exact joint (tests/stats_helpers); returns the p-value."""
     joint = (target[START][:, None] * target).double().flatten()  # [V*V], exact by enumeration
-    observed = torch.bincount(x1 * VOCAB + x2, minlength=VOCAB * VOCAB).double()
-    expected = joint * NUM_SAMPLES
-    impossible = joint == 0
-    assert observed[impossible].sum() == 0, "a token outside the target's support was emitted"
-    small = (expected < 5) & ~impossible
-    big = ~small & ~impossible
-    obs_bins = torch.cat([observed[big], observed[small].sum().reshape(1)]) if small.any() else observed[big]
-    exp_bins = torch.cat([expected[big], expected[small].sum().reshape(1)]) if small.any() else expected[big]
-    df = obs_bins.numel() - 1
-    pooled_mass = float(joint[small].sum())
-    delta_eff = TV_TOLERANCE - pooled_mass
-    power = ncx2.sf(chi2.ppf(1 - ALPHA, df), df, NUM_SAMPLES * 4 * delta_eff**2)
-    assert power >= 0.99, f"test too weak: power {power:.4f} against TV {TV_TOLERANCE} (df {df})"
-    p_value = chisquare(obs_bins.numpy(), exp_bins.numpy() * obs_bins.sum().item() / exp_bins.sum().item()).pvalue
+    observed = torch.bincount(x1 * VOCAB + x2, minlength=VOCAB * VOCAB)
+    fit = chi_square_fit(observed.numpy(), joint.numpy(), ALPHA, TV_TOLERANCE)
+    assert fit.power >= 0.99, f"test too weak: power {fit.power:.4f} against TV {TV_TOLERANCE} (df {fit.df})"
     if expect_match:
-        assert p_value > ALPHA, f"speculative output differs from the target distribution: p = {p_value:.2e}"
-    return p_value
+        assert fit.p_value > ALPHA, f"speculative output differs from the target distribution: p = {fit.p_value:.2e}"
+    return fit.p_value
 
 
 CONFIGS = [

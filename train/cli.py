@@ -1,7 +1,10 @@
-"""``draftsmith <job> [key=value ...]``: dispatch to a job's Hydra app, imported only when asked for.
+"""``draftsmith <job> [key=value ...]``: dispatch to a job's entry point, imported only when asked for.
 
-Every job is also runnable as ``python -m <module> key=value ...``. A job whose module is not in
-this checkout yet says so in one line instead of failing with an import traceback.
+Hydra jobs (pipeline, generate, distill, eval, serve) take ``key=value`` overrides; plan, export, hook
+and drafts take their own flags (``draftsmith <job> --help``). The process exits with the job's return
+code (e.g. the hook's 0 / 3 / 2), 0 when it returns none. Every job is also runnable as
+``python -m <module> ...`` (eval and serve: ``python -m train.jobs eval|serve ...``). A job whose module
+is not in this checkout yet says so in one line instead of failing with an import traceback.
 """
 
 from __future__ import annotations
@@ -12,15 +15,15 @@ import sys
 
 # job name -> ("module:function", one-line description). The function is a Hydra app (train.config.hydra_app).
 JOBS: dict[str, tuple[str, str]] = {
-    "pipeline": ("train.pipeline:main", "main job: corpus -> tokenizer -> target (-> distill -> eval -> report)"),
+    "pipeline": ("train.pipeline:main", "main job: corpus -> tokenizer -> target -> generate -> distill -> eval -> report"),
     "generate": ("train.generate:main", "regenerate answers to the distill prompts with the target"),
     "distill": ("train.distill.run:main", "train a draft (draft=standalone|medusa|eagle|eagle3)"),
-    "eval": ("serve_eval.eval.run:main", "measure drafts per domain: alpha, tau, ms/token, speedup"),
-    "plan": ("serve_eval.eval.plan:main", "predict speedups from measured acceptance and step costs"),
-    "serve": ("serve_eval.server.run:main", "OpenAI-compatible HTTP server with speculative decoding"),
+    "eval": ("train.jobs:eval_main", "measure drafts per domain: alpha, tau, ms/token, speedup ('eval compare A B')"),
+    "plan": ("serve_eval.eval.plan:main", "predict speedups and memory from a target config and the hardware"),
+    "serve": ("train.jobs:serve_main", "OpenAI-compatible HTTP server with speculative decoding"),
     "export": ("drafts.export:main", "export a draft to vLLM speculators / SGLang / Medusa layouts"),
     "hook": ("train.hook:main", "target changed? re-measure, re-distill on regression, promote if better"),
-    "drafts": ("train.registry:main", "list the drafts filed under each target fingerprint"),
+    "drafts": ("train.registry:main", "list / show / promote / retire the drafts filed under each target"),
 }
 
 
@@ -28,7 +31,7 @@ def usage() -> str:
     width = max(map(len, JOBS))
     lines = ["usage: draftsmith <job> [key=value ...] [-m] [--cfg job] [--help]", "", "jobs:"]
     lines += [f"  {name:<{width}}  {description}" for name, (_, description) in JOBS.items()]
-    lines += ["", "Each job is a Hydra app over conf/: 'draftsmith <job> --help' shows its config groups."]
+    lines += ["", "'draftsmith <job> --help' shows a job's options (Hydra jobs: its config groups over conf/)."]
     return "\n".join(lines)
 
 
@@ -60,8 +63,10 @@ def main(argv: list[str] | None = None) -> None:
     # Before torch loads: on a shared CPU, spinning OpenMP workers make every op 5-10x slower.
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     fn = load_job(name)
-    sys.argv = [f"draftsmith {name}", *rest]  # Hydra parses overrides from sys.argv
-    fn()
+    sys.argv = [f"draftsmith {name}", *rest]  # Hydra and argparse read their arguments from sys.argv
+    code = fn()
+    # Job return codes pass through (the hook's 3 = retrained, not promoted); Hydra apps return None.
+    raise SystemExit(code if isinstance(code, int) else 0)
 
 
 if __name__ == "__main__":

@@ -93,11 +93,19 @@ class DataConfig:
 
 @dataclass
 class PipelineConfig:
-    """Which stages ``draftsmith pipeline`` runs, in order (names from train.pipeline.STAGES)."""
+    """Which stages ``draftsmith pipeline`` runs, in order (names from train.pipeline.STAGES), and what
+    the stages after the target use. The dict fields are overrides onto other schemas, checked (ValueError
+    naming the field) when their stage starts; they apply to the pipeline only, so a profile never
+    changes what ``draftsmith distill`` or ``draftsmith eval`` do on their own."""
 
     name: str = "embedded"
     stages: list[str] = field(default_factory=lambda: ["corpus", "tokenizer", "target"])
     force: list[str] = field(default_factory=list)  # stage names whose cache is ignored this run
+    data: dict[str, Any] = field(default_factory=dict)  # DraftDataConfig fields: the one dataset all drafts share
+    drafts: dict[str, Any] = field(default_factory=dict)  # kind -> fields of conf/draft/<kind>.yaml
+    train: dict[str, Any] = field(default_factory=dict)  # TrainerConfig fields (over the `train` group), every kind
+    train_by_kind: dict[str, Any] = field(default_factory=dict)  # kind -> TrainerConfig fields for that kind
+    eval: dict[str, Any] = field(default_factory=dict)  # EvalConfig fields (over the `eval` group)
 
 
 @dataclass

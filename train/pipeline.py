@@ -1,13 +1,22 @@
 """``draftsmith pipeline``: the main job, a list of cached stages run in order.
 
-Today: corpus -> tokenizer -> target. Later issues add stages (distill, eval, report) by name in
-``STAGES`` or, without touching this file, as ``"package.module:function"`` in ``pipeline.stages``.
-A stage is ``fn(ctx: PipelineContext) -> dict`` : it reads earlier stages' outputs from
-``ctx.results``, stores its own output under its name, and returns fields for its log line.
+    corpus -> tokenizer -> target -> generate -> distill_standalone / _medusa / _eagle / _eagle3
+           -> eval -> report -> register
 
-    draftsmith pipeline                      # embedded default
+Every stage is cached by its inputs' hash (corpus: data config; tokenizer: corpus; target: its config +
+corpus; generate: target fingerprint + prompts + sampling + stored extras; distill_<kind>: target + data
+manifest + draft and trainer config; eval: target + prompts + eval settings + draft dirs), so a rerun
+skips what is done; ``pipeline.force=[name, ...]`` redoes named stages. The job ends with the target's
+summary, then one table: domain x method alpha, tau, ms/token, speed-up, and the report path.
+
+A stage is ``fn(ctx: PipelineContext) -> dict``: it reads earlier stages' outputs from ``ctx.results``,
+stores its own output under its name, and returns fields for its log line. ``STAGES`` names the built-in
+ones; ``pipeline.stages`` may also name ``"package.module:function"`` directly.
+
+    draftsmith pipeline                      # embedded default (conf/pipeline/embedded.yaml)
     draftsmith pipeline pipeline=smoke       # tiny, < 3 minutes
     draftsmith pipeline target.path=/ckpt    # any HF Llama-family checkpoint as the target
+    draftsmith pipeline pipeline.train.max_steps=50 'pipeline.eval.temperatures=[0.0]'
     python -m train.pipeline ...             # same thing
 """
 
@@ -29,6 +38,14 @@ STAGES: dict[str, str] = {
     "corpus": "train.pipeline:stage_corpus",
     "tokenizer": "train.pipeline:stage_tokenizer",
     "target": "train.pipeline:stage_target",
+    "generate": "train.pipeline_distill:stage_generate",
+    "distill_standalone": "train.pipeline_distill:stage_distill_standalone",
+    "distill_medusa": "train.pipeline_distill:stage_distill_medusa",
+    "distill_eagle": "train.pipeline_distill:stage_distill_eagle",
+    "distill_eagle3": "train.pipeline_distill:stage_distill_eagle3",
+    "eval": "train.pipeline_eval:stage_eval",
+    "report": "train.pipeline_eval:stage_report",
+    "register": "train.pipeline_eval:stage_register",
 }
 
 
@@ -38,6 +55,7 @@ class PipelineContext:
     artifacts: Artifacts
     run: Any  # W&B run (or a no-op stand-in)
     results: dict[str, Any] = field(default_factory=dict)  # stage name -> its output
+    wall_s: dict[str, float] = field(default_factory=dict)  # stage name -> its wall time (printed at the end)
 
     def forced(self, stage_name: str) -> bool:
         return stage_name in self.cfg.pipeline.force
@@ -85,7 +103,7 @@ def resolve_stage(name: str) -> Callable[[PipelineContext], dict[str, Any]]:
         raise ValueError(f"pipeline.stages: stage {name!r} -> {spec} is not available ({err})") from None
 
 
-def print_summary(ctx: PipelineContext) -> None:
+def print_target(ctx: PipelineContext) -> None:
     from train.target import TARGET_META_FILE
 
     target = ctx.results.get("target")
@@ -107,6 +125,29 @@ def print_summary(ctx: PipelineContext) -> None:
               "target.max_minutes (slow or busy CPU); 'pipeline.force=[target]' retrains it")
 
 
+def print_summary(ctx: PipelineContext) -> None:
+    """Printed last: the target, the eval summary table and report path, each stage's wall time."""
+    from train.pipeline_eval import print_report
+
+    print_target(ctx)
+    print_report(ctx)
+    print("stage wall times (s): " + "  ".join(f"{name}={wall:.1f}" for name, wall in ctx.wall_s.items())
+          + f"  total={sum(ctx.wall_s.values()):.1f}")
+
+
+def check_stage_configs(cfg: DictConfig) -> None:
+    """The later stages' settings (pipeline.data/drafts/train/eval) fail now, not after the target trains."""
+    from train.pipeline_distill import draft_config, planned_kinds, trainer_node
+
+    for kind in planned_kinds(cfg):
+        draft_config(cfg, kind)
+        trainer_node(cfg, kind)
+    if "eval" in cfg.pipeline.stages:
+        from train.pipeline_eval import check_eval_settings
+
+        check_eval_settings(cfg)
+
+
 def run(cfg: DictConfig) -> dict[str, Any]:
     """Run the configured stages; every stage's names are checked before the first one starts."""
     artifacts = Artifacts.from_config(cfg)
@@ -118,6 +159,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         from train.target import validate_target_dir
 
         validate_target_dir(cfg.target.path)
+    check_stage_configs(cfg)
     log_event(job="pipeline", profile=cfg.pipeline.name, stages=",".join(cfg.pipeline.stages),
               artifacts_root=artifacts.root)
     wandb_run = init_wandb(cfg, job_type="pipeline", wandb_dir=artifacts.wandb_dir)
@@ -126,6 +168,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         for name, fn in stage_fns:
             with stage(name) as fields:
                 fields.update(fn(ctx))
+            ctx.wall_s[name] = fields["wall_s"]
         print_summary(ctx)
     finally:
         wandb_run.finish()

@@ -1,4 +1,6 @@
-"""`draftsmith eval` (Hydra job; also `python -m serve_eval.eval.run key=value ...`).
+"""`draftsmith eval`: the job body `run(cfg)`. Its Hydra door is `train.jobs` (serve_eval does not import
+train, where conf/ and the schema registry live): `draftsmith eval ...` or `python -m train.jobs eval ...`.
+`python -m serve_eval.eval.run compare A B` works without train.
 
     draftsmith eval                                   # every method x K x T on the target's held-out prompts
     draftsmith eval eval=quick eval.target=DIR        # a profile (conf/eval/quick.yaml) on a given target
@@ -108,21 +110,17 @@ def run(cfg: Any) -> Path:
     return out_dir
 
 
-def main(argv: list[str] | None = None) -> Any:
-    """`compare A B` goes to serve_eval.eval.compare; anything else is the Hydra job."""
+def main(argv: list[str] | None = None) -> int:
+    """`compare A B` goes to serve_eval.eval.compare; the Hydra job itself starts from train.jobs."""
     args = sys.argv[1:] if argv is None else list(argv)
     if args[:1] == ["compare"]:
         from serve_eval.eval.compare import main as compare_main
 
         raise SystemExit(compare_main(args[1:]))
-    if argv is not None:
-        sys.argv = [sys.argv[0], *args]
-    # The job door only: interfaces.md has every job wrap `run` with train.config.hydra_app (it owns
-    # conf/ and the schema registry). Nothing else in serve_eval imports train.
-    from train.config import hydra_app
-
-    return hydra_app(run)()
+    print("the eval job runs as `draftsmith eval key=value ...` or `python -m train.jobs eval key=value ...` "
+          "(its Hydra config lives in train); here only `compare A B`", file=sys.stderr)
+    return 2
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

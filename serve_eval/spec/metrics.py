@@ -8,6 +8,8 @@
   depth k, and accepts it when the accepted path has length >= k.
 - ms/token = wall time of the decode phase / tokens generated in it (prefill excluded; TTFT apart).
 - speedup = baseline ms/token / method ms/token (same engine, prompts and params, one run).
+- simulated tau (training-time estimate) = 1 + sum_k prod_{j<=k} acc_j from per-position draft
+  accuracies, the tau a chain with these conditional acceptance rates would give.
 - predicted speedup (seed formula) = (1 + K * alpha) / (1 + K * c), c = draft step cost / target step
   cost. Measured c = (draft time per proposed token) / (target time per round).
 """
@@ -22,6 +24,23 @@ from dataclasses import dataclass, field
 def predicted_speedup(k: float, alpha: float, cost_ratio: float) -> float:
     """Seed formula (1 + K alpha) / (1 + K c)."""
     return (1 + k * alpha) / (1 + k * cost_ratio)
+
+
+def simulated_tau(position_accuracies: Sequence[float]) -> float:
+    """Mean accepted length a chain of these per-position acceptance rates would give.
+
+    tau = 1 + sum_k prod_{j<=k} acc_j: draft token k is emitted only if tokens 1..k all pass (accuracies
+    treated as conditional acceptance rates, independent across positions), and the verify step always
+    adds the bonus/correction token (the 1). The distill trainer logs it from held-out top-1 agreement
+    so acceptance can be watched while training; it estimates the measured tau above.
+    """
+    tau, survive = 1.0, 1.0
+    for accuracy in position_accuracies:
+        if not 0.0 <= accuracy <= 1.0:
+            raise ValueError(f"position accuracy {accuracy} outside [0, 1]")
+        survive *= accuracy
+        tau += survive
+    return tau
 
 
 def ms_per_token(decode_wall_s: float, num_tokens: int) -> float:

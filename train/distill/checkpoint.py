@@ -227,6 +227,11 @@ def load_checkpoint(
     """Restore everything `save_checkpoint` wrote into the live objects; returns the trainer state."""
     path = Path(path)
     state = check_compatible(path, config_hash, run_config, accelerator.num_processes)
+    if sharded != (path / "accelerate_state").is_dir():  # e.g. a DDP checkpoint resumed under DeepSpeed
+        layouts = ("sharded (accelerate_state/, FSDP or DeepSpeed)", "full (model.safetensors, local or DDP)")
+        raise ValueError(f"cannot resume from {path}: it holds a {layouts[not (path / 'accelerate_state').is_dir()]} "
+                         f"checkpoint, this run's launcher needs a {layouts[not sharded]} one; use the launcher "
+                         "that wrote it or a fresh train.output_dir")
     if sharded:
         accelerator.load_state(str(path / "accelerate_state"))
     else:

@@ -167,12 +167,26 @@ class ShardedResumableSampler:
         generator = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
         return torch.randperm(self.num_examples, generator=generator).tolist()
 
+    def batch_indices(self, epoch: int, batch_index: int, order: list[int] | None = None) -> list[int]:
+        """This rank's examples in batch ``batch_index`` of ``epoch`` (``order``: that epoch's, if at hand)."""
+        order = self.epoch_order(epoch) if order is None else order
+        offset = batch_index * self.batch_size * self.world_size + self.rank * self.batch_size
+        return order[offset : offset + self.batch_size]
+
+    def examples_of(self, batches: Sequence[tuple[int, int]]) -> list[int]:
+        """This rank's examples in the given (epoch, batch index) batches, in that order."""
+        orders: dict[int, list[int]] = {}
+        examples: list[int] = []
+        for epoch, batch_index in batches:
+            if epoch not in orders:
+                orders[epoch] = self.epoch_order(epoch)
+            examples += self.batch_indices(epoch, batch_index, orders[epoch])
+        return examples
+
     def __iter__(self) -> Iterator[list[int]]:
         order = self.epoch_order(self.epoch)
-        global_batch = self.batch_size * self.world_size
         for batch_index in range(self.start_batch, self.batches_per_epoch):
-            offset = batch_index * global_batch + self.rank * self.batch_size
-            yield order[offset : offset + self.batch_size]
+            yield self.batch_indices(self.epoch, batch_index, order)
 
 
 def eval_shard_batches(num_examples: int, batch_size: int, rank: int, world_size: int) -> list[list[int]]:

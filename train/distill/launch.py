@@ -16,9 +16,12 @@ Traps this module exists for (all checked on this CPU-only machine, accelerate 1
 """
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -193,6 +196,26 @@ def shutdown_distributed(barrier: bool = True) -> None:
                 dist.barrier()
         finally:
             dist.destroy_process_group()
+
+
+def write_rank_report(path: Path, accelerator: Any, module: torch.nn.Module, launcher: LauncherConfig,
+                      example_ids: list[int]) -> None:
+    """One JSON per rank of what this process did: world size, the training examples it drew (since it
+    started; a resumed run: since the resume) and a sha256 per trainable parameter, so a distributed run
+    can be checked afterwards (shards disjoint, replicas equal). Digests are left out (None) where the
+    launcher shards parameters (FSDP, ZeRO-3): a rank then holds only its piece."""
+    replicated = launcher.strategy in ("none", "ddp") or (launcher.strategy == "deepspeed" and launcher.zero_stage < 3)
+    digests = None
+    if replicated:
+        digests = {
+            name: hashlib.sha256(p.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
+            for name, p in accelerator.unwrap_model(module).named_parameters() if p.requires_grad
+        }
+    report = {"rank": accelerator.process_index, "world_size": accelerator.num_processes,
+              "distributed_type": str(accelerator.distributed_type), "strategy": launcher.strategy,
+              "example_ids": example_ids, "param_sha256": digests}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report))
 
 
 def accelerate_config(launcher: LauncherConfig, mixed_precision: str = "bf16") -> dict[str, Any]:

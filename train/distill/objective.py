@@ -6,7 +6,7 @@ The trainer owns everything else (devices, distribution, accumulation, schedule,
 """
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import torch
@@ -54,19 +54,3 @@ class Objective(Protocol):
     def eval_metrics(self, model: nn.Module, batch: Mapping[str, Tensor]) -> PositionCounts:
         """Per-position top-1 agreement of the draft with the target on one held-out batch (no grad)."""
         ...
-
-
-def simulated_tau(position_accuracies: Sequence[float]) -> float:
-    """Mean accepted length a chain of these per-position acceptance rates would give.
-
-    tau = 1 + sum_k prod_{j<=k} acc_j: draft token k is emitted only if tokens 1..k all pass (accuracies
-    treated as conditional acceptance rates, independent across positions), and the verify step always
-    adds the bonus/correction token (the 1). Same meaning as tau in serve_eval.spec.metrics.
-    """
-    tau, survive = 1.0, 1.0
-    for accuracy in position_accuracies:
-        if not 0.0 <= accuracy <= 1.0:
-            raise ValueError(f"position accuracy {accuracy} outside [0, 1]")
-        survive *= accuracy
-        tau += survive
-    return tau

@@ -213,7 +213,10 @@ def read_throughput(metrics_file: Path) -> float | None:
     return sum(rates) / len(rates) if rates else None
 
 
-def train_and_export(cfg: DictConfig, prepared: Prepared) -> Path | None:
+def train_and_export(cfg: DictConfig, prepared: Prepared, out_dir: Path | None = None,
+                     extra_metrics: dict[str, Any] | None = None) -> Path | None:
+    """Train and export; ``out_dir`` (default: the keyed drafts dir) and ``extra_metrics`` (into
+    draftsmith.json) let the retrain hook (train.hook_jobs) choose where its candidate lands."""
     from train.distill.launch import LauncherConfig
     from train.distill.objectives.teacher import Teacher
     from train.distill.trainer import Trainer
@@ -232,13 +235,17 @@ def train_and_export(cfg: DictConfig, prepared: Prepared) -> Path | None:
     objective = make_objective(kind, dcfg, teacher, target_dir, draft)
 
     draft_container = OmegaConf.to_container(dcfg, resolve=True)
-    run_key = stable_hash({"draft": {k: v for k, v in draft_container.items() if k != "init_from"},
-                           "init_from": dcfg.init_from, "data": Manifest.read(data_dir).key,
-                           "train": OmegaConf.to_container(cfg.train, resolve=True), "seed": cfg.seed})
+    launcher = LauncherConfig(**OmegaConf.to_container(cfg.launcher, resolve=True))
+    keyed = {"draft": {k: v for k, v in draft_container.items() if k != "init_from"},
+             "init_from": dcfg.init_from, "data": Manifest.read(data_dir).key,
+             "train": OmegaConf.to_container(cfg.train, resolve=True), "seed": cfg.seed}
+    if launcher.world_size > 1:  # checkpoints resume only under the same layout: own run dir per layout
+        keyed["layout"] = {"strategy": launcher.strategy, "world_size": launcher.world_size,
+                           "zero_stage": launcher.zero_stage if launcher.strategy == "deepspeed" else None}
+    run_key = stable_hash(keyed)
     artifacts = Artifacts.from_config(cfg)
     name = f"{kind}-{run_key}"
     train_cfg = trainer_config(cfg, artifacts.target_dir(fingerprint) / "distill" / name)
-    launcher = LauncherConfig(**OmegaConf.to_container(cfg.launcher, resolve=True))
     is_main = int(os.environ.get("RANK", "0")) == 0
     wandb_run = init_wandb(cfg, job_type="distill", wandb_dir=artifacts.wandb_dir, name=name) if is_main else None
     trainer = Trainer(train_cfg, objective, {"draft": draft}, train_set, eval_set, launcher=launcher,
@@ -250,10 +257,11 @@ def train_and_export(cfg: DictConfig, prepared: Prepared) -> Path | None:
             state = trainer.trainable_state_dict()  # collective: every rank
             if not trainer.accelerator.is_main_process:
                 return None
-            out_dir = export(kind, dcfg, draft, teacher, state, artifacts.drafts_dir(fingerprint) / name, target_dir,
-                             fingerprint, Manifest.read(data_dir).key,
+            out_dir = export(kind, dcfg, draft, teacher, state, out_dir or artifacts.drafts_dir(fingerprint) / name,
+                             target_dir, fingerprint, Manifest.read(data_dir).key,
                              {**result.final_metrics, "steps": result.state.step,
-                              "train_tokens_per_s": read_throughput(Path(train_cfg.output_dir) / "metrics.jsonl")})
+                              "train_tokens_per_s": read_throughput(Path(train_cfg.output_dir) / "metrics.jsonl"),
+                              **(extra_metrics or {})})
     finally:
         if wandb_run is not None:
             wandb_run.finish()

@@ -22,10 +22,11 @@ from accelerate.utils import set_seed
 from torch import Tensor
 from torch.utils.data import DataLoader
 
+from serve_eval.spec.metrics import simulated_tau
 from train.distill import checkpoint as ckpt
 from train.distill.data import ShardedResumableSampler, collate_token_sequences, eval_shard_batches
-from train.distill.launch import LauncherConfig, make_accelerator, shutdown_distributed
-from train.distill.objective import Objective, PositionCounts, simulated_tau
+from train.distill.launch import LauncherConfig, make_accelerator, shutdown_distributed, write_rank_report
+from train.distill.objective import Objective, PositionCounts
 from train.logs import log_event, progress
 
 LR_SCHEDULES = ("constant", "linear", "cosine")
@@ -181,6 +182,7 @@ class Trainer:
         self.model, self.optimizer = acc.prepare(module, optimizer)
         set_seed(config.seed + 7919 * acc.process_index)  # per-rank dropout/noise streams
         self.last_checkpoint: Path | None = None
+        self.consumed_batches: list[tuple[int, int]] = []  # (epoch, batch index) this process trained on
 
     # ------------------------------------------------------------------ state
 
@@ -330,6 +332,7 @@ class Trainer:
                 grad_norm: Tensor | None = None
                 for _ in range(cfg.gradient_accumulation_steps):
                     epoch, batch_index, batch = next(stream)
+                    self.consumed_batches.append((epoch, batch_index))
                     batch = self._to_device(batch)
                     with acc.accumulate(self.model), acc.autocast():
                         loss, components = self.objective.loss(self.model, batch)
@@ -369,6 +372,8 @@ class Trainer:
             bar.close()
             if not final_metrics:
                 final_metrics = self.evaluate()
+            write_rank_report(self.output_dir / "ranks" / f"rank{acc.process_index}.json", acc, self.model,
+                              self.launcher, self.sampler.examples_of(self.consumed_batches))
             return TrainResult(state, final_metrics, self.last_checkpoint)
         except BaseException:
             # The error may be on this rank only: a barrier would hang, so tear down without one.

@@ -1,0 +1,179 @@
+"""Pipeline stages ``eval``, ``report`` and ``register``: measure this run's drafts, summarise, file them.
+
+``eval`` runs the eval harness (``serve_eval.eval.run.run``) on the target's held-out corpus split, per
+domain, for no-spec, n-gram and exactly the drafts this run distilled (labelled by kind; older drafts
+in the same drafts dir are not swept in), with ``pipeline.eval`` over the ``eval`` group. The report
+lands in ``artifacts/targets/<fp>/reports/<stamp>-pipeline-<key>/``, key = hash(target, prompts,
+eval settings, draft dirs), and a ``.complete`` marker makes the next run with the same inputs a cache hit.
+
+``report`` turns report.json into one table (domain x method: alpha, tau, ms/token, speed-up; the best
+K per temperature) that the pipeline prints last, and writes it to ``summary.md`` beside the report.
+``register`` files each draft in the registry (``train.registry``) as promoted, with that report.
+"""
+
+from __future__ import annotations
+
+import math
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from omegaconf import DictConfig, OmegaConf, open_dict
+
+from train.artifacts import stable_hash
+from train.pipeline_distill import DONE_MARKER, STAGE_PREFIX, as_dict, merge_checked, planned_kinds
+
+if TYPE_CHECKING:
+    from train.pipeline import PipelineContext
+
+REPORT_SUFFIX = "-pipeline-"
+SUMMARY_FILE = "summary.md"
+# Eval settings that change where/how a report is written, not what it measures: left out of the key.
+_UNKEYED_EVAL_FIELDS = ("out_dir", "plots", "wandb")
+
+
+def run_drafts(ctx: PipelineContext) -> dict[str, Path]:
+    """kind -> draft dir of every distill stage that ran before this one."""
+    return {kind: Path(ctx.results[STAGE_PREFIX + kind]) for kind in planned_kinds(ctx.cfg)
+            if STAGE_PREFIX + kind in ctx.results}
+
+
+def check_eval_settings(cfg: DictConfig) -> None:
+    """``pipeline.eval`` over the ``eval`` group must make a valid EvalConfig (ValueError naming the field)."""
+    from serve_eval.eval.settings import validate
+
+    validate(OmegaConf.to_object(merge_checked(cfg.eval, cfg.pipeline.eval, "pipeline.eval")))
+
+
+def eval_node(ctx: PipelineContext) -> DictConfig:
+    """The ``eval`` group + ``pipeline.eval``, aimed at this target, its held-out prompts and this run's drafts."""
+    cfg, target = ctx.cfg, ctx.results["target"]
+    node = merge_checked(cfg.eval, cfg.pipeline.eval, "pipeline.eval")
+    drafts = {kind: str(path) for kind, path in run_drafts(ctx).items()}
+    prompts = node.prompts or str(ctx.results["corpus"].path("eval"))
+    return merge_checked(node, {"target": str(target.model_dir), "prompts": prompts, "drafts": drafts,
+                         "discover_drafts": False}, "eval")
+
+
+def eval_key(ctx: PipelineContext, node: DictConfig) -> str:
+    settings = {k: v for k, v in as_dict(node).items() if k not in _UNKEYED_EVAL_FIELDS}
+    prompts = Path(node.prompts)
+    return stable_hash({"target": ctx.results["target"].fingerprint, "eval": settings,
+                        "prompts": ctx.results["corpus"].content_hash if prompts == ctx.results["corpus"].path("eval")
+                        else stable_hash(prompts.read_text() if prompts.is_file() else str(prompts))})
+
+
+def stage_eval(ctx: PipelineContext) -> dict[str, Any]:
+    from serve_eval.eval.run import run as run_eval
+
+    target = ctx.results["target"]
+    node = eval_node(ctx)
+    key = eval_key(ctx, node)
+    reports = ctx.artifacts.reports_dir(target.fingerprint)
+    done = sorted(p for p in reports.glob(f"*{REPORT_SUFFIX}{key}") if (p / DONE_MARKER).is_file())
+    cached = bool(done) and not ctx.forced("eval")
+    if cached:
+        out_dir = done[-1]
+    else:
+        stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S")
+        out_dir = reports / f"{stamp}{REPORT_SUFFIX}{key}"
+        job = ctx.cfg.copy()
+        with open_dict(job):
+            job.eval = merge_checked(node, {"out_dir": str(out_dir)}, "eval")
+        run_eval(job)
+        (out_dir / DONE_MARKER).write_text("")
+    ctx.results["eval"] = out_dir
+    return {"cached": cached, "dir": out_dir, "methods": ",".join([m for m in node.methods if m != "drafts"] + list(node.drafts)),
+            "K": ",".join(map(str, node.num_speculative_tokens)), "T": ",".join(f"{t:g}" for t in node.temperatures)}
+
+
+# ----------------------------------------------------------------------------- the summary table
+
+
+def _fmt(x: float | None, spec: str) -> str:
+    return "-" if x is None or not math.isfinite(x) else format(x, spec)
+
+
+def summary_rows(report: Any) -> list[list[str]]:
+    """One row per (domain, method, temperature): the K with the best speed-up (no-spec: K = 0)."""
+    best: dict[tuple[str, str, float], Any] = {}
+    for r in report.results:
+        cell = (r.domain, r.method, r.temperature)
+        score = r.speedup if r.speedup is not None else -math.inf
+        held = best.get(cell)
+        if held is None or score > (held.speedup if held.speedup is not None else -math.inf):
+            best[cell] = r
+    order = sorted(best.values(), key=lambda r: (r.domain, r.temperature, r.method != "no-spec", r.method))
+    return [[r.domain, r.method, f"{r.temperature:g}", str(r.K), _fmt(r.alpha, ".3f"), _fmt(r.tau, ".2f"),
+             _fmt(r.ms_per_token, ".2f"), _fmt(r.speedup, ".2f")] for r in order]
+
+
+def render_table(header: list[str], rows: list[list[str]]) -> str:
+    widths = [max(len(x) for x in col) for col in zip(header, *rows)]
+    line = lambda cells: "  ".join(c.ljust(w) if i < 2 else c.rjust(w)  # noqa: E731
+                                   for i, (c, w) in enumerate(zip(cells, widths)))
+    return "\n".join([line(header), line(["-" * w for w in widths]), *map(line, rows)])
+
+
+def stage_report(ctx: PipelineContext) -> dict[str, Any]:
+    from serve_eval.eval.report import load_report
+
+    if "eval" not in ctx.results:
+        raise ValueError("pipeline.stages: 'report' needs the 'eval' stage before it")
+    out_dir = Path(ctx.results["eval"])
+    report = load_report(out_dir / "report.json")
+    header = ["domain", "method", "T", "K", "alpha", "tau", "ms/token", "speedup"]
+    table = render_table(header, summary_rows(report))
+    skipped = [f"skipped: domain={s.domain} method={s.method}: {s.reason}" for s in report.skipped]
+    (out_dir / SUMMARY_FILE).write_text(f"```\n{table}\n```\n" + "".join(f"\n- {s}" for s in skipped) + "\n")
+    ctx.results["report"] = {"table": table, "skipped": skipped, "json": out_dir / "report.json",
+                             "markdown": out_dir / "report.md"}
+    domains = sorted({r.domain for r in report.results})
+    methods = sorted({r.method for r in report.results})
+    return {"report": out_dir / "report.json", "domains": ",".join(domains), "methods": ",".join(methods),
+            "rows": len(report.results), "skipped": len(report.skipped)}
+
+
+def print_report(ctx: PipelineContext) -> None:
+    report = ctx.results.get("report")
+    if report is None:
+        return
+    print("\nspeculative decoding on the held-out prompts (best K per method and temperature; "
+          "speedup = no-spec ms/token / method ms/token, same run):")
+    print(report["table"])
+    for line in report["skipped"]:
+        print(line)
+    print(f"report: {report['json']}\nreport (tables, plots): {report['markdown']}")
+    if "register" in ctx.results:
+        print(f"registry: {ctx.results['register']}")
+
+
+# ----------------------------------------------------------------------------- the registry
+
+
+def stage_register(ctx: PipelineContext) -> dict[str, Any]:
+    """Each draft of this run -> promoted in the registry, with this run's report (idempotent on reruns)."""
+    from train.registry import Registry, TargetInfo
+
+    if "eval" not in ctx.results:
+        raise ValueError("pipeline.stages: 'register' needs the 'eval' stage before it")
+    target = ctx.results["target"]
+    report_path = (Path(ctx.results["eval"]) / "report.json").resolve()
+    registry = Registry(ctx.artifacts.root)
+    info = TargetInfo.from_dir(target.model_dir)
+    fields: dict[str, Any] = {}
+    for kind, draft_dir in run_drafts(ctx).items():
+        path = str(Path(draft_dir).resolve())
+        entry = next((e for e in registry.entries(info.fingerprint) if e.path == path and e.status != "retired"), None)
+        if entry is None:
+            entry = registry.add(path, info, report_path=report_path, report_method=kind, status="promoted",
+                                 note=f"draftsmith pipeline ({ctx.cfg.pipeline.name})")
+            fields[kind] = "added"
+        elif entry.report_path == str(report_path) and entry.status == "promoted":
+            fields[kind] = "cached"
+        else:
+            registry.update(entry.id, report_path=str(report_path), report_method=kind)
+            entry = registry.promote(entry.id)
+            fields[kind] = "promoted"
+    ctx.results["register"] = registry.manifest_path(info.fingerprint)
+    return {**fields, "manifest": registry.manifest_path(info.fingerprint)}
