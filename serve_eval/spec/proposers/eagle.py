@@ -55,6 +55,7 @@ from serve_eval.spec.proposers.medusa import (
     engine_build_args,
     feed_features,
     load_feature_draft,
+    pack_linears,
 )
 from serve_eval.spec.tree import DynamicTreeBuilder
 from serve_eval.spec.verify import VerifyResult
@@ -176,7 +177,7 @@ class EagleProposer(Proposer):
         tree: (top_k, depth, max_nodes) of the EAGLE-2 dynamic tree, or None for chains."""
         if getattr(draft, "kind", None) != self.kind:
             raise ValueError(f"{type(self).__name__} needs a {self.kind!r} draft, got {getattr(draft, 'kind', None)!r}")
-        self.draft = draft
+        self.draft = pack_linears(draft)
         weight = draft.fc.weight
         self.device, self.dtype = weight.device, weight.dtype
         self.block_size, self.attn_backend = block_size, attn_backend
@@ -331,27 +332,35 @@ class EagleProposer(Proposer):
     def _chains(self, seqs, num_tokens, states, root_positions, feats: Tensor) -> list[Proposal]:
         temperature, top_k, top_p = sampling_arrays(seqs, self.device)
         greedy = [s.params.temperature == 0 for s in seqs]
-        tokens: list[list[Tensor]] = [[] for _ in seqs]
+        tokens: list[list[int]] = [[] for _ in seqs]
         rows: list[list[Tensor]] = [[] for _ in seqs]
         active = list(range(len(seqs)))
         step_feats = feats
         for step in range(max(num_tokens)):
-            idx = torch.tensor(active, device=self.device)
-            probs = logits_to_probs(self._logits(step_feats), temperature[idx], top_k[idx], top_p[idx])
-            drawn = draw_rows(probs, [seqs[i].generator for i in active], [greedy[i] for i in active])
+            logits = self._logits(step_feats)
+            if all(greedy[i] for i in active):
+                # T = 0 drafts are point masses: logits_to_probs would give one-hot rows at this same argmax.
+                drawn, probs = logits.argmax(dim=-1), None
+            else:
+                idx = torch.tensor(active, device=self.device)
+                probs = logits_to_probs(logits, temperature[idx], top_k[idx], top_p[idx])
+                drawn = draw_rows(probs, [seqs[i].generator for i in active], [greedy[i] for i in active])
+            drawn_ids = drawn.tolist()
             for j, i in enumerate(active):
-                tokens[i].append(drawn[j])
-                rows[i].append(probs[j])
+                tokens[i].append(drawn_ids[j])
+                if probs is not None:
+                    rows[i].append(probs[j])
             # grow the chain of sequences that want more tokens: input (own output, drafted token) at root + step
             keep = [j for j, i in enumerate(active) if len(tokens[i]) < num_tokens[i]
                     and self.cache.resize(states[i].record, states[i].record.num_computed_tokens + 1)]
             if not keep:
                 break
-            queries = [_Query(states[active[j]], [int(drawn[j])], step_feats[j:j + 1], [root_positions[active[j]] + step])
+            queries = [_Query(states[active[j]], [drawn_ids[j]], step_feats[j:j + 1], [root_positions[active[j]] + step])
                        for j in keep]
             step_feats = self._forward(queries, ingest=False)
             active = [active[j] for j in keep]
-        return [Proposal(torch.stack(t), None if greedy[i] else torch.stack(rows[i])) for i, t in enumerate(tokens)]
+        return [Proposal(torch.tensor(t, dtype=torch.int64, device=self.device),
+                         None if greedy[i] else torch.stack(rows[i])) for i, t in enumerate(tokens)]
 
     # -- EAGLE-2 dynamic trees -----------------------------------------------------------------
     def _trees(self, states, root_positions, root_feats: Tensor) -> list[Proposal]:

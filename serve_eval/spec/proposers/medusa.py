@@ -16,6 +16,7 @@ features-argument adapter) live here too, so each idea is written once.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -34,6 +35,7 @@ from serve_eval.spec.proposers.base import (
     empty_proposal,
     sampling_arrays,
 )
+from serve_eval.engine.layers import Linear
 from serve_eval.engine.model_executor import resolve_dtype
 from serve_eval.spec.tree import TreeShape
 from serve_eval.spec.verify import VerifyResult
@@ -101,6 +103,37 @@ def draw_rows(probs: Tensor, generators: Sequence[torch.Generator | None], greed
         idx = torch.tensor(sampled, device=probs.device)
         tokens[idx] = sample(probs[idx], [generators[i] for i in sampled]).to(tokens.device)
     return tokens
+
+
+class _PackedLinear(torch.nn.Module):
+    """Inference-only stand-in for an nn.Linear whose weight is pre-packed for oneDNN (serve_eval.engine.layers).
+
+    Keeps .weight / .bias (callers read the dtype and device from them); forward takes any leading shape."""
+
+    def __init__(self, linear: torch.nn.Linear) -> None:
+        super().__init__()
+        self.weight, self.bias = linear.weight, linear.bias
+        self._packed = Linear(linear.weight.detach(), None if linear.bias is None else linear.bias.detach(), pack=True)
+
+    def forward(self, x: Tensor) -> Tensor:  # [..., in] -> [..., out]
+        return self._packed(x.reshape(-1, x.shape[-1]).contiguous()).view(*x.shape[:-1], -1)
+
+
+def pack_linears(draft: torch.nn.Module) -> torch.nn.Module:
+    """A copy of draft whose nn.Linear layers run pre-packed oneDNN GEMMs, when that is the fast CPU path.
+
+    Only bf16 on CPU (Linear.should_pack): there torch's plain GEMV re-lays the weight out on every call, which
+    made a batch-1 draft step cost 2-3x its arithmetic; fp32 (the exactness tests) and CUDA get draft back as is.
+    The copy leaves the caller's module untouched (training code may still hold it)."""
+    weight = next(draft.parameters())
+    if not Linear.should_pack(weight.dtype, weight.device):
+        return draft
+    packed = copy.deepcopy(draft)
+    for parent in list(packed.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is torch.nn.Linear:
+                setattr(parent, name, _PackedLinear(child))
+    return packed
 
 
 # ------------------------------------------------------------------------------------------------ proposer
