@@ -13,7 +13,7 @@ Two paths:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -79,6 +79,9 @@ class DecodePlan:
 
     key: tuple  # (block_size, num_kv_heads, num_heads): another layout (e.g. a draft's) rebuilds
     buckets: list[_Bucket]
+    # Attention masks of the multi-token sequences (chunked prefill, verify rows, trees) by batch
+    # index, built on the first layer and reused by the others (None = plain causal, SDPA is_causal).
+    extend_masks: dict[int, Tensor | None] = field(default_factory=dict)
 
 
 def _bucket_bounds(sorted_lens: list[int]) -> list[tuple[int, int]]:
@@ -209,15 +212,21 @@ def _cached_plan(meta: AttentionMetadata, k_cache: Tensor, num_heads: int) -> De
     return plan
 
 
+def _extend_mask(q_len: int, ctx_len: int, tree_rows: Tensor | None, device: torch.device) -> Tensor | None:
+    """The mask of one multi-token sequence; None when it is plain causal with no prefix (SDPA's
+    is_causal then skips the masked half)."""
+    if tree_rows is None and q_len == ctx_len:
+        return None
+    return query_mask(q_len, ctx_len, tree_rows, device)
+
+
 def _one_sequence(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Tensor, ctx_len: int,
-                  tree_rows: Tensor | None, scale: float) -> Tensor:
-    """q: [L, H, D] new tokens at the end of a ctx_len context. Returns [L, H, D]."""
-    q_len, num_heads, _ = q.shape
+                  mask: Tensor | None, scale: float) -> Tensor:
+    """q: [L, H, D] new tokens at the end of a ctx_len context; mask from _extend_mask. Returns [L, H, D]."""
+    num_heads = q.shape[1]
     keys = gather_context(k_cache, block_table, ctx_len)
     values = gather_context(v_cache, block_table, ctx_len)
-    # Without a prefix or tree, the mask is plain causal: SDPA's is_causal skips the masked half.
-    causal = tree_rows is None and q_len == ctx_len
-    mask = None if causal else query_mask(q_len, ctx_len, tree_rows, q.device)
+    causal = mask is None
     out = F.scaled_dot_product_attention(
         q.transpose(0, 1).unsqueeze(0),  # [1, H, L, D]
         keys.transpose(0, 1).unsqueeze(0),  # [1, kvh, S, D]
@@ -249,7 +258,9 @@ def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: Attention
         start, end = cu[i], cu[i + 1]
         if end == start or (end - start == 1 and meta.tree_mask is None):  # empty, or served by the plan
             continue
-        tree_rows = meta.tree_mask[start:end] if meta.tree_mask is not None else None
+        if i not in plan.extend_masks:
+            tree_rows = meta.tree_mask[start:end] if meta.tree_mask is not None else None
+            plan.extend_masks[i] = _extend_mask(end - start, ctx_len, tree_rows, q.device)
         out[start:end] = _one_sequence(q[start:end], k_cache, v_cache, meta.block_tables[i], ctx_len,
-                                       tree_rows, scale)
+                                       plan.extend_masks[i], scale)
     return out
