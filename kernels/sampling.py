@@ -88,25 +88,6 @@ def logits_to_probs(
     return probs
 
 
-def _top_k_keep(
-    scaled: Tensor,  # [N, V]
-    top_k: Tensor,  # int64 [N]
-    use_top_k: Tensor,  # bool [N]
-) -> Tensor:  # bool [N, V]; all True on rows without top-k
-    """The k highest entries of each top-k row, ties at the k-th value going to the lower token ids.
-
-    torch.topk (k << V) finds the k-th value; the set is then fixed by value, not by topk's unspecified
-    tie order: everything above it, plus the lowest-id entries equal to it up to k in all.
-    """
-    k = torch.where(use_top_k, top_k, torch.ones_like(top_k))
-    kth_value = scaled.topk(int(k.max()), dim=-1).values.gather(-1, (k - 1)[:, None])  # [N, 1]
-    above = scaled > kth_value
-    tied = scaled == kth_value
-    num_tied_wanted = k - above.sum(dim=-1)
-    keep = above | (tied & (tied.cumsum(dim=-1) <= num_tied_wanted[:, None]))
-    return keep | ~use_top_k[:, None]
-
-
 def _top_k_candidates(
     scaled: Tensor,  # [R, V], rows that use top-k
     top_k: Tensor,  # int64 [R], each in [1, V)
