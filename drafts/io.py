@@ -208,7 +208,8 @@ def check_against_target(model: nn.Module, meta: DraftMeta, expected: ExpectedTa
         )
         if strict:
             raise ValueError(msg)
-        warnings.warn(msg + " (a standalone draft still verifies exactly; acceptance may suffer)", stacklevel=3)
+        # Verification stays exact with any draft; only acceptance can suffer.
+        warnings.warn(msg + " (output stays exact; acceptance may suffer)", stacklevel=3)
 
 
 def load_draft(
