@@ -70,14 +70,36 @@ class _Metric:
         raise NotImplementedError
 
 
-class Counter(_Metric):
-    """Monotone total. Exposed as `<name>_total` (the OpenMetrics convention vLLM follows)."""
+class _ScalarMetric(_Metric):
+    """One float per label set, rendered as `<name><sample_suffix>{labels} value` lines."""
 
-    kind = "counter"
+    sample_suffix = ""
 
     def __init__(self, name: str, documentation: str, labelnames: Sequence[str] = ()) -> None:
         super().__init__(name, documentation, labelnames)
         self._values: dict[LabelValues, float] = {}
+
+    def value(self, **labels: object) -> float:
+        with self._lock:
+            return self._values.get(self._key(labels), 0.0)
+
+    def render(self) -> list[str]:
+        lines = self._header()
+        with self._lock:
+            items = sorted(self._values.items())
+        if not items and not self.labelnames:
+            items = [((), 0.0)]
+        sample = self.name + self.sample_suffix
+        for key, value in items:
+            lines.append(f"{sample}{_format_labels(self.labelnames, key)} {_format_value(value)}")
+        return lines
+
+
+class Counter(_ScalarMetric):
+    """Monotone total. Exposed as `<name>_total` (the OpenMetrics convention vLLM follows)."""
+
+    kind = "counter"
+    sample_suffix = "_total"
 
     def inc(self, amount: float = 1.0, **labels: object) -> None:
         if amount < 0:
@@ -92,46 +114,14 @@ class Counter(_Metric):
         with self._lock:
             self._values[key] = float(total)
 
-    def value(self, **labels: object) -> float:
-        with self._lock:
-            return self._values.get(self._key(labels), 0.0)
 
-    def render(self) -> list[str]:
-        lines = self._header()
-        with self._lock:
-            items = sorted(self._values.items())
-        if not items and not self.labelnames:
-            items = [((), 0.0)]
-        for key, value in items:
-            lines.append(f"{self.name}_total{_format_labels(self.labelnames, key)} {_format_value(value)}")
-        return lines
-
-
-class Gauge(_Metric):
+class Gauge(_ScalarMetric):
     kind = "gauge"
-
-    def __init__(self, name: str, documentation: str, labelnames: Sequence[str] = ()) -> None:
-        super().__init__(name, documentation, labelnames)
-        self._values: dict[LabelValues, float] = {}
 
     def set(self, value: float, **labels: object) -> None:
         key = self._key(labels)
         with self._lock:
             self._values[key] = float(value)
-
-    def value(self, **labels: object) -> float:
-        with self._lock:
-            return self._values.get(self._key(labels), 0.0)
-
-    def render(self) -> list[str]:
-        lines = self._header()
-        with self._lock:
-            items = sorted(self._values.items())
-        if not items and not self.labelnames:
-            items = [((), 0.0)]
-        for key, value in items:
-            lines.append(f"{self.name}{_format_labels(self.labelnames, key)} {_format_value(value)}")
-        return lines
 
 
 class Histogram(_Metric):
