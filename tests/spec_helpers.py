@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import importlib
 import random
+from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
@@ -175,3 +177,16 @@ def noisy_copy(src: Path, dst: Path, noise: float, seed: int = 0) -> Path:
             param.add_(torch.randn(param.shape, generator=gen) * noise * param.std())
     model.save_pretrained(dst)
     return Path(dst)
+
+
+# A bare sequence view for driving proposers directly (the SequenceView protocol of proposers/base.py).
+@dataclass
+class Seq:
+    request_id: str
+    token_ids: list
+    params: SimpleNamespace
+    generator: torch.Generator | None = None
+
+
+def params(t=0.0, k=0, p=1.0):
+    return SimpleNamespace(temperature=t, top_k=k, top_p=p)

@@ -4,8 +4,6 @@ fresh proposer, dynamic trees follow the draft along each path within the node b
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -24,6 +22,7 @@ from serve_eval.spec.proposers.base import TargetFeatures
 from serve_eval.spec.proposers.eagle import EagleProposer
 from serve_eval.spec.proposers.eagle3 import Eagle3Proposer
 from serve_eval.spec.tree import DynamicTreeBuilder
+from tests.spec_helpers import Seq, params
 from serve_eval.spec.verify import VerifyResult
 
 VOCAB, HIDDEN = 96, 32
@@ -62,16 +61,6 @@ def make_draft(kind, target_dir, seed=1):
 PROPOSERS = {"eagle": EagleProposer, "eagle3": Eagle3Proposer}
 
 
-@dataclass
-class Seq:
-    request_id: str
-    token_ids: list
-    params: SimpleNamespace
-    generator: torch.Generator | None = None
-
-
-def params(t=0.0, k=0, p=1.0):
-    return SimpleNamespace(temperature=t, top_k=k, top_p=p)
 
 
 def feature_table(kind, n, seed):

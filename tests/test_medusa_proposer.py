@@ -3,8 +3,6 @@ are the heads' top-k within the node budget, and a draft for another target fail
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -21,6 +19,7 @@ from serve_eval.spec.config import SpecConfig
 from serve_eval.spec.proposers.base import TargetFeatures
 from serve_eval.spec.proposers.medusa import MedusaProposer
 from serve_eval.spec.tree import TreeShape
+from tests.spec_helpers import Seq, params
 
 VOCAB, HIDDEN, HEADS = 80, 32, 4
 
@@ -48,16 +47,6 @@ def make_draft(target_dir, shared=True):
     return draft.eval()
 
 
-@dataclass
-class Seq:
-    request_id: str
-    token_ids: list
-    params: SimpleNamespace
-    generator: torch.Generator | None = None
-
-
-def params(t=0.0, k=0, p=1.0):
-    return SimpleNamespace(temperature=t, top_k=k, top_p=p)
 
 
 @torch.inference_mode()
