@@ -81,14 +81,17 @@ def test_resume_with_another_config_is_refused(uninterrupted: Path, tmp_path: Pa
     assert [p.name for p in ckpt.list_checkpoints(tmp_path / "checkpoints")] == ["step-00000008", "step-00000009"]
 
 
-def test_rng_state_round_trip_is_weights_only_safe(tmp_path: Path) -> None:
-    """capture/restore of python, numpy and torch RNG survives torch.save + weights_only load."""
+def test_rng_state_round_trip_needs_no_pickle(tmp_path: Path) -> None:
+    """capture/restore of python, numpy and torch RNG survives the safetensors + JSON state files."""
     import random
 
     import numpy as np
 
+    from train.distill.state_io import load_state_tree, save_state_tree
+
     state = ckpt.capture_rng_state()
     expected = (random.random(), float(np.random.rand()), float(torch.rand(1)))
-    torch.save(state, tmp_path / "rng.pt")
-    ckpt.restore_rng_state(torch.load(tmp_path / "rng.pt", weights_only=True))
+    save_state_tree(state, tmp_path, "rng")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["rng.json", "rng.safetensors"]
+    ckpt.restore_rng_state(load_state_tree(tmp_path, "rng"))
     assert (random.random(), float(np.random.rand()), float(torch.rand(1))) == expected

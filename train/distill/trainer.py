@@ -192,7 +192,8 @@ class Trainer:
             if ckpt.list_checkpoints(self.checkpoint_root):
                 raise ValueError(f"train.resume='never' but {self.checkpoint_root} holds checkpoints; use a fresh output_dir")
             return fresh
-        path = ckpt.latest_checkpoint(self.checkpoint_root) if self.cfg.resume == "auto" else Path(self.cfg.resume)
+        # Verified against its manifest; a corrupt newest one is skipped for the newest intact one.
+        path = ckpt.resume_checkpoint(self.checkpoint_root, self.cfg.resume, self.accelerator)
         if path is None:
             return fresh
         state = ckpt.load_checkpoint(
