@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 
@@ -27,8 +28,56 @@ def check_node_budget(num_nodes: int, max_nodes: int | None, what: str = "draft 
         raise ValueError(f"{what} has {num_nodes} nodes but the node budget (max_draft_nodes) is {max_nodes}")
 
 
+def _parent_rows(parents: Tensor) -> Tensor:  # int64 [B, N] -> [B, N+1]
+    """Row pointers over [root, nodes...]: row i + 1 points at its parent's row, the root at itself."""
+    return F.pad(parents + 1, (1, 0), value=0)
+
+
+def _num_jumps(num_nodes: int) -> int:
+    """Pointer-doubling rounds that cover any depth <= num_nodes (2**rounds > num_nodes)."""
+    return max(1, num_nodes.bit_length())
+
+
+def tree_depths(parents: Tensor) -> Tensor:  # int64 [..., N] -> int64 [..., N], root's children at 1
+    """Depth of every node, by pointer jumping: log2(N) gathers, no per-node loop.
+
+    Invariant: dist[r] is the number of edges from row r up to row ptr[r]; the root row points at itself
+    with distance 0, so once every pointer has reached it, dist is the depth.
+    """
+    shape, n = parents.shape, parents.shape[-1]
+    ptr = _parent_rows(parents.reshape(math.prod(shape[:-1]), n))  # [B, N+1]
+    dist = (torch.arange(n + 1, device=parents.device) > 0).long().expand_as(ptr)
+    for _ in range(_num_jumps(n)):
+        dist = dist + dist.gather(1, ptr)
+        ptr = ptr.gather(1, ptr)
+    return dist[:, 1:].reshape(shape)
+
+
+def tree_ancestors(parents: Tensor) -> Tensor:  # int64 [..., N] -> bool [..., N+1, N+1] over rows (0 = root)
+    """[r, c] = row c is row r or one of its ancestors, by pointer doubling (log2(N) row gathers).
+
+    After round k, anc[r] holds every row within 2**k edges above r and ptr[r] the 2**k-th ancestor
+    (clamped at the root), so anc[r] | anc[ptr[r]] doubles the reach.
+    """
+    shape, n = parents.shape, parents.shape[-1]
+    ptr = _parent_rows(parents.reshape(math.prod(shape[:-1]), n))  # [B, N+1]
+    eye = torch.eye(n + 1, dtype=torch.bool, device=parents.device)
+    anc = eye | F.one_hot(ptr, n + 1).bool()  # [B, N+1, N+1]
+    for _ in range(_num_jumps(n)):
+        anc = anc | anc.gather(1, ptr[:, :, None].expand(-1, -1, n + 1))
+        ptr = ptr.gather(1, ptr)
+    return anc.reshape(*shape[:-1], n + 1, n + 1)
+
+
 @dataclass(eq=False)
 class DraftTree:
+    """A draft tree and its geometry: depths, ancestors, positions and paths, all from `parents`.
+
+    This is the one place tree geometry is computed; the strategy, the verifier and the proposers read it
+    from here. Depths are computed at construction (validated against a given `depths`), the ancestor
+    matrix on first use and cached.
+    """
+
     tokens: Tensor  # int64 [N]
     parents: Tensor  # int64 [N], -1 = root, parents[i] < i
     depths: Tensor | None = None  # int64 [N], derived from parents when None
@@ -50,13 +99,18 @@ class DraftTree:
         node_ids = torch.arange(num_nodes, device=self.parents.device)
         if bool(((self.parents < -1) | (self.parents >= node_ids)).any()):
             raise ValueError(f"tree parents must satisfy -1 <= parents[i] < i, got {self.parents.tolist()}")
-        expected = _depths_from_parents(self.parents.tolist())
+        expected = tree_depths(self.parents)
         if self.depths is None:
-            self.depths = torch.tensor(expected, dtype=torch.int64, device=self.parents.device)
+            self.depths = expected
         else:
             self.depths = torch.as_tensor(self.depths, dtype=torch.int64, device=self.parents.device)
-            if self.depths.tolist() != expected:
-                raise ValueError(f"tree depths {self.depths.tolist()} disagree with parents (expected {expected})")
+            if not torch.equal(self.depths, expected):
+                raise ValueError(
+                    f"tree depths {self.depths.tolist()} disagree with parents (expected {expected.tolist()})"
+                )
+        self._check_probs(num_nodes)
+
+    def _check_probs(self, num_nodes: int) -> None:
         if self.draft_probs is not None:
             if self.draft_probs.dim() != 2 or self.draft_probs.shape[0] != num_nodes:
                 raise ValueError(
@@ -73,7 +127,20 @@ class DraftTree:
     def chain(cls, tokens: Tensor | Sequence[int], draft_probs: Tensor | None = None) -> DraftTree:
         """A chain of K drafts is the tree where node i's parent is node i - 1."""
         tokens = torch.as_tensor(tokens, dtype=torch.int64)
-        return cls(tokens, torch.arange(tokens.numel(), device=tokens.device) - 1, draft_probs=draft_probs)
+        parents = torch.arange(tokens.numel(), device=tokens.device) - 1
+        tree = cls._trusted(tokens, parents, parents + 2, draft_probs)
+        tree._check_probs(tree.num_nodes)
+        return tree
+
+    @classmethod
+    def _trusted(cls, tokens: Tensor, parents: Tensor, depths: Tensor, draft_probs: Tensor | None = None,
+                 point_mass: Tensor | None = None, ancestors: Tensor | None = None) -> DraftTree:
+        """A tree whose geometry is right by construction (chains, prefixes, the dynamic builder):
+        validation costs more than the rest of a small tree's bookkeeping, so it is skipped."""
+        tree = cls.__new__(cls)
+        tree.tokens, tree.parents, tree.depths = tokens, parents, depths
+        tree.draft_probs, tree.point_mass, tree._ancestors = draft_probs, point_mass, ancestors
+        return tree
 
     @classmethod
     def from_rows(cls, tokens, parents, rows: Sequence[Tensor | None], vocab_size: int) -> DraftTree:
@@ -89,6 +156,19 @@ class DraftTree:
                 probs[i] = row
         return cls(tokens, parents, draft_probs=probs, point_mass=torch.tensor([row is None for row in rows]))
 
+    def prefix(self, num_nodes: int) -> DraftTree:
+        """The first num_nodes nodes (node order is topological, so a prefix keeps every ancestor).
+        The cached geometry is sliced, not recomputed."""
+        if num_nodes >= self.num_nodes:
+            return self
+        n = max(num_nodes, 0)
+        return DraftTree._trusted(
+            self.tokens[:n], self.parents[:n], self.depths[:n],
+            None if self.draft_probs is None else self.draft_probs[:n],
+            None if self.point_mass is None else self.point_mass[:n],
+            None if self._ancestors is None else self._ancestors[: n + 1, : n + 1],
+        )
+
     @property
     def num_nodes(self) -> int:
         return self.tokens.numel()
@@ -96,6 +176,10 @@ class DraftTree:
     @property
     def max_depth(self) -> int:
         return int(self.depths.max()) if self.num_nodes else 0
+
+    @property
+    def is_chain(self) -> bool:
+        return bool(torch.equal(self.depths, torch.arange(1, self.num_nodes + 1, device=self.depths.device)))
 
     def node_draft_probs(self, node: int) -> Tensor | None:
         """The distribution node was drawn from, or None for a point mass."""
@@ -105,12 +189,7 @@ class DraftTree:
 
     def ancestors(self) -> Tensor:  # bool [N+1, N+1] over rows (0 = root): [r, c] = c is r or an ancestor of r
         if self._ancestors is None:
-            size = self.num_nodes + 1
-            anc = torch.eye(size, dtype=torch.bool)
-            anc[:, 0] = True
-            for node, parent in enumerate(self.parents.tolist()):
-                anc[node + 1] |= anc[parent + 1]
-            self._ancestors = anc
+            self._ancestors = tree_ancestors(self.parents)
         return self._ancestors
 
     def attention_mask(self) -> Tensor:  # bool [N+1, N+1], local query indices (0 = root)
@@ -118,40 +197,39 @@ class DraftTree:
 
         This is AttentionMetadata.tree_mask for one sequence whose query tokens are [root, nodes...].
         """
-        return self.ancestors().to(self.tokens.device)
+        return self.ancestors()
+
+    def row_depths(self) -> Tensor:  # int64 [N+1] over [root, nodes...]
+        return F.pad(self.depths, (1, 0), value=0)
 
     def positions(self, root_position: int) -> Tensor:  # int64 [N+1]
         """Positions of [root, nodes...]: siblings share a position, each node one past its parent."""
-        depths = torch.cat([self.depths.new_zeros(1), self.depths])
-        return depths + root_position
+        return self.row_depths() + root_position
+
+    def _paths(self, nodes: Tensor) -> Tensor:  # int64 [L] -> [L, max_depth], -1 padded
+        """Root-to-node paths: a node's ancestors in id order are its path (parents precede children)."""
+        on_path = self.ancestors()[nodes + 1, 1:]  # [L, N]
+        ids = torch.where(on_path, torch.arange(self.num_nodes, device=on_path.device), self.num_nodes)
+        ids = ids.sort(dim=-1).values[:, : self.max_depth]
+        return torch.where(ids == self.num_nodes, -1, ids)
 
     def path_to(self, node: int) -> list[int]:
         """Node ids from the root's child down to node (empty for node == -1, the root)."""
-        path = []
-        parents = self.parents.tolist()
-        while node != -1:
-            path.append(node)
-            node = parents[node]
-        return path[::-1]
+        if node == -1:
+            return []
+        return [n for n in self._paths(torch.tensor([node]))[0].tolist() if n >= 0]
 
     def leaves(self) -> list[int]:
-        has_child = set(self.parents.tolist())
-        return [node for node in range(self.num_nodes) if node not in has_child]
+        return self._leaf_ids().tolist()
+
+    def _leaf_ids(self) -> Tensor:  # int64 [L]
+        has_child = torch.zeros(self.num_nodes + 1, dtype=torch.bool, device=self.parents.device)
+        has_child[self.parents + 1] = True
+        return (~has_child[1:]).nonzero()[:, 0]
 
     def retrieve_indices(self) -> Tensor:  # int64 [num_leaves, max_depth], -1 padded
         """Every root-to-leaf path as node ids (Medusa's retrieve indices)."""
-        paths = [self.path_to(leaf) for leaf in self.leaves()]
-        out = torch.full((len(paths), self.max_depth), -1, dtype=torch.int64)
-        for i, path in enumerate(paths):
-            out[i, : len(path)] = torch.tensor(path, dtype=torch.int64)
-        return out
-
-
-def _depths_from_parents(parents: Sequence[int]) -> list[int]:
-    depths: list[int] = []
-    for parent in parents:
-        depths.append(1 if parent == -1 else depths[parent] + 1)
-    return depths
+        return self._paths(self._leaf_ids())
 
 
 @dataclass(frozen=True)
@@ -247,6 +325,13 @@ class DynamicTreeBuilder:
     def num_candidates(self) -> int:
         return len(self._tokens)
 
+    def candidates(self) -> DraftTree:
+        """Every candidate so far as one tree, in creation order (the ids add_children returns), so a
+        proposer reads their depths and ancestor masks from DraftTree instead of tracking them itself."""
+        return DraftTree._trusted(torch.tensor(self._tokens, dtype=torch.int64),
+                                  torch.tensor(self._parents, dtype=torch.int64),
+                                  torch.tensor(self._depths, dtype=torch.int64))
+
     def add_root_candidates(self, tokens: Tensor, probs: Tensor) -> list[int]:  # tokens, probs [k]
         if self._tokens:
             raise ValueError("add_root_candidates called twice on one DynamicTreeBuilder")
@@ -284,4 +369,7 @@ class DynamicTreeBuilder:
             if parent != -1 and parent not in kept:  # cannot happen with probs <= 1; guard anyway
                 raise ValueError(f"dynamic tree kept node {old} without its parent {parent} (confidence > 1?)")
             parents.append(-1 if parent == -1 else new_id[parent])
-        return DraftTree(torch.tensor([self._tokens[i] for i in order], dtype=torch.int64), parents)
+        # Kept set closed under ancestors and ordered by depth: parents precede children, depths carry over.
+        return DraftTree._trusted(torch.tensor([self._tokens[i] for i in order], dtype=torch.int64),
+                                  torch.tensor(parents, dtype=torch.int64),
+                                  torch.tensor([self._depths[i] for i in order], dtype=torch.int64))

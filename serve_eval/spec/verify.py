@@ -34,7 +34,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from kernels.sampling import GeneratorArg, sample, uniforms
-from serve_eval.spec.tree import DraftTree
+from serve_eval.spec.tree import DraftTree, tree_depths
+from serve_eval.spec.verify_fast import greedy_accept, sampled_chain_accept
 
 
 class VerifyResult(NamedTuple):
@@ -75,26 +76,7 @@ def _children_table(parents: Tensor, valid: Tensor) -> Tensor:  # int64 [B, N+1,
     return children[:, : num_nodes + 1, :max_branch]
 
 
-def _max_depth(parents: Tensor, valid: Tensor) -> int:
-    depths = torch.zeros_like(parents)
-    for i in range(parents.shape[1]):  # parents precede children, so one pass suffices
-        parent = parents[:, i]
-        parent_depth = depths.gather(1, parent.clamp_min(0)[:, None])[:, 0]
-        depths[:, i] = torch.where(parent < 0, 1, parent_depth + 1)
-    return int(depths[valid].max()) if bool(valid.any()) else 0
-
-
-def verify_batch(
-    tokens: Tensor,  # int64 [B, N] draft tokens per node
-    parents: Tensor,  # int64 [B, N], -1 = root, parents[b, i] < i
-    target_probs: Tensor,  # [B, N+1, V]; row 0 = root, row i+1 = node i
-    greedy: bool | Sequence[bool] | Tensor,  # [B]
-    generators: GeneratorArg = None,  # per row, one for all rows, or None
-    draft_probs: Tensor | None = None,  # [B, N, V]; None = every node is a point mass
-    point_mass: Tensor | None = None,  # bool [B, N]: rows of draft_probs to treat as point masses
-    num_nodes: Tensor | None = None,  # int64 [B]; nodes >= num_nodes[b] are padding
-) -> BatchVerifyOutput:
-    """Verify B draft trees (chains included) against the target in one vectorized pass."""
+def _check_inputs(tokens: Tensor, parents: Tensor, target_probs: Tensor, draft_probs: Tensor | None) -> None:
     if tokens.dim() != 2 or parents.shape != tokens.shape:
         raise ValueError(f"tokens shape {tuple(tokens.shape)} and parents shape {tuple(parents.shape)} must be [B, N]")
     batch, max_nodes = tokens.shape
@@ -109,12 +91,61 @@ def verify_batch(
             f"draft_probs shape {tuple(draft_probs.shape)} does not match target_probs shape "
             f"{tuple(target_probs.shape)} (expected [{batch}, {max_nodes}, {vocab_size}])"
         )
-    device = tokens.device
+
+
+def _greedy_rows(greedy, batch: int, device) -> Tensor:  # bool [B]
     greedy = torch.as_tensor(greedy, dtype=torch.bool, device=device)
     if greedy.dim() == 0:
-        greedy = greedy.expand(batch)
-    elif greedy.shape != (batch,):
+        return greedy.expand(batch)
+    if greedy.shape != (batch,):
         raise ValueError(f"greedy has shape {tuple(greedy.shape)} but there are {batch} trees")
+    return greedy
+
+
+def is_chain(parents: Tensor) -> bool:  # parents int64 [B, N]
+    """Every row is a chain: node i's parent is node i - 1."""
+    return bool(torch.equal(parents, (torch.arange(parents.shape[1], device=parents.device) - 1).expand_as(parents)))
+
+
+def verify_batch(
+    tokens: Tensor,  # int64 [B, N] draft tokens per node
+    parents: Tensor,  # int64 [B, N], -1 = root, parents[b, i] < i
+    target_probs: Tensor,  # [B, N+1, V]; row 0 = root, row i+1 = node i
+    greedy: bool | Sequence[bool] | Tensor,  # [B]
+    generators: GeneratorArg = None,  # per row, one for all rows, or None
+    draft_probs: Tensor | None = None,  # [B, N, V]; None = every node is a point mass
+    point_mass: Tensor | None = None,  # bool [B, N]: rows of draft_probs to treat as point masses
+    num_nodes: Tensor | None = None,  # int64 [B]; nodes >= num_nodes[b] are padding
+) -> BatchVerifyOutput:
+    """Verify B draft trees (chains included): all-greedy batches and all-sampled chains take the closed
+    forms of serve_eval.spec.verify_fast, everything else the general verify_reference (same results)."""
+    _check_inputs(tokens, parents, target_probs, draft_probs)
+    greedy = _greedy_rows(greedy, tokens.shape[0], tokens.device)
+    if bool(greedy.all()):
+        return BatchVerifyOutput(*greedy_accept(tokens, parents, target_probs.argmax(dim=-1), num_nodes,
+                                                is_chain(parents)))
+    if not bool(greedy.any()) and is_chain(parents):
+        return BatchVerifyOutput(*sampled_chain_accept(tokens, target_probs, generators, draft_probs, point_mass,
+                                                       num_nodes))
+    return verify_reference(tokens, parents, target_probs, greedy, generators, draft_probs, point_mass, num_nodes)
+
+
+def verify_reference(
+    tokens: Tensor,  # int64 [B, N] draft tokens per node
+    parents: Tensor,  # int64 [B, N], -1 = root, parents[b, i] < i
+    target_probs: Tensor,  # [B, N+1, V]; row 0 = root, row i+1 = node i
+    greedy: bool | Sequence[bool] | Tensor,  # [B]
+    generators: GeneratorArg = None,  # per row, one for all rows, or None
+    draft_probs: Tensor | None = None,  # [B, N, V]; None = every node is a point mass
+    point_mass: Tensor | None = None,  # bool [B, N]: rows of draft_probs to treat as point masses
+    num_nodes: Tensor | None = None,  # int64 [B]; nodes >= num_nodes[b] are padding
+) -> BatchVerifyOutput:
+    """The general algorithm of the module docstring, depth by depth, vectorized over the batch."""
+    _check_inputs(tokens, parents, target_probs, draft_probs)
+    batch, max_nodes = tokens.shape
+    vocab_size = target_probs.shape[2]
+    device = tokens.device
+    greedy = _greedy_rows(greedy, batch, device)
     if num_nodes is None:
         num_nodes = torch.full((batch,), max_nodes, dtype=torch.int64, device=device)
     valid = torch.arange(max_nodes, device=device)[None, :] < num_nodes[:, None]
@@ -122,7 +153,7 @@ def verify_batch(
         point_mass = torch.full((batch, max_nodes), draft_probs is None, dtype=torch.bool, device=device)
 
     children = _children_table(parents, valid)
-    max_depth = _max_depth(parents, valid)
+    max_depth = int(tree_depths(parents).masked_fill(~valid, 0).max()) if max_nodes else 0
     draws = torch.where(greedy, 0, num_nodes).tolist()
     node_uniforms = uniforms(draws, batch, generators, device)
     if node_uniforms.shape[1] < max_nodes:  # greedy-only batches draw nothing

@@ -1,0 +1,116 @@
+"""Closed-form verification for the two common cases, with no loop over depths or children.
+
+- greedy (T = 0), chains and trees: only the target's argmax per row is needed, never a probability;
+  a node is accepted iff its token is its parent row's argmax, it is the first such child of that parent
+  (node order breaks ties, as in the general verifier) and every ancestor is accepted as well.
+- sampled chains: each node has one child, so the residual is reset to the target's row after every
+  acceptance; the acceptance tests of all K nodes are independent given their uniforms and are evaluated
+  at once, the first rejection fixes the emitted prefix, and only that one row's residual is built.
+
+Both give exactly what serve_eval.spec.verify.verify_reference gives, draw for draw: the same uniforms
+(row b draws num_nodes[b] from its own generator, none when greedy) and one residual / bonus sample per
+row from its generator (tests/test_verify_fast.py compares them token for token).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from kernels.sampling import GeneratorArg, sample, uniforms
+from serve_eval.spec.tree import tree_ancestors, tree_depths
+
+
+def _valid(num_nodes: Tensor | None, batch: int, width: int, device) -> tuple[Tensor, Tensor]:
+    if num_nodes is None:
+        num_nodes = torch.full((batch,), width, dtype=torch.int64, device=device)
+    return num_nodes, torch.arange(width, device=device)[None, :] < num_nodes[:, None]  # [B], bool [B, N]
+
+
+def greedy_accept(
+    tokens: Tensor,  # int64 [B, N]
+    parents: Tensor,  # int64 [B, N], -1 = root
+    target_argmax: Tensor,  # int64 [B, N+1], row 0 = root
+    num_nodes: Tensor | None = None,  # int64 [B]
+    chains: bool = False,  # every row is a chain (parents[b, i] = i - 1): a cumulative product suffices
+) -> tuple[Tensor, Tensor, Tensor]:  # tokens [B, D+1] (-1 padded), num_accepted [B], accepted_nodes [B, D]
+    """Greedy verification from argmaxes alone (see module docstring)."""
+    batch, width = tokens.shape
+    num_nodes, valid = _valid(num_nodes, batch, width, tokens.device)
+    match = valid & (tokens == target_argmax.gather(1, parents + 1))  # [B, N]
+    if chains:
+        accepted = match.long().cumprod(dim=1)  # [B, N]
+        num_accepted = accepted.sum(dim=1)
+        out = torch.where(accepted.bool(), tokens, -1)
+        nodes = torch.where(accepted.bool(), torch.arange(width, device=tokens.device), -1)
+        bonus = target_argmax.gather(1, num_accepted[:, None])  # the row after the last accepted node
+        return torch.cat([out, torch.full_like(bonus, -1)], 1).scatter_(1, num_accepted[:, None], bonus), \
+            num_accepted, nodes
+    # Among siblings with the right token only the first (lowest id) is followed.
+    same_parent = parents[:, :, None] == parents[:, None, :]  # [B, N, N]
+    earlier = torch.ones(width, width, dtype=torch.bool, device=tokens.device).tril_(-1)
+    shadowed = (same_parent & earlier & match[:, None, :]).any(dim=-1)
+    good_rows = F.pad(match & ~shadowed, (1, 0), value=True)  # [B, N+1], the root is always reached
+    ancestors = tree_ancestors(parents)  # [B, N+1, N+1]
+    on_path = ~(ancestors & ~good_rows[:, None, :]).any(dim=-1)  # every ancestor-or-self row is good
+    accepted = on_path[:, 1:] & valid  # [B, N]: one root-to-node path per row
+    num_accepted = accepted.sum(dim=1)
+    depths = tree_depths(parents)
+    max_depth = int(depths.masked_fill(~valid, 0).max()) if width else 0
+    b_idx, node_idx = accepted.nonzero(as_tuple=True)
+    slot = depths[b_idx, node_idx] - 1
+    out = torch.full((batch, max_depth + 1), -1, dtype=torch.int64, device=tokens.device)
+    nodes = torch.full((batch, max_depth), -1, dtype=torch.int64, device=tokens.device)
+    out[b_idx, slot] = tokens[b_idx, node_idx]
+    nodes[b_idx, slot] = node_idx
+    # The path's ids increase with depth (parents precede children), so its last node is the largest id.
+    last_row = (accepted * torch.arange(1, width + 1, device=tokens.device)).amax(dim=1) if width else num_accepted
+    out.scatter_(1, num_accepted[:, None], target_argmax.gather(1, last_row[:, None]))
+    return out, num_accepted, nodes
+
+
+def sampled_chain_accept(
+    tokens: Tensor,  # int64 [B, K]
+    target_probs: Tensor,  # [B, K+1, V]
+    generators: GeneratorArg = None,
+    draft_probs: Tensor | None = None,  # [B, K, V]; None = point masses
+    point_mass: Tensor | None = None,  # bool [B, K]
+    num_nodes: Tensor | None = None,  # int64 [B]
+) -> tuple[Tensor, Tensor, Tensor]:  # tokens [B, K+1] (-1 padded), num_accepted [B], accepted_nodes [B, K]
+    """Exact rejection sampling of B chains in one pass (see module docstring)."""
+    batch, width = tokens.shape
+    device = tokens.device
+    num_nodes, valid = _valid(num_nodes, batch, width, device)
+    u = uniforms(num_nodes.tolist(), batch, generators, device)  # [B, <=K] float64
+    u = F.pad(u, (0, width - u.shape[1]), value=1.0)
+    p_x = target_probs[:, :width].gather(2, tokens[:, :, None])[..., 0].double()  # [B, K]
+    dense = draft_probs is not None
+    if dense:
+        q_x = draft_probs.gather(2, tokens[:, :, None])[..., 0].double()
+        if point_mass is not None:
+            q_x = torch.where(point_mass, 1.0, q_x)
+    else:
+        q_x = torch.ones_like(p_x)
+    accepted = (valid & (u * q_x < p_x)).long().cumprod(dim=1)  # [B, K]
+    num_accepted = accepted.sum(dim=1)
+    rows = torch.arange(batch, device=device)
+    residual = target_probs[rows, num_accepted].double()  # [B, V]: the stop row (bonus row when all accepted)
+    rejected = num_accepted < num_nodes
+    if bool(rejected.any()):
+        at = num_accepted.clamp_max(width - 1)
+        x = tokens[rows, at]
+        q_row = F.one_hot(x, residual.shape[1]).double()
+        if dense:
+            q_dense = draft_probs[rows, at].double()
+            q_row = q_dense if point_mass is None else torch.where(point_mass[rows, at][:, None], q_row, q_dense)
+        new = (residual - q_row).clamp_min(0.0)
+        mass = new.sum(dim=-1, keepdim=True)
+        # A residual is all zero only when r == q, where rejection has probability 0: keep r then.
+        fixed = torch.where(mass > 0, new / mass.clamp_min(1e-300), residual)
+        residual = torch.where(rejected[:, None], fixed, residual)
+    final = sample(residual, generators)
+    nodes = torch.where(accepted.bool(), torch.arange(width, device=device), -1)
+    out = torch.cat([torch.where(accepted.bool(), tokens, -1), torch.full((batch, 1), -1, device=device,
+                                                                          dtype=torch.int64)], 1)
+    return out.scatter_(1, num_accepted[:, None], final[:, None]), num_accepted, nodes
