@@ -155,17 +155,19 @@ def newest_intact_checkpoint(root: str | Path) -> Path | None:
     logged (path + problem) and skipped. None when `root` holds none at all; CorruptCheckpointError
     when it holds some but none is intact (starting over would silently throw their training away)."""
     found = list_checkpoints(root)
+    problems: list[str] = []
     for path in reversed(found):
         problem = verify_manifest(path)
         if problem is None:
             return path
+        problems.append(problem)
         logger.warning("draftsmith %s", format_fields(stage="distill", status="checkpoint_skipped",
                                                       checkpoint=str(path), reason=problem))
     if not found:
         return None
     raise CorruptCheckpointError(
         f"no intact checkpoint under {Path(root)}: all {len(found)} are corrupt or partial (newest "
-        f"{found[-1].name}: {verify_manifest(found[-1])}); delete them or use a fresh train.output_dir"
+        f"{found[-1].name}: {problems[0]}); move them aside or use a fresh train.output_dir"
     )
 
 
