@@ -137,7 +137,8 @@ def main() -> None:
     try:
         with trainer:
             result = trainer.fit()
-            state = {k: v.detach().cpu() for k, v in trainer.trainable_state_dict().items()}
+            gathered = trainer.trainable_state_dict() or {}  # ZeRO-3 / FSDP gather onto rank 0 only
+            state = {k: v.detach().cpu() for k, v in gathered.items()}
             torch.save(state, Path(args.out) / f"params_rank{rank}.pt")
             report.update(final_metrics=result.final_metrics, step=result.state.step)
     except Exception as err:  # noqa: BLE001 - the test reads the error back

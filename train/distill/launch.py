@@ -13,6 +13,12 @@ Traps this module exists for (all checked on this CPU-only machine, accelerate 1
   launch --multi_gpu` without `--cpu`) gives 2 ranks with gloo.
 * DeepSpeed on CPU must find a gloo process group already initialised (we init it before accelerate).
 * gloo can abort at interpreter exit with a live process group: `shutdown_distributed()` destroys it.
+* accelerate turns FSDP on only for an accelerator device: on CPU it silently runs DDP instead. torch's
+  FSDP2 (`fully_shard`) itself runs on CPU with gloo, so `_enable_cpu_fsdp` selects it by hand.
+* FSDP1 under accelerate needs the optimizer built after the model is wrapped (the trainer builds it
+  before); FSDP2's prepare re-points the optimizer at the sharded parameters, so we use FSDP2.
+* ZeRO-3 holds each parameter on one rank only: export gathers them (`get_state_dict`) only when the
+  config sets `stage3_gather_16bit_weights_on_model_save`, which `_deepspeed_plugin` does.
 """
 from __future__ import annotations
 
@@ -29,6 +35,8 @@ import torch.distributed as dist
 
 STRATEGIES = ("none", "ddp", "fsdp", "deepspeed")
 MIXED_PRECISION = ("no", "bf16", "fp16")
+# FSDP2 keeps one knob of FSDP1's sharding strategies: reshard parameters after forward or keep them.
+FSDP_RESHARD_AFTER_FORWARD = {"FULL_SHARD": True, "SHARD_GRAD_OP": False}
 
 
 @dataclass
@@ -49,7 +57,7 @@ class LauncherConfig:
     offload_optimizer: bool = False
     offload_params: bool = False
     # FSDP
-    fsdp_sharding_strategy: str = "FULL_SHARD"  # FULL_SHARD | SHARD_GRAD_OP | NO_SHARD | HYBRID_SHARD
+    fsdp_sharding_strategy: str = "FULL_SHARD"  # FULL_SHARD | SHARD_GRAD_OP (FSDP2 reshard_after_forward)
     fsdp_auto_wrap_policy: str = "SIZE_BASED_WRAP"  # SIZE_BASED_WRAP | TRANSFORMER_BASED_WRAP | NO_WRAP
     fsdp_min_num_params: int = 1_000_000
 
@@ -72,6 +80,9 @@ class LauncherConfig:
             raise ValueError(f"launcher.machine_rank {self.machine_rank} outside [0, {self.num_machines})")
         if self.strategy == "deepspeed" and self.zero_stage not in (0, 1, 2, 3):
             raise ValueError(f"launcher.zero_stage must be 0..3, got {self.zero_stage}")
+        if self.strategy == "fsdp" and self.fsdp_sharding_strategy not in FSDP_RESHARD_AFTER_FORWARD:
+            raise ValueError(f"launcher.fsdp_sharding_strategy must be one of {sorted(FSDP_RESHARD_AFTER_FORWARD)} "
+                             f"(FSDP2), got {self.fsdp_sharding_strategy!r}; NO_SHARD is launcher=ddp")
         if self.strategy == "none" and self.world_size > 1:
             raise ValueError(
                 f"launcher.strategy 'none' runs one process but num_processes x num_machines = {self.world_size}; "
@@ -127,6 +138,8 @@ def _deepspeed_plugin(launcher: LauncherConfig, micro_batch_size: int, grad_accu
         gradient_clipping=grad_clip if grad_clip else 0.0,
         offload_optimizer_device=offload,
         offload_param_device="cpu" if launcher.offload_params else "none",
+        # ZeRO-3: gather the sharded parameters into one state dict on save, so the draft can be exported.
+        zero3_save_16bit_model=launcher.zero_stage == 3,
     )
     # We keep our own data loaders (resumable sampler), so accelerate cannot infer the batch size.
     plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = micro_batch_size
@@ -139,11 +152,27 @@ def _fsdp_plugin(launcher: LauncherConfig) -> Any:
     from accelerate.utils import FullyShardedDataParallelPlugin
 
     return FullyShardedDataParallelPlugin(
-        sharding_strategy=launcher.fsdp_sharding_strategy,
+        fsdp_version=2,
+        reshard_after_forward=FSDP_RESHARD_AFTER_FORWARD[launcher.fsdp_sharding_strategy],
         auto_wrap_policy=launcher.fsdp_auto_wrap_policy,
         min_num_params=launcher.fsdp_min_num_params,
         state_dict_type="SHARDED_STATE_DICT",
     )
+
+
+def _enable_cpu_fsdp(plugin: Any, mixed_precision: str) -> None:
+    """Select FSDP on a CPU (gloo) world, which accelerate only does for accelerator devices. Both of
+    accelerate's shared states hold the type (AcceleratorState re-reads PartialState's on each
+    construction); the device must be plain "cpu", since FSDP compares it with the parameters' device."""
+    from accelerate.state import AcceleratorState, PartialState
+    from accelerate.utils import DistributedType
+
+    if mixed_precision != "no":
+        plugin.set_mixed_precision(mixed_precision)
+    for shared in (PartialState._shared_state, AcceleratorState._shared_state):
+        shared["distributed_type"] = DistributedType.FSDP
+        shared["device"] = torch.device("cpu")
+    AcceleratorState._shared_state["fsdp_plugin"] = plugin
 
 
 def make_accelerator(
@@ -169,7 +198,7 @@ def make_accelerator(
         kwargs["deepspeed_plugin"] = _deepspeed_plugin(launcher, micro_batch_size, gradient_accumulation_steps, grad_clip)
         if cpu:  # accelerate only finds a backend for DeepSpeed on an accelerator: name gloo explicitly
             kwargs["kwargs_handlers"] = [InitProcessGroupKwargs(backend="gloo")]
-    elif launcher.strategy == "fsdp":
+    elif launcher.strategy == "fsdp" and not cpu:
         kwargs["fsdp_plugin"] = _fsdp_plugin(launcher)
     elif launcher.find_unused_parameters:
         kwargs["kwargs_handlers"] = [DistributedDataParallelKwargs(find_unused_parameters=True)]
@@ -178,6 +207,8 @@ def make_accelerator(
     accelerator = Accelerator(
         cpu=cpu and launcher.strategy != "deepspeed", mixed_precision=mixed_precision, gradient_accumulation_steps=gradient_accumulation_steps, **kwargs
     )
+    if launcher.strategy == "fsdp" and cpu:
+        _enable_cpu_fsdp(_fsdp_plugin(launcher), mixed_precision)
     expected = int(os.environ.get("WORLD_SIZE", "1"))
     if accelerator.num_processes != expected:  # the silent single-process trap, caught loudly
         raise RuntimeError(
@@ -245,10 +276,12 @@ def accelerate_config(launcher: LauncherConfig, mixed_precision: str = "bf16") -
             "gradient_accumulation_steps": "auto",
             "gradient_clipping": "auto",
             "zero3_init_flag": launcher.zero_stage == 3,
+            "zero3_save_16bit_model": launcher.zero_stage == 3,
         }
     if launcher.strategy == "fsdp":
         config["fsdp_config"] = {
-            "fsdp_sharding_strategy": launcher.fsdp_sharding_strategy,
+            "fsdp_version": 2,
+            "fsdp_reshard_after_forward": FSDP_RESHARD_AFTER_FORWARD[launcher.fsdp_sharding_strategy],
             "fsdp_auto_wrap_policy": launcher.fsdp_auto_wrap_policy,
             "fsdp_min_num_params": launcher.fsdp_min_num_params,
             "fsdp_state_dict_type": "SHARDED_STATE_DICT",
