@@ -25,60 +25,28 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from kernels.sampling import logits_to_probs
 from serve_eval.engine.llm_engine import StepResult
 from serve_eval.engine.request import Sequence, SequenceStatus
 from serve_eval.engine.scheduler import SchedulerOutput
 from serve_eval.spec.metrics import SpecMetrics
 from serve_eval.spec.policy import SpecPolicy
 from serve_eval.spec.proposers.base import Proposal, TargetFeatures
-from serve_eval.spec.verify import VerifyResult, verify_batch
+from serve_eval.spec.round_verify import RoundOutcome, SpecDraft, verify_round
+from serve_eval.spec.tree import DraftTree
+from serve_eval.spec.verify import VerifyResult
 
 if TYPE_CHECKING:
     from serve_eval.engine.llm_engine import LLMEngine
     from serve_eval.spec.config import SpecConfig
 
 
-class _Draft:
-    """One sequence's proposal as verified this step: tokens, parents, draft rows."""
-
-    __slots__ = ("index", "tokens", "parents", "draft_probs", "point_mass", "depth", "is_tree")
-
-    def __init__(self, index: int, proposal: Proposal, limit: int) -> None:
-        self.index = index  # position in the scheduled batch
-        tree = proposal.tree
-        n = min(proposal.num_tokens, limit)  # node order is topological: a prefix keeps ancestors
-        self.is_tree = tree is not None
-        if tree is not None:
-            self.tokens, self.parents = tree.tokens[:n], tree.parents[:n]
-            self.depth = int(tree.depths[:n].max()) if n else 0
-            self.draft_probs = None if tree.draft_probs is None else tree.draft_probs[:n]
-            pm = tree.point_mass
-            self.point_mass = None if pm is None else pm[:n]
-        else:
-            self.tokens = proposal.tokens[:n]
-            self.parents = torch.arange(n, dtype=torch.int64) - 1
-            self.depth = n
-            self.draft_probs = None if proposal.draft_probs is None else proposal.draft_probs[:n]
-            self.point_mass = None
-
-    @property
-    def num_nodes(self) -> int:
-        return int(self.tokens.numel())
-
-    def positions(self, root_position: int) -> Tensor:  # int64 [N+1]: [root, nodes...] by depth
-        depths = torch.zeros(self.num_nodes + 1, dtype=torch.int64)
-        for i, parent in enumerate(self.parents.tolist()):
-            depths[i + 1] = depths[parent + 1] + 1
-        return depths + root_position
-
-    def mask(self) -> Tensor:  # bool [N+1, N+1]: row r sees itself and its ancestors (0 = root)
-        size = self.num_nodes + 1
-        anc = torch.eye(size, dtype=torch.bool)
-        anc[:, 0] = True
-        for i, parent in enumerate(self.parents.tolist()):
-            anc[i + 1] |= anc[parent + 1]
-        return anc
+def _as_draft(index: int, proposal: Proposal, limit: int) -> SpecDraft:
+    """The part of a proposal that fits the sequence's reserved slots; a chain becomes a chain tree."""
+    n = min(proposal.num_tokens, limit)  # node order is topological: a prefix keeps ancestors
+    if proposal.tree is not None:
+        return SpecDraft(index, proposal.tree.prefix(n), True)
+    probs = None if proposal.draft_probs is None else proposal.draft_probs[:n]
+    return SpecDraft(index, DraftTree.chain(proposal.tokens[:n], probs), False)
 
 
 class SpeculativeStrategy:
@@ -146,7 +114,7 @@ class SpeculativeStrategy:
 
         # 1. propose for decode sequences that got lookahead slots
         spec_idx = [i for i, la in enumerate(out.num_lookahead_tokens) if la > 0]
-        drafts: dict[int, _Draft] = {}
+        drafts: dict[int, SpecDraft] = {}
         draft_time = 0.0
         if spec_idx:
             seqs = [out.seqs[i] for i in spec_idx]
@@ -162,13 +130,13 @@ class SpeculativeStrategy:
                 proposal.validate(engine.executor.vocab_size)
                 if proposal.tree is not None:
                     self.config.check_tree(proposal.tree.num_nodes)
-                d = _Draft(i, proposal, out.num_lookahead_tokens[i])
+                d = _as_draft(i, proposal, out.num_lookahead_tokens[i])
                 if d.num_nodes:
                     drafts[i] = d
 
         # 2. one target forward over all scheduled tokens
         t_target = time.perf_counter()
-        extra = [drafts[i].tokens.tolist() if i in drafts else [] for i in range(len(out.seqs))]
+        extra = [drafts[i].tree.tokens.tolist() if i in drafts else [] for i in range(len(out.seqs))]
         batch = engine.prepare_batch(out, extra)
         cu = batch.meta.cu_seqlens_q.tolist()
         positions = batch.positions
@@ -200,8 +168,9 @@ class SpeculativeStrategy:
             for i, tok in zip(plain, engine.sample([out.seqs[i] for i in plain], fwd.logits[sel])):
                 new_tokens[i] = [tok]
         if drafts:
-            results = self._verify(engine, out, drafts, fwd.logits, offsets)
-            self._compact(engine, batch.meta.slot_mapping, drafts, results, cu)
+            outcome = self._verify(engine, out, drafts, fwd.logits, offsets)
+            results = outcome.results
+            self._compact(engine, batch.meta.slot_mapping, outcome, cu)
             for i, res in results.items():
                 new_tokens[i] = list(res.accepted_tokens)
         target_time = time.perf_counter() - t_target
@@ -223,90 +192,62 @@ class SpeculativeStrategy:
         self._record(engine, out, drafts, results, draft_time, target_time)
         return StepResult(new_tokens, rejected)
 
-    def _tree_inputs(self, out, batch, drafts: dict[int, _Draft], cu: list[int]) -> tuple[Tensor, Tensor]:
+    def _tree_inputs(self, out, batch, drafts: dict[int, SpecDraft], cu: list[int]) -> tuple[Tensor, Tensor]:
         """Positions by depth for tree rows and a [T, max_q] mask: causal rows, ancestor rows for trees."""
         positions = batch.positions.clone()
         max_q = batch.meta.max_seqlen_q
-        mask = torch.ones(max_q, max_q, dtype=torch.bool).tril_()[
-            torch.cat([torch.arange(q) for q in batch.query_lens])]
+        qlens = torch.tensor(batch.query_lens, dtype=torch.int64)
+        starts = torch.tensor(cu[:-1], dtype=torch.int64)
+        local = torch.arange(int(qlens.sum())) - starts.repeat_interleave(qlens)  # [T] index within its sequence
+        mask = torch.arange(max_q)[None, :] <= local[:, None]  # [T, max_q] causal
         for i, d in drafts.items():
             if not d.is_tree:
                 continue
             start, q = cu[i], cu[i + 1] - cu[i]  # decode: the root is the only scheduled token
-            root_pos = out.seqs[i].num_computed_tokens
-            positions[start:start + q] = d.positions(root_pos).to(positions.device)
+            positions[start:start + q] = d.tree.positions(out.seqs[i].num_computed_tokens).to(positions.device)
             mask[start:start + q] = False
-            mask[start:start + q, :q] = d.mask()
+            mask[start:start + q, :q] = d.tree.ancestors()
         return positions, mask.to(batch.meta.slot_mapping.device)
 
-    def _verify(self, engine, out, drafts: dict[int, _Draft], logits: Tensor, offsets: dict[int, int]):
-        order = sorted(drafts)
-        seqs = [out.seqs[i] for i in order]
-        width = max(drafts[i].num_nodes for i in order)
-        vocab = logits.shape[1]
-        dev = logits.device
-        # Target distributions of every verified row, with each request's params.
-        row_index, temps, top_ks, top_ps = [], [], [], []
-        for i, seq in zip(order, seqs):
-            n = drafts[i].num_nodes + 1
-            row_index.extend(range(offsets[i], offsets[i] + n))
-            temps += [seq.params.temperature] * n
-            top_ks += [seq.params.top_k] * n
-            top_ps += [seq.params.top_p] * n
-        probs = logits_to_probs(logits[torch.tensor(row_index, device=dev)], temps, top_ks, top_ps)
-        batch = len(order)
-        tokens = torch.zeros(batch, width, dtype=torch.int64, device=dev)
-        parents = torch.full((batch, width), -1, dtype=torch.int64, device=dev)
-        target = torch.zeros(batch, width + 1, vocab, dtype=probs.dtype, device=dev)
-        any_dense = any(drafts[i].draft_probs is not None for i in order)
-        draft_probs = torch.zeros(batch, width, vocab, device=dev) if any_dense else None
-        point_mass = torch.ones(batch, width, dtype=torch.bool, device=dev)
-        num_nodes = torch.tensor([drafts[i].num_nodes for i in order], dtype=torch.int64, device=dev)
-        start = 0
-        for b, i in enumerate(order):
-            d = drafts[i]
-            n = d.num_nodes
-            tokens[b, :n] = d.tokens.to(dev)
-            parents[b, :n] = d.parents.to(dev)
-            target[b, :n + 1] = probs[start:start + n + 1]
-            start += n + 1
-            if d.draft_probs is not None:
-                if d.draft_probs.shape[-1] != vocab:
-                    raise ValueError(f"draft_probs vocab {d.draft_probs.shape[-1]} != target vocab {vocab} "
-                                     f"(request {out.seqs[i].request_id!r})")
-                draft_probs[b, :n] = d.draft_probs.to(dev, torch.float32)
-                point_mass[b, :n] = False if d.point_mass is None else d.point_mass.to(dev)
-        greedy = [s.params.temperature == 0 for s in seqs]
-        generators = [s.generator or engine.generator for s in seqs]
-        res = verify_batch(tokens, parents, target, greedy, generators, draft_probs, point_mass, num_nodes)
-        return dict(zip(order, res.to_results()))
+    def _verify(self, engine, out, drafts: dict[int, SpecDraft], logits: Tensor, offsets: dict[int, int]) -> RoundOutcome:
+        generators = [s.generator or engine.generator for s in out.seqs]
+        return verify_round(logits, offsets, drafts, out.seqs, generators)
 
     @staticmethod
-    def _compact(engine, slot_mapping: Tensor, drafts, results, cu: list[int]) -> None:
+    def _compact(engine, slot_mapping: Tensor, outcome: RoundOutcome, cu: list[int]) -> None:
         """Copy the accepted path's KV (node slots) into the slots right after the root."""
+        cu_t = torch.tensor(cu, dtype=torch.int64)
         src, dst = [], []
-        for i, res in results.items():
-            for depth, node in enumerate(res.accepted_node_ids):
-                if node != depth:
-                    src.append(cu[i] + 1 + node)
-                    dst.append(cu[i] + 1 + depth)
-        if src:
-            index = torch.tensor(src + dst, device=slot_mapping.device)
+        for seq_index, nodes in outcome.accepted:  # nodes [B, D], -1 padded
+            depth = torch.arange(nodes.shape[1])
+            move = (nodes >= 0) & (nodes != depth)  # a node already at its depth's slot stays
+            root = cu_t[seq_index][:, None].expand_as(nodes)
+            src.append((root + 1 + nodes)[move])
+            dst.append((root + 1 + depth).expand_as(nodes)[move])
+        src_t, dst_t = torch.cat(src), torch.cat(dst)
+        if src_t.numel():
+            index = torch.cat([src_t, dst_t]).to(slot_mapping.device)
             slots = slot_mapping[index]
-            engine.executor.copy_slots(slots[:len(src)], slots[len(src):])
+            engine.executor.copy_slots(slots[:src_t.numel()], slots[src_t.numel():])
 
     def _feed_features(self, out, fwd, cu: list[int], drafts, results) -> None:
+        """One gather of the kept rows for all sequences, then one add_features call per sequence."""
+        pieces, counts = [], []
         for i, (seq, n) in enumerate(zip(out.seqs, out.num_scheduled_tokens)):
             if i in results:  # root + accepted nodes, in path order (= their compacted positions)
-                rows = [cu[i]] + [cu[i] + 1 + node for node in results[i].accepted_node_ids]
+                nodes = torch.tensor(results[i].accepted_node_ids, dtype=torch.int64)
+                pieces.append(torch.cat([torch.tensor([cu[i]]), cu[i] + 1 + nodes]))
             else:  # prefill chunk, or a plain decode root
-                rows = list(range(cu[i], cu[i] + n))
-            index = torch.tensor(rows, device=fwd.hidden.device)
-            aux = None
-            if self.aux_layers:
-                aux = torch.cat([fwd.aux_hidden[layer].index_select(0, index) for layer in self.aux_layers], dim=-1)
-            self.proposer.add_features(seq.request_id, TargetFeatures(seq.num_computed_tokens,
-                                                                      fwd.hidden.index_select(0, index), aux))
+                pieces.append(torch.arange(cu[i], cu[i] + n))
+            counts.append(pieces[-1].numel())
+        index = torch.cat(pieces).to(fwd.hidden.device)
+        hidden = fwd.hidden.index_select(0, index).split(counts)
+        aux = [None] * len(counts)
+        if self.aux_layers:
+            aux = torch.cat([fwd.aux_hidden[layer].index_select(0, index) for layer in self.aux_layers],
+                            dim=-1).split(counts)
+        for seq, h, a in zip(out.seqs, hidden, aux):
+            self.proposer.add_features(seq.request_id, TargetFeatures(seq.num_computed_tokens, h, a))
 
     def _record(self, engine, out, drafts, results, draft_time: float, target_time: float) -> None:
         for seq, n, la in zip(out.seqs, out.num_scheduled_tokens, out.num_lookahead_tokens):
@@ -320,9 +261,10 @@ class SpeculativeStrategy:
         proposed = 0
         for i, res in results.items():
             seq, d = out.seqs[i], drafts[i]
+            depth = d.tree.max_depth if d.is_tree else d.num_nodes
             self.metrics.record_round(seq.request_id, seq.domain, d.num_nodes, res.num_accepted_drafts,
-                                      draft_time * share, target_time * share, d.depth)
-            self.policy.observe_round(seq.domain, d.depth, res.num_accepted_drafts)
+                                      draft_time * share, target_time * share, depth)
+            self.policy.observe_round(seq.domain, depth, res.num_accepted_drafts)
             seq.spec_stats = self.metrics.by_request[seq.request_id]
             proposed += d.num_nodes
         if self.config.policy.adaptive_k and target_time > 0:
