@@ -13,6 +13,7 @@ Conventions (vectorized over rows, one row per request / per draft position):
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -23,6 +24,37 @@ GeneratorArg = torch.Generator | Sequence[torch.Generator | None] | None
 # Exponential noise is clamped away from 0 so p / noise never divides by zero
 # (a uniform draw of exactly 0 gives noise 0).
 _MIN_NOISE = 1e-30
+
+
+# Bounds of the values the kernels below accept, as they are used: temperature and top_p in float32,
+# top_k and seeds in int64. A positive temperature below MIN_TEMPERATURE divides float32 logits into
+# overflow (inf / inf = nan in the softmax); 0 is the way to ask for greedy decoding.
+MIN_TEMPERATURE = 1e-4
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
+
+def check_sampling_values(temperature: float, top_k: int, top_p: float, seed: int | None = None) -> None:
+    """Raise ValueError, naming the field, for any value `logits_to_probs` / `sample` cannot take.
+
+    Checked in the dtype each value is used in, so a value that passes here can never fail inside a
+    batch later (1e39 is a finite float64 but inf in float32; 1e-50 is a positive float64 but 0.0).
+    """
+    temperature32 = float(torch.tensor(float(temperature), dtype=torch.float32))
+    if not math.isfinite(temperature32) or temperature32 < 0:
+        raise ValueError(f"temperature must be >= 0 and finite in float32 (<= {_FLOAT32_MAX:.3g}), "
+                         f"got {temperature!r}")
+    if 0 < temperature32 < MIN_TEMPERATURE:
+        raise ValueError(f"temperature must be 0 (greedy) or >= {MIN_TEMPERATURE}, got {temperature!r}")
+    top_p32 = float(torch.tensor(float(top_p), dtype=torch.float32))
+    if not 0.0 < top_p32 <= 1.0:
+        raise ValueError(f"top_p must be in (0, 1] in float32, got {top_p!r}")
+    if not 0 <= top_k <= INT64_MAX:
+        raise ValueError(f"top_k must be in [0, {INT64_MAX}] (0 = off), got {top_k!r}")
+    if seed is not None and not INT64_MIN <= seed <= INT64_MAX:
+        raise ValueError(f"seed must be in [{INT64_MIN}, {INT64_MAX}], got {seed!r}")
+
+
+_FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 
 
 def _per_row(value, num_rows: int, name: str, dtype: torch.dtype, device) -> Tensor:

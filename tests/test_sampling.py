@@ -123,3 +123,27 @@ def test_uniforms_draw_only_each_rows_count():
     out = uniforms([2, 3], 2, gens)
     assert out.dtype == torch.float64 and out.shape == (2, 3) and out[0, 2] == 1.0
     assert torch.equal(out[1], torch.rand(3, dtype=torch.float64, generator=torch.Generator().manual_seed(6)))
+
+
+@settings(max_examples=200, deadline=None)
+@given(temperature=st.one_of(st.floats(min_value=0, allow_nan=False, allow_infinity=False),
+                             st.sampled_from([0.0, 1e-45, 1e-50, 1e-4, 1e38, 1e39, 3.5e38])),
+       top_p=st.one_of(st.floats(min_value=0, max_value=1, allow_nan=False),
+                       st.sampled_from([1e-50, 1e-45, 1e-38, 1.0])),
+       top_k=st.one_of(st.integers(0, 10), st.sampled_from([2**63 - 1, 2**63, 10**30])),
+       seed=st.one_of(st.none(), st.integers(-(2**64), 2**64)))
+def test_values_that_pass_the_check_never_fail_in_the_kernels(temperature, top_p, top_k, seed):
+    """Property: whatever check_sampling_values accepts, logits_to_probs and sample take without
+    raising and turn into finite probabilities (float64 values that break only in float32, such as
+    temperature 1e39 or top_p 1e-50, are refused by the check, not by the batch)."""
+    from kernels.sampling import check_sampling_values
+    try:
+        check_sampling_values(temperature, top_k, top_p, seed)
+    except ValueError as exc:
+        assert str(exc).split()[0] in {"temperature", "top_p", "top_k", "seed"}
+        return
+    logits = torch.randn(3, 50) * 30
+    probs = logits_to_probs(logits, temperature, top_k, top_p)
+    assert bool(torch.isfinite(probs).all()) and torch.allclose(probs.sum(-1), torch.ones(3))
+    generator = None if seed is None else torch.Generator().manual_seed(seed)
+    assert sample(probs, generator).shape == (3,)

@@ -41,6 +41,15 @@ CASES = [
     ("completions", {"prompt": "hi", "top_p": 0}, "top_p"),
     ("completions", {"prompt": "hi", "top_p": 1.01}, "top_p"),
     ("completions", {"prompt": "hi", "top_k": -5}, "top_k"),
+    # Valid as float64 / Python ints, broken in the dtypes the kernels use: these two used to
+    # kill the engine loop (top_p 0.0 and temperature inf in float32).
+    ("completions", {"prompt": "def f(", "max_tokens": 4, "top_p": 1e-50}, "top_p"),
+    ("completions", {"prompt": "def f(", "max_tokens": 4, "temperature": 1e39}, "temperature"),
+    ("chat/completions", {"messages": USER, "temperature": 1e-45}, "temperature"),
+    ("completions", {"prompt": "hi", "top_k": 10**30}, "top_k"),
+    ("completions", {"prompt": "hi", "seed": 1e23}, "seed"),
+    ("completions", {"prompt": "hi", "seed": 2**70}, "seed"),
+    ("completions", {"prompt": "hi", "seed": 2**63 - 1, "n": 2}, "seed"),
     ("completions", {"prompt": "hi", "max_tokens": 0}, "max_tokens"),
     ("completions", {"prompt": "hi", "max_tokens": -3}, "max_tokens"),
     ("completions", {"prompt": "hi", "max_tokens": MAX_MODEL_LEN}, "max_tokens"),   # beyond context
@@ -53,8 +62,6 @@ CASES = [
     ("completions", {"prompt": [[]]}, "prompt"),
     ("completions", {"prompt": ["hi", ""]}, "prompt"),
     ("completions", {"prompt": [1, 2, 10**9]}, "prompt"),               # token id outside vocab
-    ("completions", {"prompt": "hi", "model": "gpt-4"}, "model"),        # unknown model
-    ("chat/completions", {"messages": USER, "model": "nope"}, "model"),
     ("completions", {"prompt": "w1 " * 200}, "prompt"),                  # over max length
     ("completions", {"prompt": list(range(10, 10 + MAX_MODEL_LEN))}, "prompt"),
     ("completions", {"prompt": "hi", "foo": 1}, "foo"),                  # unknown field
@@ -100,6 +107,30 @@ def test_bad_input_is_a_400_naming_the_field(client, route, body, param):
         assert param.split("[")[0].split(".")[0] in error["message"]
 
 
+@pytest.mark.parametrize("route,body", [("completions", {"prompt": "hi", "model": "gpt-4"}),
+                                        ("chat/completions", {"messages": USER, "model": "nope"})])
+def test_unknown_model_is_a_404_naming_the_field(client, route, body):
+    """As OpenAI and vLLM answer it: 404 with code model_not_found and param 'model'."""
+    response = post(client, route, body)
+    assert response.status_code == 404, response.text
+    error = response.json()["error"]
+    assert (error["param"], error["code"]) == ("model", "model_not_found")
+
+
+def test_the_killer_requests_leave_the_server_serving(server, client):
+    """Each request that once stopped the engine loop for good is a 400, and the very next valid
+    request is served normally, /health staying ok."""
+    for field, value in [("top_p", 1e-50), ("temperature", 1e39)]:
+        for stream in (False, True):
+            bad = post(client, "completions", {"prompt": "def f(", "max_tokens": 4, field: value,
+                                                "stream": stream})
+            assert bad.status_code == 400 and bad.json()["error"]["param"] == field
+            good = post(client, "completions", {"prompt": "def f(", "max_tokens": 4, "temperature": 0})
+            assert good.status_code == 200 and good.json()["choices"][0]["finish_reason"] == "length"
+            assert client.get("/health").status_code == 200
+    assert engine_call(server, kv_is_clean)
+
+
 def test_empty_chat_content_is_allowed(client):
     """An empty user message is still a valid conversation (the template adds its own
     tokens), unlike an empty completion prompt."""
@@ -121,7 +152,7 @@ def test_server_keeps_serving_during_a_barrage_of_bad_input(server, client):
     worker = threading.Thread(target=stream)
     worker.start()
     for route, body, _ in CASES * 2:
-        assert post(client, route, body).status_code in (200, 400)
+        assert post(client, route, body).status_code == 400
     worker.join()
     assert events[-1] == "data: [DONE]"
     text = "".join(json.loads(e[6:])["choices"][0]["text"] for e in events[:-1])
@@ -150,6 +181,72 @@ def test_random_json_never_gets_a_500(client, route, body):
     if isinstance(body.get("max_tokens"), int) and body.get("stream") is True:
         body["max_tokens"] = min(body["max_tokens"], 8)
     response = post(client, route, body)
-    assert response.status_code in (200, 400), response.text
-    if response.status_code == 400:
+    assert response.status_code in (200, 400, 404), response.text   # 404: an unknown `model`
+    if response.status_code != 200:
         assert set(response.json()["error"]) == {"message", "type", "param", "code"}
+
+
+def test_a_body_over_the_limit_is_a_413_before_it_is_read(tmp_path_factory):
+    """Declared (Content-Length) and chunked bodies over max_request_body_bytes both get a 413
+    with the OpenAI error body; a body under the limit is served."""
+    with serve(make_engine(tiny_checkpoint(tmp_path_factory)), max_request_body_bytes=2048) as srv, \
+            httpx.Client(base_url=srv.base_url, timeout=60) as c:
+        big = json.dumps({"prompt": "x" * 4096, "max_tokens": 2}).encode()
+        declared = c.post("/v1/completions", content=big, headers={"Content-Type": "application/json"})
+        assert declared.status_code == 413 and declared.json()["error"]["code"] == "request_too_large"
+
+        def chunks():
+            for start in range(0, len(big), 512):
+                yield big[start:start + 512]
+        chunked = c.post("/v1/completions", content=chunks(), headers={"Content-Type": "application/json"})
+        assert chunked.status_code == 413
+        assert c.post("/v1/completions", json={"prompt": "hello", "max_tokens": 2}).status_code == 200
+
+
+def test_a_prompt_too_long_in_bytes_is_refused_before_tokenizing(server, client):
+    """A prompt that cannot fit the context whatever its tokens is a 400 naming `prompt`, and
+    the tokenizer never sees it (the bound is in bytes)."""
+    serving = server.app.state.serving
+    calls = []
+    real_tokenizer = serving.tokenizer
+
+    class CountingTokenizer:
+        def __call__(self, text, **kwargs):
+            calls.append(len(text))
+            return real_tokenizer(text, **kwargs)
+
+        def __getattr__(self, name):
+            return getattr(real_tokenizer, name)
+
+    serving.tokenizer = CountingTokenizer()
+    try:
+        response = post(client, "completions", {"prompt": "y" * (serving.max_prompt_bytes + 1)})
+        messages = post(client, "chat/completions",
+                        {"messages": [{"role": "user", "content": "y" * (serving.max_prompt_bytes + 1)}]})
+    finally:
+        serving.tokenizer = real_tokenizer
+    for r, param in ((response, "prompt"), (messages, "messages")):
+        assert r.status_code == 400 and r.json()["error"]["param"] == param
+        assert r.json()["error"]["code"] == "context_length_exceeded"
+    assert calls == []
+
+
+def test_completions_default_to_16_tokens(client):
+    """OpenAI's documented default for /v1/completions max_tokens is 16."""
+    for extra in ({}, {"max_tokens": None}):
+        body = post(client, "completions", {"prompt": "hello", "ignore_eos": True, "temperature": 0,
+                                            **extra}).json()
+        assert body["usage"]["completion_tokens"] == 16 and body["choices"][0]["finish_reason"] == "length"
+
+
+def test_openapi_documents_every_route_with_its_body(client):
+    """/openapi.json is served; the two OpenAI routes declare their JSON body by the very models
+    that validate it, so fuzzers and clients see the real contract."""
+    spec = client.get("/openapi.json").json()
+    for path, model in [("/v1/completions", "CompletionRequest"),
+                        ("/v1/chat/completions", "ChatCompletionRequest")]:
+        body = spec["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]
+        assert body == {"$ref": f"#/components/schemas/{model}"}
+        component = spec["components"]["schemas"][model]
+        assert component["additionalProperties"] is False and "temperature" in component["properties"]
+    assert {"/v1/models", "/health", "/metrics"} <= set(spec["paths"])

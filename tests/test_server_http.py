@@ -188,12 +188,13 @@ def test_models_health_unknown_routes(client):
     methods 405, both with an OpenAI-style error body."""
     models = client.get("/v1/models").json()
     assert models["object"] == "list" and models["data"][0]["max_model_len"] == 128
-    assert client.get("/health").json() == {"status": "ok"}
+    assert client.get("/health").json() == {"status": "ok", "engine_restarts": 0, "last_engine_error": None}
     for method, path, status in [("GET", "/v1/nothing", 404), ("POST", "/v2/completions", 404),
                                  ("GET", "/v1/completions", 405)]:
         response = client.request(method, path)
         assert response.status_code == status
         assert set(response.json()["error"]) == {"message", "type", "param", "code"}
+    assert client.get("/v1/completions").headers["allow"] == "POST"
 
 
 def test_metrics_are_exposed_and_move(client):
@@ -339,12 +340,46 @@ class CrashingEngine(SlowEngine):
         return super().step()
 
 
-def test_engine_crash_fails_requests_loudly_instead_of_hanging(ckpt):
-    """If the engine raises, in-flight requests end (finish_reason 'abort'), /health turns
-    503 and new requests get 503 at once: nobody waits forever on a dead loop."""
+class FailOnceEngine(SlowEngine):
+    """Test double: the 5th step raises, every other step runs (a one-off engine bug)."""
+
+    def __init__(self, engine) -> None:
+        super().__init__(engine, step_delay_s=0.0)
+        self.calls = 0
+
+    def step(self):
+        self.calls += 1
+        if self.calls == 5:
+            raise RuntimeError("simulated engine failure")
+        return super().step()
+
+
+def test_a_failed_step_fails_its_requests_and_the_server_keeps_serving(ckpt):
+    """The supervisor: a step that raises fails the requests in flight with an OpenAI-style
+    error (a 500 body, or a final SSE error event then [DONE]), frees their blocks, and the next
+    request is served normally; /health says ok and counts the restart."""
+    with serve(FailOnceEngine(make_engine(ckpt))) as srv, httpx.Client(base_url=srv.base_url, timeout=60) as c:
+        with c.stream("POST", "/v1/completions", json={"prompt": "hello", "max_tokens": 50,
+                                                       "ignore_eos": True, "stream": True}) as r:
+            events = sse_events(r)
+        assert events[-1] == "[DONE]"
+        assert events[-2]["error"]["code"] == "engine_error"
+        assert "simulated engine failure" in events[-2]["error"]["message"]
+        health = c.get("/health")
+        assert health.status_code == 200 and health.json()["engine_restarts"] == 1
+        assert "simulated engine failure" in health.json()["last_engine_error"]
+        again = c.post("/v1/completions", json={"prompt": "hello", "max_tokens": 2})
+        assert again.status_code == 200 and again.json()["choices"][0]["finish_reason"] == "length"
+        assert engine_call(srv, kv_is_clean)
+
+
+def test_a_crash_loop_stops_the_loop_loudly_instead_of_hanging(ckpt):
+    """If every step raises, each request fails (500, engine_error) until the restart budget is
+    spent; then /health turns 503 and new requests get 503 at once: nobody waits forever."""
     with serve(CrashingEngine(make_engine(ckpt))) as srv, httpx.Client(base_url=srv.base_url, timeout=60) as c:
-        r = c.post("/v1/completions", json={"prompt": "hello", "max_tokens": 50, "ignore_eos": True})
-        assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "abort"
+        for _ in range(srv.app.state.engine_loop.config.max_restarts + 1):
+            r = c.post("/v1/completions", json={"prompt": "hello", "max_tokens": 50, "ignore_eos": True})
+            assert r.status_code == 500 and r.json()["error"]["code"] == "engine_error"
         assert c.get("/health").status_code == 503
         again = c.post("/v1/completions", json={"prompt": "hello", "max_tokens": 2})
         assert again.status_code == 503 and again.json()["error"]["type"] == "server_error"

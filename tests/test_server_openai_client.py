@@ -97,11 +97,11 @@ def test_seed_and_n_through_client(client):
 
 def test_client_errors_map_to_openai_exceptions(server, client):
     """Server refusals surface as the client's typed errors: bad parameter -> BadRequestError
-    naming the field; unknown model -> BadRequestError on `model`; wrong key -> AuthenticationError."""
+    naming the field; unknown model -> NotFoundError on `model`; wrong key -> AuthenticationError."""
     with pytest.raises(openai.BadRequestError) as err:
         client.completions.create(model="tiny-llama", prompt="hello", temperature=-1)
     assert err.value.body["param"] == "temperature"
-    with pytest.raises(openai.BadRequestError) as err:
+    with pytest.raises(openai.NotFoundError) as err:
         client.chat.completions.create(model="gpt-4o", messages=[{"role": "user", "content": "hi"}])
     assert err.value.body["param"] == "model"
     with openai.OpenAI(base_url=server.base_url + "/v1", api_key="nope", max_retries=0) as bad:

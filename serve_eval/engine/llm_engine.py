@@ -202,6 +202,18 @@ class LLMEngine:
             self.scheduler.abort(seq)
             seq.finished_time = time.perf_counter()
 
+    def abort_all(self) -> list[str]:
+        """Abort every request the engine holds (after a failed step); returns their ids."""
+        request_ids = list(self.requests)
+        for request_id in request_ids:
+            self.abort(request_id)
+        return request_ids
+
+    def check_integrity(self) -> None:
+        """Raise if the KV cache's bookkeeping is inconsistent (the supervisor's test of whether
+        the engine survived a failed step and may keep serving)."""
+        self.kv.check_integrity()
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 

@@ -1,11 +1,13 @@
 """SamplingParams: per-request decoding settings, validated at construction.
 
 Every check raises ValueError naming the offending field, so a bad request fails
-at `add_request` and never reaches the batch.
+at construction and never reaches the batch: a SamplingParams that exists can be sampled.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+from kernels.sampling import check_sampling_values
 
 
 def _is_int(value: object) -> bool:
@@ -39,6 +41,8 @@ class SamplingParams:
             raise ValueError(f"top_k must be an int >= 0 (0 = off), got {self.top_k!r}")
         if self.seed is not None and not _is_int(self.seed):
             raise ValueError(f"seed must be an int or None, got {self.seed!r}")
+        # The ranges, checked in the dtypes the sampling kernels use them in (float32, int64).
+        check_sampling_values(self.temperature, self.top_k, self.top_p, self.seed)
         if not _is_int(self.max_tokens) or self.max_tokens <= 0:
             raise ValueError(f"max_tokens must be an int > 0, got {self.max_tokens!r}")
         # Accept a single string for convenience; store a list so callers see one shape.

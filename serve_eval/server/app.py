@@ -1,9 +1,10 @@
 """FastAPI app factory for the OpenAI-compatible server.
 
 `create_app(engine, ServerConfig(...))` wires: the engine loop (started and stopped by the
-app's lifespan), the OpenAI endpoints, /v1/models, /health, /metrics, OpenAI-style error
-bodies for every refusal (400/401/404/405/429/503; a 500 only for a bug), and an optional
-API key checked in constant time on /v1/*.
+app's lifespan), the OpenAI endpoints, /v1/models, /health, /metrics, /openapi.json,
+OpenAI-style error bodies for every refusal (400/401/404/405/413/429/503; a 500 only for a bug
+or a failed engine step), a request-body limit, and an optional API key checked in constant
+time on /v1/*.
 """
 from __future__ import annotations
 
@@ -24,11 +25,12 @@ from serve_eval.server import protocol as P
 from serve_eval.server.engine_loop import EngineLoop, LoopConfig
 from serve_eval.server.metrics import ServerMetrics, read_engine_stats
 from serve_eval.server.openai_serving import OpenAIServing
+from serve_eval.server.openapi import build_openapi, route_docs
 from serve_eval.server.prom import CONTENT_TYPE
 
 log = logging.getLogger(__name__)
 
-ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
+ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics", "/openapi.json")
 
 
 @dataclass
@@ -39,6 +41,7 @@ class ServerConfig:
     max_waiting_requests: int = 128        # bounded waiting queue; past it -> 429 + Retry-After
     retry_after_s: int = 1
     shutdown_grace_s: float = 5.0          # in-flight requests get this long, then are aborted
+    max_request_body_bytes: int = 4 * 1024 * 1024   # larger bodies get a 413 before they are read
 
 
 def _model_dir(engine: Any) -> Path | None:
@@ -60,14 +63,35 @@ def _error_response(status: int, message: str, param: str | None = None, type: s
     return JSONResponse(err.body(), status_code=status, headers=err.headers)
 
 
+def _body_too_large(limit: int) -> P.ApiError:
+    return P.ApiError(413, f"Request body is larger than this server's limit of {limit} bytes",
+                      code="request_too_large")
+
+
 class _Gatekeeper:
     """Pure ASGI middleware (BaseHTTPMiddleware would break streaming disconnect detection):
-    API-key check on /v1/* and per-route/status request counting."""
+    API-key check on /v1/*, the request-body limit, and per-route/status request counting."""
 
-    def __init__(self, app: Any, api_key: str | None, metrics: ServerMetrics) -> None:
+    def __init__(self, app: Any, api_key: str | None, metrics: ServerMetrics, max_body_bytes: int) -> None:
         self.app = app
         self.expected = f"Bearer {api_key}".encode() if api_key else None
         self.metrics = metrics
+        self.max_body_bytes = max_body_bytes
+
+    def _limited(self, receive: Any) -> Any:
+        """receive() that raises a 413 ApiError once the body passes the limit (chunked bodies
+        carry no Content-Length, so the bytes are counted as they arrive)."""
+        seen = 0
+
+        async def limited_receive() -> dict:
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.max_body_bytes:
+                    raise _body_too_large(self.max_body_bytes)
+            return message
+        return limited_receive
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -93,7 +117,14 @@ class _Gatekeeper:
                                                headers={"WWW-Authenticate": "Bearer"})
                     await response(scope, receive, counting_send)
                     return
-            await self.app(scope, receive, counting_send)
+            declared = dict(scope.get("headers") or []).get(b"content-length", b"")
+            if declared.isdigit() and int(declared) > self.max_body_bytes:
+                self.metrics.requests_rejected.inc(reason="too_large")
+                err = _body_too_large(self.max_body_bytes)
+                await JSONResponse(err.body(), status_code=413)(scope, receive, counting_send)
+                return
+            await self.app(scope, receive if scope.get("method") in ("GET", "HEAD")
+                           else self._limited(receive), counting_send)
         finally:
             self.metrics.http_requests.inc(route=route, status=status["code"] or 499)
 
@@ -135,7 +166,8 @@ def create_app(engine: Any, config: ServerConfig | None = None, tokenizer: Any =
             loop.shutdown(config.shutdown_grace_s)
 
     app = FastAPI(title="draftsmith", lifespan=lifespan, docs_url=None, redoc_url=None,
-                  openapi_url=None)
+                  openapi_url="/openapi.json")
+    app.openapi = lambda: build_openapi(app)   # type: ignore[method-assign]
     app.state.engine_loop = loop
     app.state.metrics = metrics
     app.state.serving = serving
@@ -151,9 +183,9 @@ def create_app(engine: Any, config: ServerConfig | None = None, tokenizer: Any =
         if exc.status_code == 404:
             return _error_response(404, f"Unknown route: {request.method} {request.url.path}",
                                    code="not_found")
-        if exc.status_code == 405:
+        if exc.status_code == 405:   # Starlette names the allowed methods in `Allow`
             return _error_response(405, f"Method {request.method} not allowed on {request.url.path}",
-                                   code="method_not_allowed")
+                                   code="method_not_allowed", headers=dict(exc.headers or {}))
         return _error_response(exc.status_code, str(exc.detail))
 
     @app.exception_handler(Exception)
@@ -161,30 +193,35 @@ def create_app(engine: Any, config: ServerConfig | None = None, tokenizer: Any =
         log.exception("unhandled error")   # a 500 is always a bug in this server
         return _error_response(500, f"internal server error: {type(exc).__name__}", type="server_error")
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", **route_docs(P.CompletionRequest, P.CompletionResponse))
     async def completions(request: Request) -> Response:
         return await serving.completions(request)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", **route_docs(P.ChatCompletionRequest, P.ChatCompletionResponse))
     async def chat_completions(request: Request) -> Response:
         return await serving.chat(request)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", response_model=P.ModelList)
     async def models() -> dict:
         card = P.ModelCard(id=model_name, created=P.now_s(), max_model_len=max_model_len)
         return P.ModelList(data=[card]).model_dump()
 
-    @app.get("/health")
+    @app.get("/health", response_model=P.HealthResponse,
+             responses={503: {"model": P.ErrorResponse, "description": "the engine loop stopped"}})
     async def health() -> JSONResponse:
-        if not loop.alive:
-            return _error_response(503, "engine loop is not running", type="server_error")
-        return JSONResponse({"status": "ok"})
+        state = loop.health()
+        if not state.alive:
+            return _error_response(503, f"engine loop is not running (last error: {state.last_error})",
+                                   type="server_error")
+        return JSONResponse(P.HealthResponse(engine_restarts=state.restarts,
+                                             last_engine_error=state.last_error).model_dump())
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse)
     async def prometheus() -> PlainTextResponse:
         return PlainTextResponse(metrics.render(), media_type=CONTENT_TYPE)
 
-    app.add_middleware(_Gatekeeper, api_key=config.api_key, metrics=metrics)
+    app.add_middleware(_Gatekeeper, api_key=config.api_key, metrics=metrics,
+                       max_body_bytes=config.max_request_body_bytes)
     return app
 
 

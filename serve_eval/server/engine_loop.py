@@ -8,6 +8,12 @@ own asyncio.Queue (filled with `loop.call_soon_threadsafe`).
 Ordering guarantee: the inbox is drained in full before every `step()`, so an abort sent
 while step k runs is applied before step k+1 - a disconnected client costs at most one
 more step, and its blocks are freed by `engine.abort` right there.
+
+Failure isolation: a request is refused at `add_request` (SamplingParams has already checked
+every value in the dtype the kernels use it in), so no valid request can make a step fail. If a
+step raises anyway (a bug), the supervisor fails the requests that were in flight with a clear
+error, aborts them in the engine, checks the KV cache's integrity and carries on serving; only a
+crash loop (`max_restarts` within `restart_window_s`) or a broken cache stops the thread.
 """
 from __future__ import annotations
 
@@ -33,6 +39,9 @@ class LoopConfig:
     retry_after_s: int = 1
     # How long the idle thread sleeps between checks when nothing arrives (it is woken early).
     idle_poll_s: float = 0.5
+    # Failed steps survived within a window before the loop gives up (a crash loop is not served).
+    max_restarts: int = 5
+    restart_window_s: float = 60.0
 
 
 class QueueFullError(Exception):
@@ -51,6 +60,18 @@ class Aborted:
     def __init__(self, request_id: str, reason: str) -> None:
         self.request_id = request_id
         self.reason = reason
+
+
+class Failed(Aborted):
+    """Pushed to a request's queue when a step it was part of raised: the request ends with an
+    error (the reason says what failed); the loop itself keeps serving."""
+
+
+@dataclass(frozen=True)
+class LoopHealth:
+    alive: bool
+    restarts: int              # failed steps the supervisor recovered from
+    last_error: str | None     # the most recent one, as repr(exception)
 
 
 @dataclass
@@ -113,6 +134,9 @@ class EngineLoop:
         self.abort_log: collections.deque[tuple[str, int, int]] = collections.deque(maxlen=1024)
         self.last_stats: Any = None
         self.fatal_error: BaseException | None = None
+        self.restarts = 0
+        self.last_error: str | None = None
+        self._restart_times: collections.deque[float] = collections.deque()
 
     # ------------------------------------------------------------ handler side
     def start(self) -> None:
@@ -124,6 +148,9 @@ class EngineLoop:
     @property
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive() and self.fatal_error is None
+
+    def health(self) -> LoopHealth:
+        return LoopHealth(self.alive, self.restarts, self.last_error)
 
     def num_in_flight(self) -> int:
         """Engine requests added and not yet finished or aborted (a racy but safe len())."""
@@ -199,7 +226,11 @@ class EngineLoop:
                         break
                 if self.engine.has_unfinished_requests():
                     steps_before = getattr(self.engine, "num_steps", None)
-                    outputs = self.engine.step()
+                    try:
+                        outputs = self.engine.step()
+                    except Exception as exc:  # noqa: BLE001 - the supervisor decides what survives
+                        self._recover(exc)
+                        continue
                     self.step_count += 1
                     self._dispatch(outputs)
                     self._refresh_stats()
@@ -212,9 +243,39 @@ class EngineLoop:
         except BaseException as exc:  # noqa: BLE001 - the engine broke; fail every request loudly
             log.exception("engine loop crashed")
             self.fatal_error = exc
+            self.last_error = repr(exc)
             self._abort_all(f"engine error: {exc!r}", engine_usable=False)
         finally:
             self._fail_inbox()
+
+    def _recover(self, exc: Exception) -> None:
+        """A step raised: fail its requests, abort them in the engine, keep serving if the KV cache
+        is whole. Re-raises (ending the loop) on a crash loop or an engine that cannot recover."""
+        log.exception("engine step failed; failing the %d in-flight requests", len(self._tracked))
+        now = time.monotonic()
+        self.restarts += 1
+        self.last_error = repr(exc)
+        self._restart_times.append(now)
+        while self._restart_times and now - self._restart_times[0] > self.config.restart_window_s:
+            self._restart_times.popleft()
+        self._fail_tracked(f"engine step failed: {exc!r}")
+        self.engine.abort_all()       # anything the loop did not track (e.g. added by call())
+        self.engine.check_integrity()
+        if len(self._restart_times) > self.config.max_restarts:
+            raise RuntimeError(f"{len(self._restart_times)} failed engine steps within "
+                               f"{self.config.restart_window_s:.0f} s; last: {exc!r}") from exc
+        self._refresh_stats()
+
+    def _fail_tracked(self, reason: str) -> None:
+        for request_id, tracked in list(self._tracked.items()):
+            try:
+                self.engine.abort(request_id)
+            except Exception:  # noqa: BLE001 - keep failing the others
+                log.exception("abort of %s failed", request_id)
+            if self.metrics is not None:
+                self.metrics.request_finished("error", tracked.domain)
+            tracked.stream._deliver(Failed(request_id, reason))
+        self._tracked.clear()
 
     def _apply(self, commands: list[tuple]) -> None:
         for command in commands:
@@ -224,7 +285,9 @@ class EngineLoop:
                 try:
                     self.engine.add_request(stream.request_id, prompt_ids, params,
                                             priority=priority, domain=domain)
-                except ValueError as exc:
+                except Exception as exc:  # noqa: BLE001 - refuses this request only
+                    if not isinstance(exc, ValueError):
+                        log.exception("add_request(%s) failed", stream.request_id)
                     stream._resolve(exc)
                 else:
                     self._tracked[stream.request_id] = _Tracked(stream, domain, submit_time)

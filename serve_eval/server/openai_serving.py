@@ -17,7 +17,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from serve_eval.server import protocol as P
-from serve_eval.server.engine_loop import Aborted, EngineLoop, QueueFullError, ShuttingDownError
+from serve_eval.server.engine_loop import Aborted, EngineLoop, Failed, QueueFullError, ShuttingDownError
 from serve_eval.server.metrics import ServerMetrics
 
 MAX_PROMPTS_PER_REQUEST = 64
@@ -36,6 +36,7 @@ class _Choice:
     sent_text: str = ""              # completion text already sent (streaming)
     output: Any = None               # last RequestOutput
     finish_reason: str | None = None
+    error: str | None = None         # set when a failed engine step ended this choice
 
     @property
     def done(self) -> bool:
@@ -74,6 +75,9 @@ class OpenAIServing:
         # A request whose prompt + max_tokens cannot fit in the whole KV pool could never
         # run; refuse it up front instead of letting it wait forever.
         self.kv_capacity_tokens = kv_capacity_tokens
+        # Text longer than this holds more than max_model_len tokens whatever it says, so it is
+        # refused before the tokenizer spends seconds on it.
+        self.max_prompt_bytes = max_prompt_bytes(tokenizer, max_model_len)
 
     # ---------------------------------------------------------------- endpoints
     async def completions(self, request: Request) -> Response:
@@ -84,7 +88,8 @@ class OpenAIServing:
         self._check_logprobs(logprobs)
         jobs = []
         for p_index, prompt_ids in enumerate(prompts):
-            max_tokens = self._max_tokens(len(prompt_ids), req.max_tokens, "prompt", "max_tokens")
+            requested = P.DEFAULT_COMPLETION_MAX_TOKENS if req.max_tokens is None else req.max_tokens
+            max_tokens = self._max_tokens(len(prompt_ids), requested, "prompt", "max_tokens")
             prefix = self.tokenizer.decode(prompt_ids) if req.echo else ""
             for i in range(req.n):
                 jobs.append((p_index * req.n + i, p_index, prompt_ids,
@@ -105,7 +110,8 @@ class OpenAIServing:
     # ---------------------------------------------------------------- input checks
     def _check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
-            raise P.ApiError(400, f"The model '{model}' does not exist; this server serves "
+            # 404, as OpenAI and vLLM answer an unknown model.
+            raise P.ApiError(404, f"The model '{model}' does not exist; this server serves "
                              f"'{self.model_name}'", "model", code="model_not_found")
 
     def _check_logprobs(self, logprobs: int | None) -> None:
@@ -116,7 +122,15 @@ class OpenAIServing:
     def _tokenize(self, text: str, param: str) -> list[int]:
         if text == "":
             raise P.ApiError(400, f"{param} must not be empty", param)
+        self._check_text_bytes(len(text.encode("utf-8", "surrogatepass")), param)
         return list(self.tokenizer(text)["input_ids"])
+
+    def _check_text_bytes(self, num_bytes: int, param: str) -> None:
+        if num_bytes > self.max_prompt_bytes:
+            raise P.ApiError(400, f"This model's maximum context length is {self.max_model_len} tokens, "
+                             f"and the {param} holds {num_bytes} bytes of text, more than that many tokens "
+                             f"can span ({self.max_prompt_bytes} bytes)", param,
+                             code="context_length_exceeded")
 
     def _check_ids(self, ids: list[int], param: str) -> list[int]:
         if not ids:
@@ -145,6 +159,8 @@ class OpenAIServing:
             raise P.ApiError(400, "this model's tokenizer has no chat template; use /v1/completions",
                              "messages")
         conversation = [{"role": m.role, "content": m.text()} for m in messages]
+        self._check_text_bytes(sum(len(m["content"].encode("utf-8", "surrogatepass"))
+                                   for m in conversation), "messages")
         try:
             text = self.tokenizer.apply_chat_template(conversation, tokenize=False,
                                                       add_generation_prompt=True)
@@ -213,7 +229,9 @@ class OpenAIServing:
         if isinstance(item, Aborted):
             choice = by_id.get(item.request_id)
             if choice is not None and not choice.done:
-                choice.finish_reason = "abort"
+                choice.finish_reason = "error" if isinstance(item, Failed) else "abort"
+                if isinstance(item, Failed):
+                    choice.error = item.reason
             return choice
         choice = by_id.get(item.request_id)
         if choice is None:
@@ -244,6 +262,9 @@ class OpenAIServing:
         finally:
             watcher.cancel()
             self._abort(choices)
+        failed = next((c for c in choices if c.error is not None), None)
+        if failed is not None:
+            raise _engine_error(failed.error)
         return JSONResponse(self._final_body(base_id, kind, choices))
 
     async def _stream(self, base_id: str, kind: str, queue: asyncio.Queue, choices: list[_Choice],
@@ -263,6 +284,10 @@ class OpenAIServing:
                     choice = self._absorb(item, by_id)
                     if choice is not None:
                         touched[choice.request_id] = choice
+                failed = next((c for c in touched.values() if c.error is not None), None)
+                if failed is not None:   # a final error event, as vLLM streams it; then [DONE]
+                    yield _sse(_engine_error(failed.error).body())
+                    break
                 for choice in touched.values():
                     delta = choice.take_delta()
                     if choice.prefix_text:   # echo goes out first, once
@@ -270,7 +295,7 @@ class OpenAIServing:
                     if delta or choice.done:
                         yield _sse(self._chunk(base_id, created, kind, choice.index, delta,
                                                choice.finish_reason))
-            if include_usage:
+            if include_usage and not any(c.error for c in choices):
                 usage = self._usage(choices)
                 body = {"id": base_id, "object": _chunk_object(kind), "created": created,
                         "model": self.model_name, "choices": [], "usage": usage.model_dump()}
@@ -338,6 +363,21 @@ def _partial_stop_len(text: str, stops: tuple[str, ...]) -> int:
                 longest = k
                 break
     return longest
+
+
+def max_prompt_bytes(tokenizer: Any, max_model_len: int) -> int:
+    """Bytes of text that can not fit in max_model_len tokens: no token decodes to more bytes than
+    the UTF-8 of its vocabulary string (byte-level BPE spells each byte as one character,
+    SentencePiece spells a space as a 3-byte marker). The factor 4 covers normalizers that shrink
+    text before it is split (NFKC folds some 3-byte characters into one byte)."""
+    vocab = tokenizer.get_vocab()
+    longest = max((len(token.encode("utf-8", "surrogatepass")) for token in vocab), default=64)
+    return 4 * max_model_len * max(longest, 1) + 1024
+
+
+def _engine_error(reason: str) -> P.ApiError:
+    return P.ApiError(500, f"The request failed inside the engine ({reason}); the server keeps "
+                      "serving, retry it", type="server_error", code="engine_error")
 
 
 def _chunk_object(kind: str) -> str:

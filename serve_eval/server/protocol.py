@@ -13,13 +13,15 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from kernels.sampling import INT64_MAX, INT64_MIN, check_sampling_values
 from serve_eval.engine.sampling_params import SamplingParams
 
 MAX_N = 16
+DEFAULT_COMPLETION_MAX_TOKENS = 16   # OpenAI's documented default for /v1/completions
 MAX_LOGPROBS = 20
 
 
@@ -40,6 +42,24 @@ class ApiError(Exception):
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type,
                           "param": self.param, "code": self.code}}
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    """The body of every refusal (OpenAI's error shape)."""
+    error: ErrorInfo
+
+
+class HealthResponse(BaseModel):
+    status: Literal["ok"] = "ok"
+    engine_restarts: int = 0          # failed engine steps the supervisor recovered from
+    last_engine_error: str | None = None
 
 
 # ---------------------------------------------------------------- requests
@@ -81,15 +101,15 @@ class _SamplingFields(_Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     # extras
-    top_k: int = Field(0, ge=-1)   # -1 or 0 = off (vLLM accepts both)
+    top_k: int = Field(0, ge=-1, le=INT64_MAX)   # -1 or 0 = off (vLLM accepts both)
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[Annotated[int, Field(ge=0, le=INT64_MAX)]] | None = None
     domain: str | None = Field(None, min_length=1, max_length=64)
     priority: int = 0
 
@@ -103,6 +123,13 @@ class _SamplingFields(_Strict):
             raise ApiError(400, "logit_bias is not supported", "logit_bias")
         if isinstance(self.stop, list) and any(s == "" for s in self.stop) or self.stop == "":
             raise ApiError(400, "stop must not contain an empty string", "stop")
+        try:   # the kernels' own ranges, in the dtypes they use (1e39 is inf in float32)
+            check_sampling_values(self.temperature, max(self.top_k, 0), self.top_p, self.seed)
+        except ValueError as exc:
+            raise ApiError(400, str(exc), str(exc).split()[0]) from None
+        if self.seed is not None and self.seed + self.n - 1 > INT64_MAX:
+            raise ApiError(400, f"seed + n - 1 must be <= {INT64_MAX} (choice i samples with seed + i)",
+                           "seed")
 
     def stop_list(self) -> list[str]:
         if self.stop is None:
@@ -112,16 +139,19 @@ class _SamplingFields(_Strict):
     def sampling_params(self, max_tokens: int, index: int, logprobs: int | None) -> SamplingParams:
         """Engine params for choice `index` of n (seeded choices get seed + index, so they differ)."""
         seed = None if self.seed is None else self.seed + index
-        return SamplingParams(
-            temperature=float(self.temperature), top_k=max(self.top_k, 0), top_p=float(self.top_p),
-            seed=seed, max_tokens=max_tokens, stop=self.stop_list(),
-            stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos,
-            n=1, logprobs=logprobs)
+        try:
+            return SamplingParams(
+                temperature=float(self.temperature), top_k=max(self.top_k, 0), top_p=float(self.top_p),
+                seed=seed, max_tokens=max_tokens, stop=self.stop_list(),
+                stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos,
+                n=1, logprobs=logprobs)
+        except ValueError as exc:   # SamplingParams names the field first in its message
+            raise ApiError(400, str(exc), str(exc).split()[0]) from None
 
 
 class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=1)
+    max_tokens: int | None = Field(DEFAULT_COMPLETION_MAX_TOKENS, ge=1)   # null also means 16, as OpenAI's
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     best_of: int | None = None

@@ -38,6 +38,7 @@ class ServeConfig:
     max_waiting_requests: int = 128
     retry_after_s: int = 1
     shutdown_grace_s: float = 5.0
+    max_request_body_bytes: int = 4 * 1024 * 1024   # 413 above it
     log_level: str = "info"
     # engine
     dtype: str = "float32"
@@ -119,7 +120,7 @@ def build_app(model_dir: str, cfg: ServeConfig, engine: Any = None) -> Any:
     return create_app(engine, ServerConfig(
         model_name=cfg.model_name, api_key=api_key_from_env(cfg.api_key), max_model_len=cfg.max_model_len,
         max_waiting_requests=cfg.max_waiting_requests, retry_after_s=cfg.retry_after_s,
-        shutdown_grace_s=cfg.shutdown_grace_s))
+        shutdown_grace_s=cfg.shutdown_grace_s, max_request_body_bytes=cfg.max_request_body_bytes))
 
 
 def _is_loopback(host: str) -> bool:
