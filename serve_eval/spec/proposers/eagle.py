@@ -366,74 +366,51 @@ class EagleProposer(Proposer):
     def _trees(self, states, root_positions, root_feats: Tensor) -> list[Proposal]:
         top_k, depth, max_nodes = self.tree
         builders = [DynamicTreeBuilder(top_k, depth, max_nodes) for _ in states]
-        parents: list[list[int]] = [[] for _ in states]  # builder node id -> parent id (-1 = root)
-        node_tokens: list[list[int]] = [[] for _ in states]
-        node_out: list[dict[int, Tensor]] = [{} for _ in states]  # expanded node id -> its output hidden
+        # Per sequence: row 0 = its root feature, row node + 1 = the output hidden of an expanded node.
+        capacity = 1 + top_k + max(depth - 1, 0) * top_k * top_k
+        tables = [root_feats.new_zeros(capacity, root_feats.shape[-1]) for _ in states]
         expanded: list[list[int]] = [[] for _ in states]
         conf, cand = self._candidates(root_feats, top_k)
         frontiers = []
         for i, builder in enumerate(builders):
-            _record(parents[i], node_tokens[i], [-1], cand[i:i + 1])
+            tables[i][0] = root_feats[i]
             frontiers.append(builder.add_root_candidates(cand[i], conf[i]))
         while any(frontiers):
             active = [i for i, f in enumerate(frontiers) if f]
-            queries = []
-            for i in active:
-                expanded[i].extend(frontiers[i])
-                nodes = expanded[i]
-                if not self.cache.resize(states[i].record, states[i].num_committed + len(nodes)):
-                    raise RuntimeError("EAGLE draft KV pool exhausted while growing a tree (raise draft_num_blocks)")
-                hidden_in = torch.stack([root_feats[i] if parents[i][n] == -1 else node_out[i][parents[i][n]]
-                                         for n in nodes])
-                positions = [root_positions[i] + _depth(parents[i], n) - 1 for n in nodes]
-                queries.append(_Query(states[i], [node_tokens[i][n] for n in nodes], hidden_in, positions,
-                                      _ancestor_mask(parents[i], nodes, self.device)))
+            queries = [self._tree_query(states[i], builders[i], expanded[i], frontiers[i], tables[i],
+                                        root_positions[i]) for i in active]
             hidden = self._forward(queries, ingest=False)
-            starts = torch.tensor([0] + [len(q.token_ids) for q in queries]).cumsum(0).tolist()
+            ends = torch.tensor([len(q.token_ids) for q in queries]).cumsum(0).tolist()
             new_rows = []
             for j, i in enumerate(active):  # the newest frontier is each query's tail
-                tail = range(starts[j + 1] - len(frontiers[i]), starts[j + 1])
-                for node, r in zip(frontiers[i], tail):
-                    node_out[i][node] = hidden[r]
-                new_rows.extend(tail)
-            conf, cand = self._candidates(hidden[torch.tensor(new_rows, device=hidden.device)], top_k)
+                tail = torch.arange(ends[j] - len(frontiers[i]), ends[j])
+                tables[i][torch.tensor(frontiers[i]) + 1] = hidden[tail.to(hidden.device)]
+                new_rows.append(tail)
+            conf, cand = self._candidates(hidden[torch.cat(new_rows).to(hidden.device)], top_k)
             row = 0
             for i in active:
                 width = len(frontiers[i])
-                _record(parents[i], node_tokens[i], frontiers[i], cand[row:row + width])
                 frontiers[i] = builders[i].add_children(frontiers[i], cand[row:row + width], conf[row:row + width])
                 row += width
         trees = [b.build() for b in builders]
         return [Proposal(t.tokens, None, t) for t in trees]
 
+    def _tree_query(self, state: _RequestState, builder: DynamicTreeBuilder, expanded: list[int],
+                    frontier: list[int], table: Tensor, root_position: int) -> _Query:
+        """Every node expanded so far, re-run with an ancestor mask; geometry comes from the builder's
+        candidate tree (DraftTree), the input hidden of a node is its parent's output (the root's feature)."""
+        expanded.extend(frontier)
+        if not self.cache.resize(state.record, state.num_committed + len(expanded)):
+            raise RuntimeError("EAGLE draft KV pool exhausted while growing a tree (raise draft_num_blocks)")
+        tree = builder.candidates()
+        nodes = torch.tensor(expanded, dtype=torch.int64)  # [n]; every ancestor of an expanded node is expanded
+        rows = nodes + 1
+        mask = tree.ancestors()[rows][:, rows]  # [n, n] over the expanded nodes
+        positions = root_position + tree.depths[nodes] - 1  # a depth-d node is fed at the root's position + d - 1
+        hidden_in = table[tree.parents[nodes] + 1]  # [n, d]
+        return _Query(state, tree.tokens[nodes].tolist(), hidden_in, positions.tolist(), mask.to(self.device))
+
     def _candidates(self, hidden: Tensor, top_k: int) -> tuple[Tensor, Tensor]:
         """(confidence, token) [n, top_k] of the draft's plain softmax: EAGLE-2's ranking signal."""
         top = torch.softmax(self._logits(hidden), dim=-1).topk(top_k, dim=-1)
         return top.values.cpu(), top.indices.cpu()
-
-
-def _record(parents: list[int], tokens: list[int], parent_ids: list[int], cand: Tensor) -> None:
-    """Mirror DynamicTreeBuilder's id assignment (row-major over parents x candidates)."""
-    for parent, row in zip(parent_ids, cand.tolist()):
-        for token in row:
-            parents.append(parent)
-            tokens.append(int(token))
-
-
-def _depth(parents: list[int], node: int) -> int:
-    depth = 0
-    while node != -1:
-        node, depth = parents[node], depth + 1
-    return depth
-
-
-def _ancestor_mask(parents: list[int], nodes: list[int], device) -> Tensor:  # bool [n, n]
-    """[r, c] = nodes[c] is nodes[r] or one of its ancestors (every ancestor of an expanded node is expanded)."""
-    local = {node: j for j, node in enumerate(nodes)}
-    mask = torch.zeros(len(nodes), len(nodes), dtype=torch.bool)
-    for r, node in enumerate(nodes):
-        while node != -1:
-            mask[r, local[node]] = True
-            node = parents[node]
-    return mask.to(device)
-
