@@ -100,21 +100,24 @@ def test_malformed_json(tmp_path):
         load_records(str(path))
 
 
-def test_empty_prompts_are_skipped_and_counted(tmp_path, caplog):
-    """Rows with an empty prompt are skipped, and the log says how many."""
+def test_empty_prompts_are_an_error_or_skipped_and_counted(tmp_path, caplog):
+    """An empty prompt names the file, line and field; with on_bad_record=skip such rows are skipped
+    and the log says how many (the field-by-field cases are in test_data_records.py)."""
     rows = [{"domain": "x", "prompt": p, "reference": "r"} for p in ["a", "", "  ", "b"]]
     path = write_jsonl(tmp_path / "some_empty.jsonl", rows)
+    with pytest.raises(ValueError, match="some_empty.jsonl: empty field 'prompt' on line 2"):
+        load_records(str(path))
     with caplog.at_level(logging.WARNING, logger="draftsmith"):
-        records = load_records(str(path))
+        records = load_records(str(path), on_bad_record="skip")
     assert [r["prompt"] for r in records] == ["a", "b"]
-    assert "skipped_empty_prompt=2" in caplog.text
+    assert "skipped_bad_records=2" in caplog.text
 
 
 def test_all_prompts_empty(tmp_path):
-    """A file whose prompts are all empty is refused, naming the field."""
+    """A file whose prompts are all empty is refused even when skipping, naming the field."""
     path = write_jsonl(tmp_path / "all_empty.jsonl", [{"domain": "x", "prompt": "", "reference": "r"}])
-    with pytest.raises(ValueError, match="all_empty.jsonl: no usable records \\(field 'prompt'"):
-        load_records(str(path))
+    with pytest.raises(ValueError, match="all_empty.jsonl: no usable records \\(1 skipped: empty prompt x1"):
+        load_records(str(path), on_bad_record="skip")
 
 
 def test_pipeline_fails_on_bad_data_before_training(tmp_path):

@@ -82,6 +82,8 @@ class DataConfig:
     name: str = "embedded"
     path: str | None = None  # local .jsonl/.json/.parquet file, dataset dir, or HF dataset name
     split: str = "train"  # split read from ``path`` when it is a dataset with splits
+    # A record of ``path`` missing a field or with an empty one: error (names file, line, field) | skip (counted)
+    on_bad_record: str = "error"
     domains: list[str] = field(default_factory=lambda: ["code", "prose", "math", "chat"])
     eval_per_domain: int = 64  # held-out eval prompts per domain
     distill_per_domain: int = 512  # distillation prompts per domain (taken from the rest)

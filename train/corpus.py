@@ -20,6 +20,7 @@ import sys
 import sysconfig
 import textwrap
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,8 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from train.artifacts import Artifacts, atomic_dir, entry_lock, hash_files, is_complete, read_json, stable_hash, write_json
+from train.logs import format_fields
+from train.records import check_records, read_jsonl
 
 logger = logging.getLogger("draftsmith")
 
@@ -238,28 +241,45 @@ def _read_dataset(path: str, split: str) -> Any:
         raise ValueError(f"{path}: could not be read as a dataset ({type(err).__name__}: {err})") from None
 
 
-def load_records(path: str, split: str = "train", domains: list[str] | None = None) -> list[dict[str, str]]:
-    """Validated records from a dataset; rows with an empty prompt are skipped and counted in the log."""
+def _dataset_rows(path: str, split: str) -> Iterator[tuple[str, dict[str, Any]]]:
+    """(1-based location, row) of every record: JSON-lines files are read line by line (exact line
+    numbers); other sources through `datasets` (record numbers; csv: file lines, after the header)."""
+    local = Path(path).expanduser()
+    if local.is_file() and local.suffix == ".jsonl":
+        if local.stat().st_size == 0:
+            raise ValueError(f"{local}: empty dataset file (records need fields {', '.join(REQUIRED_FIELDS)})")
+        return read_jsonl(local)
     dataset = _read_dataset(path, split)
-    columns = set(dataset.column_names)
-    for name in REQUIRED_FIELDS:
-        if name not in columns:
-            raise ValueError(f"{path}: missing field '{name}' (records need fields {', '.join(REQUIRED_FIELDS)})")
-    if len(dataset) == 0:
+    first_line = 2 if local.suffix == ".csv" else None
+    return ((f"line {i + first_line}" if first_line else f"record {i + 1}", row) for i, row in enumerate(dataset))
+
+
+def load_records(
+    path: str, split: str = "train", domains: list[str] | None = None, on_bad_record: str = "error"
+) -> list[dict[str, str]]:
+    """Records of a dataset, each checked field by field: a record missing a field or with an empty
+    one stops the run naming the file, line and field, or (`on_bad_record="skip"`) is skipped and
+    counted in the log."""
+    hint = (f" (records need non-empty string fields {', '.join(REQUIRED_FIELDS)}; "
+            "data.on_bad_record=skip skips and counts such records)")
+    check = check_records(_dataset_rows(path, split), REQUIRED_FIELDS, path, on_bad_record, hint)
+    skipped = sum(check.skipped.values())
+    if not check.kept and not skipped:
         raise ValueError(f"{path}: no records")
-    records, skipped = [], 0
-    for row in dataset:
-        if not isinstance(row["prompt"], str) or not row["prompt"].strip():
-            skipped += 1
-            continue
+    if skipped:
+        logger.warning("draftsmith %s", format_fields(data=path, skipped_bad_records=skipped,
+                                                      reasons=check.skipped_summary()))
+    records = []
+    for row in check.kept:
         if domains and row["domain"] not in domains:
             continue
-        extra = {"split": row["split"]} if "split" in columns and row["split"] else {}
-        records.append({"domain": str(row["domain"]), "prompt": row["prompt"], "reference": row["reference"] or "", **extra})
-    if skipped:
-        logger.warning("draftsmith data=%s skipped_empty_prompt=%d", path, skipped)
+        extra = {"split": row["split"]} if row.get("split") else {}
+        records.append({"domain": row["domain"], "prompt": row["prompt"], "reference": row["reference"], **extra})
     if not records:
-        raise ValueError(f"{path}: no usable records (field 'prompt' empty in all {len(dataset)} rows)")
+        why = [f"{skipped} skipped: {check.skipped_summary()}"] if skipped else []
+        if len(check.kept):
+            why.append(f"{len(check.kept)} in domains other than {list(domains or [])}")
+        raise ValueError(f"{path}: no usable records ({'; '.join(why)})")
     return records
 
 
@@ -335,11 +355,15 @@ def build_corpus(cfg: DictConfig, artifacts: Artifacts, force: bool = False) -> 
 def _write_corpus(cfg: DictConfig, key: str, entry: Path) -> None:
     """Read or build the records, split them, and write the split files + manifest atomically."""
     data = cfg.data
-    records = load_records(data.path, data.split, list(data.domains)) if data.path else build_embedded_records(data)
+    if data.path:
+        records = load_records(data.path, data.split, list(data.domains), data.get("on_bad_record", "error"))
+    else:
+        records = build_embedded_records(data)
     splits = split_records(records, data, cfg.seed)
     for name in ("distill", "eval"):
         if not splits[name]:
-            raise ValueError(f"data: the {name} split is empty (domains {list(data.domains)}, {len(records)} records)")
+            raise ValueError(f"data: the {name} split is empty (source {data.path or 'embedded corpus'}, "
+                             f"domains {list(data.domains)}, {len(records)} records)")
     with atomic_dir(entry) as tmp:
         for name, split in splits.items():
             _write_jsonl(split, tmp / f"{name}.jsonl")

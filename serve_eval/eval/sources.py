@@ -44,11 +44,18 @@ def resolve_target(explicit: str | None, artifacts_root: str | Path) -> Path:
 
 # ----------------------------------------------------------------------------- prompts
 
-def load_prompt_records(path: str | Path) -> list[dict[str, Any]]:
-    """Records {domain, prompt, ...} of a jsonl/json file, read through `datasets`."""
-    path = Path(path)
-    if not path.is_file():
-        raise ValueError(f"eval.prompts: no file at {path}")
+def _prompt_rows(path: Path) -> list[tuple[str, Any]]:
+    """(1-based location, record): a .jsonl file line by line (exact line numbers, blank lines kept
+    in the count), anything else through `datasets` (record numbers)."""
+    if path.suffix == ".jsonl":
+        rows = []
+        for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+            if line.strip():
+                try:
+                    rows.append((f"line {number}", json.loads(line)))
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"eval.prompts: {path} line {number} is not JSON ({e})") from None
+        return rows
     import datasets
 
     datasets.disable_progress_bars()
@@ -56,9 +63,35 @@ def load_prompt_records(path: str | Path) -> list[dict[str, Any]]:
         records = datasets.load_dataset("json", data_files=str(path), split="train").to_list()
     except Exception as e:  # datasets wraps parse errors in several types
         raise ValueError(f"eval.prompts: {path} is not a JSON-lines file of records ({type(e).__name__}: {e})") from e
-    for i, r in enumerate(records):
-        if not isinstance(r.get("domain"), str) or not isinstance(r.get("prompt"), str):
-            raise ValueError(f"eval.prompts: {path} record {i} needs string fields 'domain' and 'prompt'")
+    return [(f"record {i}", r) for i, r in enumerate(records, start=1)]
+
+
+def _field_problem(value: Any) -> str | None:
+    if value is None:
+        return "missing"
+    if not isinstance(value, str):
+        return f"non-string ({type(value).__name__})"
+    return None if value.strip() else "empty"
+
+
+def load_prompt_records(path: str | Path) -> list[dict[str, Any]]:
+    """Records {domain, prompt, ...} of a jsonl/json file. A record missing `domain` or `prompt`, or
+    with one of them empty, is an error naming the file, the line and the field."""
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"eval.prompts: no file at {path}")
+    records = []
+    for where, r in _prompt_rows(path):
+        if not isinstance(r, dict):
+            raise ValueError(f"eval.prompts: {path} {where} is a JSON {type(r).__name__}, not a record object")
+        for name in ("domain", "prompt"):
+            problem = _field_problem(r.get(name))
+            if problem:
+                raise ValueError(f"eval.prompts: {path}: {problem} field '{name}' on {where} "
+                                 "(records need non-empty string fields 'domain' and 'prompt')")
+        records.append(r)
+    if not records:
+        raise ValueError(f"eval.prompts: {path} holds no records")
     return records
 
 
