@@ -276,9 +276,12 @@ def export(kind: str, dcfg: Any, draft: nn.Module, teacher: Any, state: dict, ou
     """Trained weights (gathered across ranks/shards) into the draft, then a draft dir with draftsmith.json."""
     from transformers import AutoTokenizer
 
-    from drafts.io import save_draft
+    from drafts.io import build_from_config, config_json, save_draft
 
     prefix = "heads." if kind == "medusa" else "draft."
+    # A fresh, unsharded copy: FSDP2 and ZeRO-3 shard the trained module in place, so the gathered full
+    # weights cannot be copied back into it.
+    draft = build_from_config(kind, config_json(draft, kind))
     draft.load_state_dict({k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)})
     target_fp = fingerprint
     if kind == "medusa" and dcfg.medusa2:
