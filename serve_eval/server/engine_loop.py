@@ -196,12 +196,20 @@ class EngineLoop:
             self._cond.notify()
         return future
 
-    def shutdown(self, grace_s: float = 5.0) -> None:
-        """Stop taking requests, let in-flight ones finish for grace_s, abort the rest, join."""
+    def begin_shutdown(self, grace_s: float = 5.0) -> None:
+        """Stop taking requests; in-flight ones get grace_s to finish, then are aborted (each
+        stream still ends with a terminal event). Returns at once; a second call never extends
+        the deadline."""
         with self._cond:
+            deadline = time.monotonic() + max(grace_s, 0.0)
             self._stopping = True
-            self._drain_deadline = time.monotonic() + max(grace_s, 0.0)
+            if self._drain_deadline is None or deadline < self._drain_deadline:
+                self._drain_deadline = deadline
             self._cond.notify()
+
+    def shutdown(self, grace_s: float = 5.0) -> None:
+        """begin_shutdown(grace_s), then wait for the engine thread to finish."""
+        self.begin_shutdown(grace_s)
         if self._thread is not None:
             self._thread.join()
 

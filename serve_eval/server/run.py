@@ -21,6 +21,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import uvicorn
+
 log = logging.getLogger(__name__)
 
 # Where the speculative package may define its config (first hit wins).
@@ -133,14 +135,32 @@ def _is_loopback(host: str) -> bool:
 
 
 def serve(model_dir: str, cfg: ServeConfig) -> None:
-    """Blocking: serve until SIGINT/SIGTERM, then drain (uvicorn, then the engine loop)."""
-    import uvicorn
+    """Blocking: serve until SIGINT/SIGTERM, then drain (the engine loop and uvicorn together)."""
     from serve_eval.server.app import api_key_from_env
     if not _is_loopback(cfg.host) and not api_key_from_env(cfg.api_key):
         log.warning("serving on %s without an API key: anyone who can reach it can use it", cfg.host)
     app = build_app(model_dir, cfg)
-    uvicorn.run(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level,
-                timeout_graceful_shutdown=max(int(cfg.shutdown_grace_s), 1))
+    # uvicorn's own grace outlasts the engine's, so that aborted streams can still send their
+    # terminal event and [DONE] before connections are closed.
+    config = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level,
+                            timeout_graceful_shutdown=int(cfg.shutdown_grace_s) + 5)
+    _DrainingServer(config, app.state.engine_loop, cfg.shutdown_grace_s).run()
+
+
+class _DrainingServer(uvicorn.Server):
+    """On SIGTERM/SIGINT the engine loop starts draining at once (new requests 503, in-flight ones
+    get the grace period, then end with finish_reason 'abort'), while uvicorn waits for their
+    connections to close; without this, uvicorn waits with the engine still running and then
+    cuts the streams mid-body."""
+
+    def __init__(self, config: uvicorn.Config, engine_loop: Any, grace_s: float) -> None:
+        super().__init__(config)
+        self.engine_loop = engine_loop
+        self.grace_s = grace_s
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        self.engine_loop.begin_shutdown(self.grace_s)
+        super().handle_exit(sig, frame)
 
 
 def serve_from_config(serve_cfg: Mapping[str, Any] | Any, model_dir: str) -> None:
