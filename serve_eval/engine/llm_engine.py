@@ -23,6 +23,7 @@ from serve_eval.engine.outputs import EngineStats, RequestMetrics, RequestOutput
 from serve_eval.engine.request import Sequence, SequenceStatus
 from serve_eval.engine.sampling_params import SamplingParams
 from serve_eval.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from serve_eval.engine.threads import ThreadChoice, apply_threads, choose_threads, estimate_num_params
 
 
 @dataclass
@@ -43,6 +44,7 @@ class EngineConfig:
     seed: int = 0
     max_model_len: int | None = None     # None = the config's max_position_embeddings
     device: str = "cpu"
+    num_threads: int | str = "auto"      # intra-op threads: a count, or "auto" (serve_eval.engine.threads)
 
 
 class BatchInputs(NamedTuple):
@@ -99,6 +101,8 @@ class LLMEngine:
         self.executor = executor or ModelExecutor(config.model, config.dtype, config.device, config.attn_backend)
         self.tokenizer = self._load_tokenizer(config.model)
         model_cfg = self.executor.config
+        self.threads: ThreadChoice = choose_threads(config.num_threads, estimate_num_params(model_cfg), config.device)
+        apply_threads(self.threads)
         self.max_model_len = config.max_model_len or int(model_cfg.max_position_embeddings)
         if self.max_model_len > model_cfg.max_position_embeddings:
             raise ValueError(f"max_model_len {self.max_model_len} exceeds the model's "
@@ -121,6 +125,11 @@ class LLMEngine:
         self.step_time_s = 0.0        # whole step() calls
 
     # -- setup -------------------------------------------------------------------------
+    @property
+    def num_threads(self) -> int:
+        """Intra-op threads this engine chose (EngineConfig.num_threads) and set at construction."""
+        return self.threads.count
+
     @staticmethod
     def _load_tokenizer(model_dir: str):
         try:
@@ -366,4 +375,4 @@ class LLMEngine:
             kv_blocks_free=pool.num_free_blocks - pool.num_cached_free,
             prefix_cache_hit_rate=self.kv.prefix_hit_rate, num_preemptions=self.scheduler.num_preemptions,
             num_swap_preemptions=self.scheduler.num_swap_preemptions, num_steps=self.num_steps,
-            spec=getattr(self.strategy, "stats", lambda: {})())
+            spec=getattr(self.strategy, "stats", lambda: {})(), num_threads=self.threads.count)

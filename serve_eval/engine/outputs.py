@@ -60,3 +60,4 @@ class EngineStats:
     num_swap_preemptions: int
     num_steps: int
     spec: dict = field(default_factory=dict)   # filled by a speculative strategy (by domain, by position)
+    num_threads: int = 0          # intra-op threads the engine chose (EngineConfig.num_threads)

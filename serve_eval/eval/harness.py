@@ -261,8 +261,17 @@ def run_eval(cfg: EvalConfig, target_dir: Path, fingerprint: str, prompts: dict[
     notes: list[str] = []
     plans = plan_methods(cfg, drafts, Path(target_dir), skipped, notes)
     rows = run_cells(cfg, plans, prompts, factory or default_runner_factory(cfg, Path(target_dir)), skipped, progress)
+    notes.append(threads_note())
     return assemble_report(cfg, str(target_dir), fingerprint, prompts, rows, skipped, notes,
                            {d.method: str(d.path) for d in drafts})
+
+
+def threads_note() -> str:
+    """The intra-op thread count the measurements ran with: each engine sets it from its num_threads
+    (serve_eval.engine.threads) when it is built, so after the run it is the engines' choice."""
+    import torch
+
+    return f"torch intra-op threads: {torch.get_num_threads()} (set by the engines' num_threads)"
 
 
 def assemble_report(cfg: EvalConfig, target_path: str, fingerprint: str, prompts: dict[str, list[str]],
