@@ -2,18 +2,25 @@
 
 Formats (weights always safetensors):
 
-* ``speculators`` (vLLM): EAGLE-1 -> ``EagleSpeculator`` (``fusion_fc.*``, ``transformer.*``; embedding and
-  LM head are the verifier's and are not written), EAGLE-3 -> ``Eagle3Speculator`` (``layers.0.*``, ``fc``,
-  ``norm``, ``lm_head``, ``embed_tokens``, ``d2t``, ``t2d``). config.json carries ``speculators_config``
-  (algorithm, proposal methods, verifier), ``transformer_layer_config`` and, for EAGLE-3,
-  ``draft_vocab_size``, ``target_hidden_size``, ``norm_before_residual``, ``eagle_aux_hidden_state_layer_ids``.
+* ``vllm``: EAGLE-1 in the layout vLLM's ``eagle`` method loads (``EagleLlamaForCausalLM``, as for
+  yuhuili/EAGLE-LLaMA3-Instruct-8B): config.json is a one-layer LlamaConfig with architecture
+  ``LlamaForCausalLM`` (vLLM renames it ``Eagle...``), weights ``fc.weight`` (no bias: vLLM's fc has none),
+  ``layers.0.*`` without ``input_layernorm`` (vLLM replaces it by identity) and ``embed_tokens.weight``; no
+  ``lm_head`` (vLLM uses the verifier's). Serve with ``speculative_config={"method": "eagle", "model": <dir>}``.
+* ``speculators`` (vLLM, speculators >= 0.9): EAGLE-3 -> ``Eagle3Speculator`` (``layers.0.*``, ``fc``, ``norm``,
+  ``lm_head``, ``embed_tokens``, ``d2t``, ``t2d``). config.json carries ``speculators_config`` (algorithm,
+  proposal methods, verifier), ``transformer_layer_config``, ``draft_vocab_size``, ``target_hidden_size``,
+  ``norm_before_residual``, ``eagle_aux_hidden_state_layer_ids``. speculators has no EAGLE-1 type (its types:
+  dflash, dflash2, dspark, eagle3, mtp, peagle, xpress), hence ``vllm`` above for EAGLE-1.
 * ``sglang``: EAGLE-3 -> ``LlamaForCausalLMEagle3`` (a LlamaConfig with ``draft_vocab_size`` and
   ``eagle_config``; weights ``midlayer.*``, ``fc.weight``, ``norm.weight``, ``lm_head.weight``, ``d2t``, ``t2d``).
 * ``medusa``: Medusa-1 layout (``medusa_num_heads``, ``medusa_num_layers``, ``base_model_name_or_path``;
   ``medusa_head.{k}.{j}.linear.*`` residual blocks and ``medusa_head.{k}.{num_layers}.weight`` LM heads).
 * ``hf``: standalone drafts are plain HF LlamaForCausalLM dirs already.
 
-A ``draftsmith_export.json`` beside them records the source draft's metadata and the format.
+The verifier (``--verifier``) is written absolute when it names a local directory: engines take anything
+else for a hub repo id. A ``draftsmith_export.json`` beside them records the source draft's metadata and
+the format.
 """
 
 from __future__ import annotations
@@ -24,20 +31,20 @@ import re
 import sys
 from dataclasses import asdict
 from pathlib import Path
-from typing import Sequence
+from typing import Collection, Sequence
 
 from torch import Tensor, nn
 
-from drafts.common import decoder_config_from_dict, load_target_embed_and_head
+from drafts.common import DecoderConfig, decoder_config_from_dict, load_target_embed_and_head
 from drafts.eagle import EagleConfig, EagleDraft
 from drafts.eagle3 import Eagle3Config, Eagle3Draft
 from drafts.io import write_json, draft_state_dict, load_draft, read_safetensors, write_safetensors
 from drafts.medusa import MedusaConfig, MedusaDraft
 from drafts.standalone import StandaloneDraft
 
-FORMATS = {"speculators": ("eagle", "eagle3"), "sglang": ("eagle3",), "medusa": ("medusa",), "hf": ("standalone",)}
+FORMATS = {"vllm": ("eagle",), "speculators": ("eagle3",), "sglang": ("eagle3",), "medusa": ("medusa",), "hf": ("standalone",)}
 EXPORT_META = "draftsmith_export.json"
-SPECULATORS_VERSION = "0.1.0"  # the speculators config schema we write against
+SPECULATORS_VERSION = "0.9.0"  # the speculators config schema we write against (tests/test_export_schemas.py)
 MEDUSA_WEIGHTS = "medusa_lm_head.safetensors"
 
 
@@ -45,7 +52,7 @@ def _layer_config(decoder_cfg, vocab_size: int) -> dict:
     return {"model_type": "llama", "num_hidden_layers": 1, "vocab_size": vocab_size, "tie_word_embeddings": False, **decoder_cfg.to_llama_dict()}
 
 
-def _speculators_config(algorithm: str, verifier: str, num_speculative_tokens: int) -> dict:
+def _speculators_config(algorithm: str, verifier: str | None, num_speculative_tokens: int) -> dict:
     return {
         "algorithm": algorithm,
         "default_proposal_method": "greedy",
@@ -54,6 +61,28 @@ def _speculators_config(algorithm: str, verifier: str, num_speculative_tokens: i
         ],
         "verifier": {"name_or_path": verifier, "architectures": ["LlamaForCausalLM"]},
     }
+
+
+def resolve_verifier(verifier: str | None) -> str | None:
+    """An existing local path made absolute (engines resolve a relative one as a hub repo id, not against
+    the export dir); a hub id (``name`` or ``org/name``) kept as is; a path-like name that exists nowhere
+    is an error now rather than a failed download at serve time."""
+    if not verifier:
+        return None
+    path = Path(verifier).expanduser()
+    if path.exists():
+        return str(path.resolve())
+    if path.is_absolute() or verifier.startswith((".", "~")) or verifier.count("/") > 1:
+        raise ValueError(f"export: --verifier {verifier!r} is not an existing directory (a hub id is 'name' or 'org/name')")
+    return verifier
+
+
+def _local_dir(name: str | None) -> Path | None:
+    """The verifier recorded in an export, where it is a directory on this machine (else None: a hub id)."""
+    if not name:
+        return None
+    path = Path(name).expanduser()
+    return path.resolve() if path.is_dir() else None
 
 
 def _rename(state: dict[str, Tensor], rules: Sequence[tuple[str, str]]) -> dict[str, Tensor]:
@@ -71,23 +100,21 @@ def _rename(state: dict[str, Tensor], rules: Sequence[tuple[str, str]]) -> dict[
 # ------------------------------------------------------------------------------------------------ writers
 
 
-def _export_eagle_speculators(model: EagleDraft, verifier: str, k: int) -> tuple[dict, dict]:
+def _export_eagle_vllm(model: EagleDraft, verifier: str | None, k: int) -> tuple[dict, dict]:
     cfg = model.config
+    if cfg.fc_bias:  # vLLM's EagleLlamaForCausalLM builds fc without a bias: it would refuse (or drop) fc.bias
+        raise ValueError("export: format='vllm' holds EAGLE-1 drafts without an fc bias (vLLM's fc has none); "
+                         "train with draft.fc_bias=false")
     config = {
-        "architectures": ["EagleSpeculator", "LlamaDecoderLayer"],
-        "speculators_model_type": "eagle",
-        "speculators_version": SPECULATORS_VERSION,
-        "transformer_layer_architecture": "LlamaDecoderLayer",
-        "transformer_layer_config": _layer_config(cfg.decoder, cfg.vocab_size),
-        "layernorms": False,
-        "fusion_bias": cfg.fc_bias,
-        "speculators_config": _speculators_config("eagle", verifier, k),
+        "architectures": ["LlamaForCausalLM"],  # vLLM's eagle method maps it to EagleLlamaForCausalLM
+        **_layer_config(cfg.decoder, cfg.vocab_size),
+        "base_model_name_or_path": verifier,
     }
-    rules = [(r"fc\.(weight|bias)", r"fusion_fc.\1"), (r"layers\.0\.(.*)", r"transformer.\1")]
-    return config, _rename(draft_state_dict(model), rules)
+    state = {k: v for k, v in draft_state_dict(model).items() if k != "lm_head.weight"}  # the verifier's head is used
+    return config, state
 
 
-def _export_eagle3_speculators(model: Eagle3Draft, verifier: str, k: int) -> tuple[dict, dict]:
+def _export_eagle3_speculators(model: Eagle3Draft, verifier: str | None, k: int) -> tuple[dict, dict]:
     cfg = model.config
     config = {
         "architectures": ["Eagle3Speculator"],
@@ -105,7 +132,7 @@ def _export_eagle3_speculators(model: Eagle3Draft, verifier: str, k: int) -> tup
     return config, _rename(draft_state_dict(model), rules)
 
 
-def _export_eagle3_sglang(model: Eagle3Draft, verifier: str, k: int) -> tuple[dict, dict]:
+def _export_eagle3_sglang(model: Eagle3Draft, verifier: str | None, k: int) -> tuple[dict, dict]:
     cfg = model.config
     config = {
         "architectures": ["LlamaForCausalLMEagle3"],
@@ -120,7 +147,7 @@ def _export_eagle3_sglang(model: Eagle3Draft, verifier: str, k: int) -> tuple[di
     return config, draft_state_dict(model)
 
 
-def _export_medusa(model: MedusaDraft, verifier: str, k: int) -> tuple[dict, dict]:
+def _export_medusa(model: MedusaDraft, verifier: str | None, k: int) -> tuple[dict, dict]:
     cfg = model.config
     config = {
         "architectures": ["MedusaModel"],
@@ -143,7 +170,7 @@ def _export_medusa(model: MedusaDraft, verifier: str, k: int) -> tuple[dict, dic
 
 
 WRITERS = {
-    ("speculators", "eagle"): _export_eagle_speculators,
+    ("vllm", "eagle"): _export_eagle_vllm,
     ("speculators", "eagle3"): _export_eagle3_speculators,
     ("sglang", "eagle3"): _export_eagle3_sglang,
     ("medusa", "medusa"): _export_medusa,
@@ -156,15 +183,18 @@ def export_draft(src: str | Path, fmt: str, out: str | Path, verifier: str | Non
         raise ValueError(f"export: format={fmt!r} is not one of {sorted(FORMATS)}")
     loaded = load_draft(src)
     if loaded.kind not in FORMATS[fmt]:
-        raise ValueError(f"export: format={fmt!r} takes {list(FORMATS[fmt])} drafts, but {src} is a {loaded.kind!r} draft")
+        hint = [f for f, kinds in FORMATS.items() if loaded.kind in kinds]
+        raise ValueError(f"export: format={fmt!r} takes {list(FORMATS[fmt])} drafts, but {src} is a {loaded.kind!r} draft "
+                         f"(a {loaded.kind!r} draft exports as format={hint[0]!r})")
     if num_speculative_tokens <= 0:
         raise ValueError(f"export: num_speculative_tokens must be > 0, got {num_speculative_tokens}")
+    verifier = resolve_verifier(verifier)  # before anything is written: a bad path leaves no half export
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     if fmt == "hf":
         config, state, weights_file = loaded.model.config.to_hf_dict(), draft_state_dict(loaded.model), "model.safetensors"
     else:
-        config, state = WRITERS[(fmt, loaded.kind)](loaded.model, verifier or "", num_speculative_tokens)
+        config, state = WRITERS[(fmt, loaded.kind)](loaded.model, verifier, num_speculative_tokens)
         weights_file = MEDUSA_WEIGHTS if fmt == "medusa" else "model.safetensors"
     write_safetensors(out / weights_file, state)
     write_json(out / "config.json", config)
@@ -175,7 +205,7 @@ def export_draft(src: str | Path, fmt: str, out: str | Path, verifier: str | Non
 # ------------------------------------------------------------------------------------------------ readers
 
 
-def detect_format(config: dict) -> str:
+def detect_format(config: dict, weight_names: Collection[str] = ()) -> str:
     archs = config.get("architectures") or []
     if "speculators_config" in config:
         return "speculators"
@@ -184,8 +214,18 @@ def detect_format(config: dict) -> str:
     if "medusa_num_heads" in config:
         return "medusa"
     if any(a.endswith("ForCausalLM") for a in archs):
-        return "hf"
+        # vLLM's EAGLE-1 layout is a LlamaConfig too: its fc (fusing embedding and feature) tells it apart
+        return "vllm" if "EagleLlamaForCausalLM" in archs or "fc.weight" in weight_names else "hf"
     raise ValueError(f"config.json: cannot tell the export format (architectures={archs})")
+
+
+def _weight_names(path: Path) -> set[str]:
+    from safetensors import safe_open
+
+    if not path.is_file():
+        return set()
+    with safe_open(str(path), framework="pt") as handle:
+        return set(handle.keys())
 
 
 def _strict_load(model: nn.Module, state: dict[str, Tensor], source: Path, allow_missing: Sequence[str] = ()) -> nn.Module:
@@ -196,31 +236,50 @@ def _strict_load(model: nn.Module, state: dict[str, Tensor], source: Path, allow
     return model
 
 
+def _decoder(layer: dict) -> DecoderConfig:
+    bias = layer.get("attention_bias", False)  # Llama's one flag for q/k/v and o
+    return decoder_config_from_dict({**layer, "qkv_bias": bias, "o_bias": bias})
+
+
 def load_exported(
     path: str | Path,
     target_embed_and_head: tuple[Tensor, Tensor] | None = None,
     target_dir: str | Path | None = None,
 ) -> nn.Module:
-    """Read an exported layout back into our module. EAGLE-1 speculators dirs need the target's embedding and
-    LM head (``target_embed_and_head`` or ``target_dir``): that layout does not carry them."""
+    """Read an exported layout back into our module. vLLM EAGLE-1 dirs need the target's LM head
+    (``target_embed_and_head``, ``target_dir``, or the verifier recorded in the export when it is a local dir)."""
     path = Path(path)
     config = json.loads((path / "config.json").read_text())
-    fmt = detect_format(config)
+    fmt = detect_format(config, _weight_names(path / "model.safetensors"))
     if fmt == "hf":
         return StandaloneDraft.from_hf(path)
     if fmt == "medusa":
         return _load_medusa(path, config)
+    if fmt == "vllm":
+        return _load_eagle_vllm(path, config, target_embed_and_head, target_dir)
+    if config.get("speculators_model_type") != "eagle3" and fmt == "speculators":
+        raise ValueError(f"{path}: speculators_model_type {config.get('speculators_model_type')!r} is not read here "
+                         "(EAGLE-1 exports as format='vllm'; speculators has no EAGLE-1 type)")
+    return _load_eagle3(path, config, fmt)
+
+
+def _load_eagle_vllm(path: Path, config: dict, target_embed_and_head: tuple[Tensor, Tensor] | None,
+                     target_dir: str | Path | None) -> EagleDraft:
+    state = read_safetensors(path / "model.safetensors")
+    source = target_dir or _local_dir(config.get("base_model_name_or_path"))
+    if target_embed_and_head is None and source is None:
+        raise ValueError(f"{path}: a vLLM EAGLE-1 dir has no LM head (vLLM uses the verifier's) and its verifier "
+                         f"{config.get('base_model_name_or_path')!r} is no local dir; pass target_embed_and_head or target_dir")
+    embed, head = target_embed_and_head or load_target_embed_and_head(source)
+    state.setdefault("embed_tokens.weight", embed)  # vLLM shares the verifier's embedding when a dir has none
+    state["lm_head.weight"] = head
+    cfg = EagleConfig(vocab_size=int(config["vocab_size"]), decoder=_decoder(config), fc_bias="fc.bias" in state)
+    return _strict_load(EagleDraft(cfg), state, path)
+
+
+def _load_eagle3(path: Path, config: dict, fmt: str) -> Eagle3Draft:
     state = read_safetensors(path / "model.safetensors")
     layer = config["transformer_layer_config"] if fmt == "speculators" else config
-    decoder = decoder_config_from_dict({**layer, "qkv_bias": layer.get("attention_bias", False), "o_bias": layer.get("attention_bias", False)})
-    if fmt == "speculators" and config.get("speculators_model_type") == "eagle":
-        if target_embed_and_head is None and target_dir is None:
-            raise ValueError(f"{path}: an EAGLE-1 speculators dir has no embedding/LM head; pass target_embed_and_head or target_dir")
-        embed, head = target_embed_and_head or load_target_embed_and_head(target_dir)
-        model = EagleDraft(EagleConfig(vocab_size=int(layer["vocab_size"]), decoder=decoder, fc_bias=bool(config.get("fusion_bias", False))))
-        state = _rename(state, [(r"fusion_fc\.(weight|bias)", r"fc.\1"), (r"transformer\.(.*)", r"layers.0.\1")])
-        state.update({"embed_tokens.weight": embed, "lm_head.weight": head})
-        return _strict_load(model, state, path)
     if fmt == "speculators":
         aux = config.get("eagle_aux_hidden_state_layer_ids")
         fc_bias = bool(config.get("draftsmith_fc_bias", "fc.bias" in state))
@@ -232,8 +291,8 @@ def load_exported(
         raise ValueError(f"{path}: config.json does not name the aux hidden-state layers (eagle_aux_hidden_state_layer_ids)")
     cfg = Eagle3Config(
         vocab_size=int(layer["vocab_size"]),
-        decoder=decoder,
-        target_hidden_size=int(config.get("target_hidden_size") or decoder.hidden_size),
+        decoder=_decoder(layer),
+        target_hidden_size=int(config.get("target_hidden_size") or layer["hidden_size"]),
         aux_layers=list(aux),
         draft_vocab_size=int(config.get("draft_vocab_size") or layer["vocab_size"]),
         norm_before_residual=bool(config.get("norm_before_residual", False)),
@@ -281,7 +340,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--src", required=True, help="draft dir written by draftsmith (save_draft)")
     parser.add_argument("--format", required=True, choices=sorted(FORMATS))
     parser.add_argument("--out", required=True, help="output dir")
-    parser.add_argument("--verifier", default=None, help="target name/path written into the exported config")
+    parser.add_argument("--verifier", default=None, help="target hub id or local path written into the exported config (a local path is stored absolute)")
     parser.add_argument("--num-speculative-tokens", type=int, default=5)
     args = parser.parse_args(_normalise_argv(sys.argv[1:] if argv is None else argv))
     try:

@@ -1,4 +1,4 @@
-"""Exported layouts (vLLM speculators, SGLang Eagle3, Medusa, HF): field and weight names other engines read,
+"""Exported layouts (vLLM EAGLE-1, vLLM speculators Eagle3, SGLang Eagle3, Medusa, HF): field and weight names other engines read,
 and each layout read back into our modules gives identical outputs."""
 
 from __future__ import annotations
@@ -90,25 +90,81 @@ def test_eagle3_speculators_layout_and_reload(tmp_path):
     assert torch.equal(outputs(load_exported(out)), outputs(draft))
 
 
-def test_eagle1_speculators_layout_needs_and_uses_the_target_head(tmp_path, target_dir):
-    """EagleSpeculator: fusion_fc.* and transformer.* only (embedding/LM head are the verifier's), no
-    input_layernorm; reload needs the target's embedding and head and then gives identical logits."""
+# vLLM's EagleLlamaForCausalLM (vllm/model_executor/models/llama_eagle.py): the parameters its load_weights
+# accepts for a one-layer draft (checkpoint names; it prefixes "model." itself and fuses q/k/v and gate/up).
+VLLM_EAGLE_WEIGHTS = {"embed_tokens.weight", "fc.weight"} | {
+    f"layers.0.{name}.weight" for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
+                                           "self_attn.o_proj", "post_attention_layernorm", "mlp.gate_proj",
+                                           "mlp.up_proj", "mlp.down_proj")
+}
+
+
+def eagle1(target_dir, fc_bias=False) -> EagleDraft:
     from drafts.common import load_target_embed_and_head
 
     torch.manual_seed(2)
-    draft = EagleDraft.from_target_config(TARGET, fc_bias=True).eval()
+    draft = EagleDraft.from_target_config(TARGET, fc_bias=fc_bias).eval()
     draft.init_from_target(*load_target_embed_and_head(target_dir))
+    return draft
+
+
+def test_eagle1_vllm_layout_loads_with_the_verifier_head(tmp_path, target_dir):
+    """vLLM `eagle` layout: a one-layer LlamaConfig (LlamaForCausalLM, which vLLM maps to EagleLlamaForCausalLM)
+    and exactly the weights vLLM's EagleLlamaForCausalLM loads (fc without bias, layers.0.* without
+    input_layernorm, embed_tokens; no lm_head: the verifier's is used). The verifier, a local dir, is stored
+    absolute, and reading the export back finds its LM head there and gives identical logits."""
+    draft = eagle1(target_dir)
     save_draft(draft, tmp_path / "src")
-    out = export_draft(tmp_path / "src", "speculators", tmp_path / "sp")
+    out = export_draft(tmp_path / "src", "vllm", tmp_path / "vl", verifier=str(target_dir))
     cfg = json.loads((out / "config.json").read_text())
-    assert cfg["speculators_model_type"] == "eagle" and cfg["speculators_config"]["algorithm"] == "eagle"
-    assert cfg["layernorms"] is False and cfg["fusion_bias"] is True
+    assert cfg["architectures"] == ["LlamaForCausalLM"] and cfg["model_type"] == "llama"
+    assert (cfg["num_hidden_layers"], cfg["hidden_size"], cfg["vocab_size"]) == (1, D, V)
+    assert LlamaConfig(**cfg).num_key_value_heads == TARGET["num_key_value_heads"]  # a valid HF LlamaConfig
+    assert cfg["base_model_name_or_path"] == str(target_dir.resolve())
     weights = load_file(str(out / "model.safetensors"))
-    assert {"fusion_fc.weight", "fusion_fc.bias", "transformer.self_attn.q_proj.weight"} <= set(weights)
-    assert not any(k.startswith(("embed_tokens", "lm_head", "transformer.input_layernorm")) for k in weights)
+    assert set(weights) == VLLM_EAGLE_WEIGHTS
+    assert weights["fc.weight"].shape == (D, 2 * D)
+    assert detect_format(cfg, set(weights)) == "vllm"
+    assert torch.equal(outputs(load_exported(out)), outputs(draft))
+
+
+def test_eagle1_vllm_layout_refusals(tmp_path, target_dir):
+    """An fc bias (vLLM's fc has none) and the speculators format (speculators has no EAGLE-1 type) are
+    refused naming the way out; an export whose verifier is a hub id needs the target given at load."""
+    save_draft(eagle1(target_dir, fc_bias=True), tmp_path / "bias")
+    with pytest.raises(ValueError, match="without an fc bias"):
+        export_draft(tmp_path / "bias", "vllm", tmp_path / "bad")
+    save_draft(eagle1(target_dir), tmp_path / "src")
+    with pytest.raises(ValueError, match="exports as format='vllm'"):
+        export_draft(tmp_path / "src", "speculators", tmp_path / "bad")
+    out = export_draft(tmp_path / "src", "vllm", tmp_path / "hub", verifier="my/target")
     with pytest.raises(ValueError, match="target_embed_and_head or target_dir"):
         load_exported(out)
-    assert torch.equal(outputs(load_exported(out, target_dir=target_dir)), outputs(draft))
+    assert torch.equal(outputs(load_exported(out, target_dir=target_dir)), outputs(eagle1(target_dir)))
+
+
+def test_relative_verifier_is_stored_absolute(tmp_path, target_dir, monkeypatch):
+    """`--verifier ./target` (relative to where export runs) is written as an absolute path into every
+    layout's verifier field, so an engine started elsewhere loads it rather than asking the hub for
+    './target'; hub ids stay as given, and a path-like verifier that exists nowhere is refused before
+    anything is written."""
+    monkeypatch.chdir(target_dir.parent)
+    relative = f"./{target_dir.name}"
+    save_draft(eagle3(), tmp_path / "e3")
+    save_draft(eagle1(target_dir), tmp_path / "e1")
+    spec = json.loads((export_draft(tmp_path / "e3", "speculators", tmp_path / "sp", verifier=relative) / "config.json").read_text())
+    sglang = json.loads((export_draft(tmp_path / "e3", "sglang", tmp_path / "sg", verifier=relative) / "config.json").read_text())
+    vllm = json.loads((export_draft(tmp_path / "e1", "vllm", tmp_path / "vl", verifier=relative) / "config.json").read_text())
+    absolute = str(target_dir.resolve())
+    assert spec["speculators_config"]["verifier"]["name_or_path"] == absolute
+    assert sglang["base_model_name_or_path"] == absolute and vllm["base_model_name_or_path"] == absolute
+    hub = export_draft(tmp_path / "e3", "speculators", tmp_path / "hub", verifier="meta-llama/Llama-3.1-8B")
+    assert json.loads((hub / "config.json").read_text())["speculators_config"]["verifier"]["name_or_path"] == "meta-llama/Llama-3.1-8B"
+    with pytest.raises(ValueError, match="not an existing directory"):
+        export_draft(tmp_path / "e3", "speculators", tmp_path / "missing", verifier="./no-such-target")
+    assert not (tmp_path / "missing").exists()
+    monkeypatch.chdir(tmp_path)  # loading from elsewhere still finds the verifier's LM head
+    assert torch.equal(outputs(load_exported(tmp_path / "vl")), outputs(eagle1(target_dir)))
 
 
 @pytest.mark.parametrize("shared", [True, False])
