@@ -38,14 +38,14 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--threads", default="1", help="engine intra-op threads: a count or 'auto' (the engine's rule)")
     ap.add_argument("--sampling", choices=["greedy", "mixed"], default="mixed",
                     help="mixed: half the requests sample with top-k 50 / top-p 0.9 and a seed")
     args = ap.parse_args()
-    torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
         model_dir, origin = find_target(args.model, Path(tmp))
         engine = LLMEngine(EngineConfig(model=str(model_dir), dtype=args.dtype, kv_cache_memory_gb=0.25,
+                                        num_threads=args.threads if args.threads == "auto" else int(args.threads),
                                         max_num_seqs=args.num_seqs, max_num_batched_tokens=4096))
     prompts, _ = make_workload(args.num_seqs, (args.prompt, args.prompt), (1, 1), engine.executor.vocab_size)
     # Mixed sampling settings: half greedy, half top-k/top-p with a seed (the slower sampling path).
@@ -72,7 +72,7 @@ def main() -> None:
         step_times.append(step)
         fractions.append((step - fwd) / step)
     total = sum(step_times)
-    print(f"model: {origin}, {args.dtype}, threads {torch.get_num_threads()}")
+    print(f"model: {origin}, {args.dtype}, threads {engine.num_threads} ({engine.threads.reason})")
     print(f"{args.num_seqs} sequences decoding (prompt {args.prompt}), {args.sampling} sampling, {args.steps} steps, "
           f"median step {statistics.median(step_times) * 1e3:.2f} ms")
     for name, t in parts.items():

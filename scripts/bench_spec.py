@@ -210,9 +210,11 @@ def main() -> None:
                                   max_model_len=args.max_model_len))
     prompts, prompt_source = load_prompts(args.artifacts, args.prompts_per_domain, base.executor.vocab_size,
                                           base.tokenizer)
+    threads = base.threads
     del base
     print(f"target: {target} [{target_source}]; drafts: {draft_source}; prompts: {prompt_source}; "
-          f"dtype {args.dtype}, device {args.device}, K={args.k}, max_tokens={args.max_tokens}")
+          f"dtype {args.dtype}, device {args.device}, K={args.k}, max_tokens={args.max_tokens}; "
+          f"engine threads {threads.count} ({threads.reason})")
 
     # Process-wide warm-up (allocator, first-use kernel setup) so the first measured cell is not charged for it.
     first = next(iter(prompts.values()))[:1]

@@ -48,11 +48,11 @@ def make_workload(n: int, prompt_range: tuple[int, int], output_range: tuple[int
     return prompts, outputs
 
 
-def run_ours(model_dir: Path, prompts, outputs, dtype: str, max_num_seqs: int):
+def run_ours(model_dir: Path, prompts, outputs, dtype: str, max_num_seqs: int, num_threads: int | str = "auto"):
     from serve_eval.engine import LLM, SamplingParams
 
     llm = LLM(model_dir, dtype=dtype, kv_cache_memory_gb=0.5, max_num_seqs=max_num_seqs,
-              max_num_batched_tokens=2048, prefill_chunk_size=512)
+              max_num_batched_tokens=2048, prefill_chunk_size=512, num_threads=num_threads)
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in outputs]
     llm.generate(prompts[:2], params[:2], use_tqdm=False)          # warm-up
     llm.engine.kv.pool.reset_prefix_cache()   # no head start from the warm-up's cached prompts
@@ -116,7 +116,8 @@ def main() -> None:
               f"(total {sum(map(len, prompts))}), output {args.min_output}-{args.max_output} "
               f"(total {sum(outputs)}), seed {args.seed}, dtype {args.dtype}, threads {torch.get_num_threads()}, "
               f"load average {os.getloadavg()[0]:.1f}")
-        t_ours, c_ours, tok_ours, stats = run_ours(model_dir, prompts, outputs, args.dtype, args.batch_size)
+        t_ours, c_ours, tok_ours, stats = run_ours(model_dir, prompts, outputs, args.dtype, args.batch_size,
+                                                   args.threads)
         t_hf, c_hf, tok_hf = run_hf(model_dir, prompts, outputs, args.dtype, args.batch_size)
     # CPU time of this process is reported beside wall time: on a shared machine the wall clock also
     # measures the neighbours' load, which differs between the two (sequential) runs.
@@ -128,7 +129,7 @@ def main() -> None:
           f"{(tok_ours / c_ours) / (tok_hf / c_hf):.2f}x by CPU time  (goal >= 3x)")
     print(f"load average at end {os.getloadavg()[0]:.1f}")
     print(f"engine: {stats.num_steps} steps, {stats.num_preemptions} preemptions, "
-          f"prefix-cache hit rate {stats.prefix_cache_hit_rate:.3f}")
+          f"prefix-cache hit rate {stats.prefix_cache_hit_rate:.3f}, {stats.num_threads} intra-op thread(s)")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,255 @@
+"""One speculative round, by component, per method, beside a plain decode step (one run, interleaved).
+
+Batch 1, T = 0, K drafts per round (policy fallback off, so every step speculates). For each method it
+prints ms per step split into: draft (proposer.propose + on_accepted + add_features), target forward
+(executor.forward), verify (the strategy's _verify: target rows -> accepted tokens; for plain decoding,
+engine.sample) and the rest (the step minus those: scheduling, batch building, masks, compaction,
+metrics). Each component is the median over `--repeats` interleaved repetitions of `--steps` decode steps,
+with its spread (max - min over the repetitions, ms), at 1 torch thread and at the count the
+engine chose for itself (EngineConfig.num_threads="auto"); c = draft ms / (K x plain decode step ms) is printed
+beside the draft's weight ratio (draft parameters / target parameters).
+
+Models: --target DIR with trained drafts under --artifacts when present; else RANDOM-WEIGHT models of the
+embedded target's shape (conf/target/embedded.yaml) and untrained drafts of each kind, which the output
+says: their acceptance is ~0, so the rounds measure cost, not speedup.
+
+  python scripts/bench_spec_round.py                                   # embedded shape, all methods
+  python scripts/bench_spec_round.py --methods standalone,eagle --steps 8 --repeats 3 --layers 2  # quick
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from serve_eval.engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
+from serve_eval.spec.config import SpecConfig  # noqa: E402
+from serve_eval.spec.policy import SpecPolicyConfig  # noqa: E402
+
+COMPONENTS = ("draft", "forward", "verify", "rest", "step")
+METHODS = ("nospec", "standalone", "medusa", "eagle", "eagle3", "eagle-tree")
+
+
+# -- models -----------------------------------------------------------------------------------
+def random_target(root: Path, args) -> Path:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
+                      num_hidden_layers=args.layers, num_attention_heads=4, num_key_value_heads=2,
+                      max_position_embeddings=1024, tie_word_embeddings=True, eos_token_id=args.vocab - 1)
+    LlamaForCausalLM(cfg).save_pretrained(root / "target")
+    return root / "target"
+
+
+def random_draft(kind: str, target: Path, root: Path) -> Path:
+    """An untrained draft of `kind` for target (standalone: 1 layer of the target's width)."""
+    import importlib
+
+    from drafts.identity import target_fingerprint
+    from drafts.io import save_draft
+
+    torch.manual_seed(1)
+    if kind == "standalone":
+        from drafts.standalone import StandaloneConfig, StandaloneDraft
+
+        draft = StandaloneDraft(StandaloneConfig.from_target_config(target, num_layers=1))
+    else:
+        cls = {"medusa": "MedusaDraft", "eagle": "EagleDraft", "eagle3": "Eagle3Draft"}[kind]
+        draft = getattr(importlib.import_module(f"drafts.{kind}"), cls).from_target_config(target)
+    save_draft(draft, root / f"draft_{kind}", kind, target_fingerprint(target))
+    return root / f"draft_{kind}"
+
+
+def trained_drafts(artifacts: Path, target: Path) -> dict[str, Path]:
+    from drafts.identity import target_fingerprint
+    from drafts.io import read_draft_meta
+
+    found: dict[str, Path] = {}
+    for d in sorted((artifacts / "targets" / target_fingerprint(target) / "drafts").glob("*/"),
+                    key=lambda p: p.stat().st_mtime):
+        try:
+            found[read_draft_meta(d).kind] = d
+        except ValueError:
+            continue
+    return found
+
+
+def weights_read(model_dir: Path) -> int:
+    """Parameters a forward reads per token: everything but the input embedding (one row is read), which
+    counts only when tied to the output head (no separate lm_head tensor)."""
+    from safetensors import safe_open
+
+    sizes: dict[str, int] = {}
+    for f in model_dir.glob("*.safetensors"):
+        with safe_open(str(f), "pt") as st:
+            sizes.update({k: _prod(st.get_slice(k).get_shape()) for k in st.keys()})
+    tied = not any("lm_head" in k for k in sizes)
+    return sum(n for k, n in sizes.items() if tied or "embed_tokens" not in k)
+
+
+def _prod(shape) -> int:
+    out = 1
+    for s in shape:
+        out *= int(s)
+    return out
+
+
+# -- engines and timers -------------------------------------------------------------------------
+def build_engine(method: str, target: Path, drafts: dict[str, Path], args) -> LLMEngine:
+    cfg = EngineConfig(str(target), dtype=args.dtype, kv_cache_memory_gb=0.25)
+    if method == "nospec":
+        return LLMEngine(cfg)
+    kind = "eagle" if method == "eagle-tree" else method
+    tree = {"tree": "dynamic", "tree_top_k": 4, "max_draft_nodes": 16} if method == "eagle-tree" else {}
+    spec = SpecConfig(kind, draft_path=str(drafts[kind]), num_speculative_tokens=args.k,
+                      policy=SpecPolicyConfig(fallback=False), **tree)
+    return LLMEngine(cfg, speculative=spec)
+
+
+class Timers:
+    """Accumulated seconds per component, filled by wrappers around the engine's own methods."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = defaultdict(float)
+
+    def wrap(self, obj, name: str, component: str) -> None:
+        inner = getattr(obj, name)
+
+        def timed(*a, **kw):
+            t0 = time.perf_counter()
+            try:
+                return inner(*a, **kw)
+            finally:
+                self.seconds[component] += time.perf_counter() - t0
+
+        setattr(obj, name, timed)
+
+
+def instrument(engine: LLMEngine) -> Timers:
+    timers = Timers()
+    timers.wrap(engine.executor, "forward", "forward")
+    strategy = engine.strategy
+    if hasattr(strategy, "proposer"):
+        for hook in ("propose", "on_accepted", "add_features"):
+            timers.wrap(strategy.proposer, hook, "draft")
+        timers.wrap(strategy, "_verify", "verify")
+    else:
+        timers.wrap(engine, "sample", "verify")
+    return timers
+
+
+def one_repetition(engine: LLMEngine, timers: Timers, prompt: list[int], steps: int, tag: str) -> dict[str, float]:
+    """ms per decode step by component over `steps` steps of one request (prefill excluded)."""
+    params = SamplingParams(temperature=0.0, max_tokens=steps * 32 + 8, ignore_eos=True)
+    rid = f"{tag}-{time.perf_counter_ns()}"
+    engine.add_request(rid, prompt, params)
+    engine.step()  # prefill
+    engine.step()  # first decode (the proposer's features arrive)
+    timers.seconds.clear()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    total = time.perf_counter() - t0
+    engine.abort(rid)
+    engine.step()  # let the strategy release the aborted request
+    s = timers.seconds
+    out = {c: 1000 * s[c] / steps for c in ("draft", "forward", "verify")}
+    out["step"] = 1000 * total / steps
+    out["rest"] = out["step"] - out["draft"] - out["forward"] - out["verify"]
+    return out
+
+
+# -- report -------------------------------------------------------------------------------------
+def summarize(samples: list[dict[str, float]]) -> dict[str, tuple[float, float]]:
+    return {c: (statistics.median(s[c] for s in samples), max(s[c] for s in samples) - min(s[c] for s in samples))
+            for c in COMPONENTS}
+
+
+def print_table(threads: int, rows: dict[str, dict[str, tuple[float, float]]], ratios: dict[str, float], k: int) -> None:
+    print(f"\n-- {threads} torch thread(s): ms per step, median (spread) over repetitions")
+    print(f"{'method':12}" + "".join(f"{c:>16}" for c in COMPONENTS) + f"{'c':>7}{'weights':>9}")
+    plain = rows.get("nospec", {}).get("step", (0.0, 0.0))[0]
+    for method, comps in rows.items():
+        cells = "".join(f"{m:9.3f} ({s:4.2f})" for m, s in (comps[c] for c in COMPONENTS))
+        c = f"{comps['draft'][0] / (k * plain):7.3f}" if plain and method != "nospec" else f"{'-':>7}"
+        ratio = f"{ratios[method]:9.3f}" if method in ratios else f"{'-':>9}"
+        print(f"{method:12}{cells}{c}{ratio}")
+
+
+def parse_args() -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--methods", default=",".join(METHODS), help=f"comma list of {METHODS}")
+    ap.add_argument("--k", type=int, default=4, help="drafts per round (tree: depth; 16-node budget)")
+    ap.add_argument("--steps", type=int, default=24, help="decode steps per repetition")
+    ap.add_argument("--repeats", type=int, default=5, help="interleaved repetitions (median + spread)")
+    ap.add_argument("--threads", default="1,auto", help="comma list: thread counts or 'auto' (engine's choice)")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--prompt-len", type=int, default=64)
+    ap.add_argument("--target", default=None, help="trained target dir (drafts found under --artifacts)")
+    ap.add_argument("--artifacts", default=str(ROOT / "artifacts"))
+    ap.add_argument("--layers", type=int, default=8, help="random target: layers (scale down for a quick run)")
+    ap.add_argument("--hidden", type=int, default=256, help="random target: hidden size")
+    ap.add_argument("--intermediate", type=int, default=704, help="random target: MLP width")
+    ap.add_argument("--vocab", type=int, default=4096, help="random target: vocabulary")
+    return ap.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
+    torch.set_grad_enabled(False)
+    methods = [m for m in args.methods.split(",") if m]
+    unknown = set(methods) - set(METHODS)
+    if unknown:
+        raise SystemExit(f"unknown methods {sorted(unknown)}; choose from {METHODS}")
+    tmp = tempfile.TemporaryDirectory()
+    root = Path(tmp.name)
+    if args.target:
+        target = Path(args.target)
+        drafts = trained_drafts(Path(args.artifacts), target)
+    else:
+        target, drafts = random_target(root, args), {}
+    sources = {}
+    for kind in {("eagle" if m == "eagle-tree" else m) for m in methods} - {"nospec"}:
+        sources[kind] = "trained" if kind in drafts else "RANDOM WEIGHTS (no trained draft)"
+        if kind not in drafts:
+            drafts[kind] = random_draft(kind, target, root)
+    engines = {m: build_engine(m, target, drafts, args) for m in methods}
+    chosen = getattr(next(iter(engines.values())), "num_threads", torch.get_num_threads())
+    timers = {m: instrument(e) for m, e in engines.items()}
+    target_params = weights_read(target)
+    ratios = {m: weights_read(drafts["eagle" if m == "eagle-tree" else m]) / target_params
+              for m in methods if m != "nospec"}
+    prompt = [(7 * i + 3) % (args.vocab - 2) + 1 for i in range(args.prompt_len)]
+    print(f"target {'random weights, embedded shape' if not args.target else target} ({args.layers} layers, "
+          f"hidden {args.hidden}, vocab {args.vocab}, {target_params / 1e6:.2f}M params), {args.dtype}, batch 1, "
+          f"T=0, K={args.k}, {args.steps} steps x {args.repeats} repetitions, engine-chosen threads {chosen}")
+    for kind, src in sorted(sources.items()):
+        print(f"  draft {kind}: {src}")
+    print(f"load average before: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    for setting in args.threads.split(","):
+        count = chosen if setting == "auto" else int(setting)
+        torch.set_num_threads(count)
+        for m in methods:  # warm-up
+            one_repetition(engines[m], timers[m], prompt, 2, "warm")
+        samples: dict[str, list[dict[str, float]]] = {m: [] for m in methods}
+        for rep in range(args.repeats):
+            for m in methods:
+                samples[m].append(one_repetition(engines[m], timers[m], prompt, args.steps, f"{m}{rep}"))
+        print_table(count, {m: summarize(s) for m, s in samples.items()}, ratios, args.k)
+    print(f"\nload average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())} ({os.cpu_count()} CPUs)")
+    tmp.cleanup()
+
+
+if __name__ == "__main__":
+    main()
