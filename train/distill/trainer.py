@@ -386,8 +386,9 @@ class Trainer:
 
     def trainable_state_dict(self) -> dict[str, Tensor]:
         """Full weights of the trained module (gathers FSDP / ZeRO-3 shards); for drafts.io export.
-        Collective: every rank calls it, before `close()`."""
-        return self.accelerator.get_state_dict(self.model)
+        Collective: every rank calls it, before `close()`. FSDP and ZeRO-3 gather onto the main process
+        only: the other ranks get an empty dict."""
+        return self.accelerator.get_state_dict(self.model) or {}
 
     def close(self) -> None:
         """Release the process group (call once the trained weights are exported)."""
