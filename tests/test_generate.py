@@ -88,3 +88,41 @@ def test_sampled_answers_do_not_depend_on_sharding(world):
                                               "draft.data.topk_logits": "0", "draft.data.shard_size": size}))
             for size in ("2", "5")]
     assert [r["input_ids"] for r in runs[0]] == [r["input_ids"] for r in runs[1]]
+
+
+def test_a_disk_that_fills_mid_run_leaves_no_half_written_shard(world, monkeypatch):
+    """The third shard's rows hit ENOSPC half-way: the error names the shard and the reason, no file
+    of that shard (temporary or final) is left, earlier shards stay, and a rerun with room resumes
+    to the same dataset as an uninterrupted run."""
+    import errno
+
+    import datasets
+
+    reference = generate(world, **{"draft.data.max_new_tokens": "5"})
+    expected = json.loads((reference / "manifest.json").read_text())
+    for path in reference.iterdir():   # start over, same key
+        if path.is_file():
+            path.unlink()
+    real_to_parquet = datasets.Dataset.to_parquet
+    writes = {"n": 0}
+
+    def filling_disk(self, path, *args, **kwargs):
+        writes["n"] += 1
+        if writes["n"] == 3:
+            with open(path, "wb") as half:
+                half.write(b"PAR1 half a shard")
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_to_parquet(self, path, *args, **kwargs)
+
+    monkeypatch.setattr(datasets.Dataset, "to_parquet", filling_disk)
+    with pytest.raises(OSError) as err:
+        generate(world, **{"draft.data.max_new_tokens": "5"})
+    assert err.value.errno == errno.ENOSPC
+    assert "shard 2" in str(err.value) and "No space left on device" in str(err.value)
+    names = sorted(p.name for p in reference.iterdir())
+    assert not any("shard-00002" in n for n in names), names
+    assert not any(".tmp-" in n for n in names), names
+    assert {"shard-00000.parquet", "shard-00001.parquet"} <= set(names)
+    monkeypatch.setattr(datasets.Dataset, "to_parquet", real_to_parquet)
+    again = generate(world, **{"draft.data.max_new_tokens": "5"})
+    assert again == reference and json.loads((again / "manifest.json").read_text()) == expected

@@ -113,17 +113,30 @@ def shard_complete(cache_dir: Path, index: int) -> bool:
 
 
 def write_shard(cache_dir: Path, index: int, rows: list[dict[str, Any]], tensors: dict[str, Tensor]) -> None:
-    """Tensors first, rows last (the rows file is the completion mark); both atomically."""
+    """Tensors first, rows last (the rows file is the completion mark); both atomically.
+
+    A write that fails (a full disk above all) leaves no file of this shard behind, neither the
+    temporaries nor a tensors file without its rows, and says which shard and why in one line;
+    a rerun then regenerates from this shard on."""
     import datasets
     from safetensors.torch import save_file
 
     rows_path, tensors_path = shard_paths(cache_dir, index)
     tmp_tensors = tensors_path.with_name(f".{tensors_path.name}.tmp-{os.getpid()}")
-    save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, str(tmp_tensors), metadata={"format": "pt"})
-    os.replace(tmp_tensors, tensors_path)
     tmp_rows = rows_path.with_name(f".{rows_path.name}.tmp-{os.getpid()}")
-    datasets.Dataset.from_list(rows).to_parquet(str(tmp_rows))
-    os.replace(tmp_rows, rows_path)
+    try:
+        save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, str(tmp_tensors),
+                  metadata={"format": "pt"})
+        os.replace(tmp_tensors, tensors_path)
+        datasets.Dataset.from_list(rows).to_parquet(str(tmp_rows))
+        os.replace(tmp_rows, rows_path)
+    except OSError as err:
+        for partial in (tmp_tensors, tmp_rows, tensors_path, rows_path):
+            partial.unlink(missing_ok=True)
+        reason = err.strerror or str(err)
+        raise OSError(err.errno, f"generate: writing shard {index} to {cache_dir} failed ({reason}); its "
+                                 f"partial files were removed and shards before it are kept, so a rerun "
+                                 f"resumes at shard {index} once there is room") from err
 
 
 def finalize(cache_dir: Path, manifest: Manifest) -> None:
