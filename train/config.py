@@ -17,6 +17,7 @@ See docs/interfaces.md, "Configuration" for the recipe.
 
 from __future__ import annotations
 
+import errno
 import functools
 import importlib
 import os
@@ -209,9 +210,11 @@ def hydra_app(task: Callable[[DictConfig], Any], config_name: str = "config") ->
         try:
             check_open_groups(cfg)
             return task(cfg)
-        except ValueError as err:
+        except (ValueError, OSError) as err:
             # Bad input is reported in one line naming the file/field; DRAFTSMITH_TRACEBACK=1 shows the stack.
-            if os.environ.get("DRAFTSMITH_TRACEBACK"):
+            # Of OSErrors, only a full disk or quota is the user's to fix; the rest are bugs to see whole.
+            if os.environ.get("DRAFTSMITH_TRACEBACK") or (
+                    isinstance(err, OSError) and err.errno not in (errno.ENOSPC, errno.EDQUOT)):
                 raise
             raise SystemExit(f"draftsmith: error: {err}") from None
 
