@@ -133,3 +133,17 @@ def test_killed_sharded_run_resumes_exactly_and_exports(runs, launcher):
     draft = ToyDraft()
     draft.load_state_dict(exported, strict=True)  # full, unsharded shapes: the export is usable as is
     assert all(torch.isfinite(p).all() for p in draft.parameters())
+
+
+def test_zero3_plugin_gathers_weights_for_export_and_fsdp2_strategies_are_checked():
+    """The ZeRO-3 plugin asks DeepSpeed to gather full weights on save (export needs them; ZeRO-2 holds
+    full parameters anyway); FSDP2 has no NO_SHARD/HYBRID_SHARD, which validate names."""
+    from train.distill.launch import _deepspeed_plugin
+
+    with pytest.raises(ValueError, match="launcher.fsdp_sharding_strategy"):
+        LauncherConfig(strategy="fsdp", num_processes=2, fsdp_sharding_strategy="NO_SHARD").validate()
+    if not _has_deepspeed():
+        pytest.skip("deepspeed is not installed")
+    for stage, gathers in ((3, True), (2, False)):
+        plugin = _deepspeed_plugin(LauncherConfig(strategy="deepspeed", num_processes=2, zero_stage=stage), 2, 1, None)
+        assert plugin.deepspeed_config["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] is gathers
