@@ -18,7 +18,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors.torch import save_file
 
-from serve_eval.eval.report import Report, ResultRow, SkippedEntry, write_report
+from serve_eval.eval.report import Report, ResultRow, SkippedEntry
+from serve_eval.eval.report_files import write_report
 from serve_eval.eval.report import TargetInfo as ReportTarget
 from train import hook_decision as rules
 from train.hook import Collaborators, HookOptions, main, run_hook

@@ -9,7 +9,8 @@ import pytest
 from serve_eval.eval import report as report_mod
 from serve_eval.eval.recommend import recommend
 from serve_eval.eval.report import (SCHEMA_VERSION, Report, ReportSchemaError, ResultRow, SkippedEntry, TargetInfo,
-                                    load_report, log_to_wandb, render_markdown, write_report)
+                                    load_report)
+from serve_eval.eval.report_files import log_to_wandb, render_markdown, write_report
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

@@ -120,7 +120,7 @@ def evaluate(target_dir: Path, drafts: dict[str, Path], overrides: list[str], do
 
 def ensure_drafts(cfg: DemoConfig, registry: Any, target_dir: Path, overrides: list[str], work: Path) -> dict[str, Any]:
     """Promoted drafts of the target per kind; the missing kinds are distilled, evaluated and promoted here."""
-    from serve_eval.eval.report import write_report
+    from serve_eval.eval.report_files import write_report
     from train import hook_jobs
     from train.registry import TargetInfo
 

@@ -34,7 +34,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Protocol
 
-from serve_eval.eval.report import Report, ReportSchemaError, atomic_write_text, load_report, write_report
+from serve_eval.eval.report import Report, ReportSchemaError, atomic_write_text, load_report
+from serve_eval.eval.report_files import write_report
 from train import hook_decision as rules
 from train.registry import (DEFAULT_LOCK_TIMEOUT_S, DraftEntry, Registry, RegistryLockedError, TargetInfo,
                             registry_root, split_key_values, utc_now)

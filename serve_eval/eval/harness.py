@@ -21,8 +21,8 @@ from pathlib import Path
 from typing import Any
 
 from serve_eval.eval.recommend import Thresholds, recommend, write_recommendations
-from serve_eval.eval.report import (BASELINE_METHOD, Report, ReportFiles, ResultRow, SkippedEntry, TargetInfo,
-                                    log_to_wandb, write_report)
+from serve_eval.eval.report import BASELINE_METHOD, Report, ResultRow, SkippedEntry, TargetInfo
+from serve_eval.eval.report_files import ReportFiles, log_to_wandb, write_report
 from serve_eval.eval.runners import RunResult, Runner, RunSpec
 from serve_eval.eval.sources import DraftSource
 from serve_eval.schemas import EvalConfig

@@ -1,0 +1,142 @@
+"""The report's files: report.json (atomic), the plots, report.md linking them, and the W&B tables.
+
+Split from `report` (the record and its loader) so that the plots, which read the record, and the
+writer, which draws the plots, import one way: report_files -> plots -> report.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+from serve_eval.eval.plots import write_plots
+from serve_eval.eval.report import BASELINE_METHOD, Report, ResultRow, atomic_write_text
+
+
+# ----------------------------------------------------------------------------- markdown
+
+def _fmt(x: float | None, spec: str = ".3f") -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1e3:.1f}"
+
+
+def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+    # A "|" or newline inside a cell (e.g. in a skip reason) would break the Markdown table.
+    clean = lambda cell: cell.replace("|", "\\|").replace("\n", " ")  # noqa: E731
+    out = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    out += ["| " + " | ".join(clean(c) for c in r) + " |" for r in rows]
+    return out
+
+
+def render_markdown(report: Report, plot_files: dict[str, Path] | None = None) -> str:
+    lines = ["# draftsmith eval report", "",
+             f"- target: `{report.target.path}` (fingerprint `{report.target.fingerprint}`)",
+             f"- created: {report.created}", f"- schema_version: {report.schema_version}", ""]
+    domains = sorted({r.domain for r in report.results})
+    header = ["method", "K", "T", "alpha", "tau", "ms/token", "± std", "tok/s", "speed-up", "predicted",
+              "TTFT p50/p99 ms", "ITL p50/p99 ms", "draft/target share", "reps"]
+    for domain in domains:
+        rows = sorted((r for r in report.results if r.domain == domain),
+                      key=lambda r: (r.method != BASELINE_METHOD, r.method, r.K, r.temperature))
+        lines += [f"## {domain}", ""]
+        lines += _table(header, [[
+            r.method, str(r.K), f"{r.temperature:g}", _fmt(r.alpha), _fmt(r.tau, ".2f"), f"{r.ms_per_token:.2f}",
+            f"{r.spread:.2f}", f"{r.tokens_per_s:.1f}", _fmt(r.speedup, ".2f"), _fmt(r.predicted_speedup, ".2f"),
+            f"{_ms(r.ttft_p50)} / {_ms(r.ttft_p99)}", f"{_ms(r.itl_p50)} / {_ms(r.itl_p99)}",
+            f"{_fmt(r.draft_time_share, '.2f')} / {_fmt(r.target_time_share, '.2f')}", str(r.repetitions),
+        ] for r in rows])
+        spec_rows = [r for r in rows if r.a_k]
+        if spec_rows:
+            width = max(len(r.a_k) for r in spec_rows)
+            lines += ["", "Per-position acceptance a_k:", ""]
+            lines += _table(["method", "K", "T"] + [f"a_{k}" for k in range(1, width + 1)], [
+                [r.method, str(r.K), f"{r.temperature:g}"] + [f"{a:.3f}" for a in r.a_k] + ["-"] * (width - len(r.a_k))
+                for r in spec_rows])
+        lines.append("")
+    lines += _recommendations_md(report.recommendations)
+    if report.skipped:
+        lines += ["## Skipped", ""]
+        lines += _table(["domain", "method", "reason"], [[s.domain, s.method, s.reason] for s in report.skipped])
+        lines.append("")
+    if plot_files:
+        lines += ["## Plots", ""]
+        lines += [f"![{name}]({Path(p).name})" for name, p in plot_files.items()]
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _recommendations_md(recs: dict[str, Any]) -> list[str]:
+    if not recs or not recs.get("domains"):
+        return []
+    thresholds = recs.get("thresholds", {})
+    lines = ["## Recommendations", "",
+             f"Speculation is disabled where alpha < {thresholds.get('min_alpha', '?')} or "
+             f"speed-up < {thresholds.get('min_speedup', '?')}.", ""]
+    entries = [("(default)", recs["default"])] if recs.get("default") else []
+    entries += sorted(recs["domains"].items())
+    lines += _table(["domain", "speculate", "method", "K", "alpha", "speed-up", "reason"], [[
+        name, "yes" if e.get("speculate") else "no", str(e.get("method")), str(e.get("K")),
+        _fmt(e.get("alpha")), _fmt(e.get("speedup"), ".2f"), str(e.get("reason", ""))] for name, e in entries])
+    return lines + [""]
+
+
+# ----------------------------------------------------------------------------- writing
+
+@dataclass
+class ReportFiles:
+    json: Path
+    markdown: Path
+    plots: dict[str, Path]
+
+
+def write_report(report: Report, out_dir: str | Path, plots: bool = True) -> ReportFiles:
+    """report.json (atomic), the plots, then report.md linking them, all in `out_dir`."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    json_path = out_dir / "report.json"
+    data = report.to_dict()
+    Report.from_dict(data, source="report to write")  # never write a report that load_report would refuse
+    atomic_write_text(json_path, json.dumps(data, indent=2, allow_nan=False) + "\n")
+    plot_files: dict[str, Path] = {}
+    if plots:
+        plot_files = write_plots(report.results, out_dir)
+    md_path = out_dir / "report.md"
+    atomic_write_text(md_path, render_markdown(report, plot_files))
+    return ReportFiles(json_path, md_path, plot_files)
+
+
+def log_to_wandb(report: Report, plot_files: dict[str, Path] | None = None, run: Any = None) -> bool:
+    """Log the results/skipped/recommendation tables and the plots to a W&B run.
+
+    Uses `run` or the active `wandb.run`; does nothing (returns False) when wandb is not
+    installed, disabled (WANDB_MODE=disabled) or no run is active, so offline use never fails.
+    """
+    if os.environ.get("WANDB_MODE", "").lower() == "disabled" and run is None:
+        return False
+    try:
+        import wandb
+    except ImportError:
+        return False
+    run = run if run is not None else wandb.run
+    if run is None or getattr(run, "disabled", False):
+        return False
+    cols = [f.name for f in fields(ResultRow) if f.name != "ms_per_token_samples"]
+    data = [[json.dumps(getattr(r, c)) if c == "a_k" else getattr(r, c) for c in cols] for r in report.results]
+    payload: dict[str, Any] = {"eval/results": wandb.Table(columns=cols, data=data)}
+    if report.skipped:
+        payload["eval/skipped"] = wandb.Table(columns=["domain", "method", "reason"],
+                                              data=[[s.domain, s.method, s.reason] for s in report.skipped])
+    domains = report.recommendations.get("domains", {}) if report.recommendations else {}
+    if domains:
+        rec_cols = ["domain", "speculate", "method", "K", "alpha", "speedup", "reason"]
+        payload["eval/recommendations"] = wandb.Table(
+            columns=rec_cols, data=[[name] + [e.get(c) for c in rec_cols[1:]] for name, e in sorted(domains.items())])
+    for name, path in (plot_files or {}).items():
+        payload[f"eval/plots/{name}"] = wandb.Image(str(path))
+    run.log(payload)
+    return True
