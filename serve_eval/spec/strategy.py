@@ -216,6 +216,8 @@ class SpeculativeStrategy:
     @staticmethod
     def _compact(engine, slot_mapping: Tensor, outcome: RoundOutcome, cu: list[int]) -> None:
         """Copy the accepted path's KV (node slots) into the slots right after the root."""
+        if not outcome.accepted:  # chains only: every accepted node already sits in its depth's slot
+            return
         cu_t = torch.tensor(cu, dtype=torch.int64)
         src, dst = [], []
         for seq_index, nodes in outcome.accepted:  # nodes [B, D], -1 padded

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from kernels.sampling import GeneratorArg, sample, uniforms
-from serve_eval.spec.tree import tree_ancestors, tree_depths
+from serve_eval.spec.tree import tree_ancestors
 
 
 def _valid(num_nodes: Tensor | None, batch: int, width: int, device) -> tuple[Tensor, Tensor]:
@@ -28,35 +28,48 @@ def _valid(num_nodes: Tensor | None, batch: int, width: int, device) -> tuple[Te
     return num_nodes, torch.arange(width, device=device)[None, :] < num_nodes[:, None]  # [B], bool [B, N]
 
 
+def greedy_chain_counts(
+    tokens: Tensor,  # int64 [B, K]
+    target_argmax: Tensor,  # int64 [B, K+1], row 0 = root
+    valid: Tensor | None = None,  # bool [B, K]; None = no padding
+) -> tuple[Tensor, Tensor]:  # num_accepted [B], bonus / correction token [B]
+    """Greedy chains: accepted drafts = the leading run of matches with the previous row's argmax."""
+    match = tokens == target_argmax[:, :-1]
+    if valid is not None:
+        match &= valid
+    num_accepted = match.long().cumprod(dim=1).sum(dim=1)
+    return num_accepted, target_argmax.gather(1, num_accepted[:, None])[:, 0]
+
+
 def greedy_accept(
     tokens: Tensor,  # int64 [B, N]
     parents: Tensor,  # int64 [B, N], -1 = root
     target_argmax: Tensor,  # int64 [B, N+1], row 0 = root
     num_nodes: Tensor | None = None,  # int64 [B]
     chains: bool = False,  # every row is a chain (parents[b, i] = i - 1): a cumulative product suffices
+    ancestors: Tensor | None = None,  # bool [B, N+1, N+1] when the caller has them (DraftTree caches them)
 ) -> tuple[Tensor, Tensor, Tensor]:  # tokens [B, D+1] (-1 padded), num_accepted [B], accepted_nodes [B, D]
     """Greedy verification from argmaxes alone (see module docstring)."""
     batch, width = tokens.shape
     num_nodes, valid = _valid(num_nodes, batch, width, tokens.device)
-    match = valid & (tokens == target_argmax.gather(1, parents + 1))  # [B, N]
     if chains:
-        accepted = match.long().cumprod(dim=1)  # [B, N]
-        num_accepted = accepted.sum(dim=1)
-        out = torch.where(accepted.bool(), tokens, -1)
-        nodes = torch.where(accepted.bool(), torch.arange(width, device=tokens.device), -1)
-        bonus = target_argmax.gather(1, num_accepted[:, None])  # the row after the last accepted node
-        return torch.cat([out, torch.full_like(bonus, -1)], 1).scatter_(1, num_accepted[:, None], bonus), \
-            num_accepted, nodes
+        num_accepted, bonus = greedy_chain_counts(tokens, target_argmax, valid)
+        accepted = torch.arange(width, device=tokens.device)[None, :] < num_accepted[:, None]
+        out = torch.cat([torch.where(accepted, tokens, -1), torch.full_like(bonus[:, None], -1)], 1)
+        nodes = torch.where(accepted, torch.arange(width, device=tokens.device), -1)
+        return out.scatter_(1, num_accepted[:, None], bonus[:, None]), num_accepted, nodes
+    match = valid & (tokens == target_argmax.gather(1, parents + 1))  # [B, N]
     # Among siblings with the right token only the first (lowest id) is followed.
     same_parent = parents[:, :, None] == parents[:, None, :]  # [B, N, N]
     earlier = torch.ones(width, width, dtype=torch.bool, device=tokens.device).tril_(-1)
     shadowed = (same_parent & earlier & match[:, None, :]).any(dim=-1)
     good_rows = F.pad(match & ~shadowed, (1, 0), value=True)  # [B, N+1], the root is always reached
-    ancestors = tree_ancestors(parents)  # [B, N+1, N+1]
+    ancestors = tree_ancestors(parents) if ancestors is None else ancestors  # [B, N+1, N+1]
     on_path = ~(ancestors & ~good_rows[:, None, :]).any(dim=-1)  # every ancestor-or-self row is good
     accepted = on_path[:, 1:] & valid  # [B, N]: one root-to-node path per row
     num_accepted = accepted.sum(dim=1)
-    depths = tree_depths(parents)
+    # A node's depth is its count of ancestor-or-self rows, the root excluded.
+    depths = ancestors[:, 1:, 1:].sum(dim=-1)  # [B, N]
     max_depth = int(depths.masked_fill(~valid, 0).max()) if width else 0
     b_idx, node_idx = accepted.nonzero(as_tuple=True)
     slot = depths[b_idx, node_idx] - 1
