@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 from torch import Tensor
@@ -18,7 +19,7 @@ from torch.nn.utils.rnn import pad_sequence
 from kernels.sampling import logits_to_probs
 from serve_eval.spec.tree import DraftTree
 from serve_eval.spec.verify import VerifyResult, verify_batch
-from serve_eval.spec.verify_fast import greedy_accept, greedy_chain_counts
+from serve_eval.spec.verify_fast import greedy_accept, greedy_chain_counts, sampled_chain_accept
 
 
 @dataclass
@@ -42,38 +43,36 @@ class RoundOutcome:
     accepted: list[tuple[Tensor, Tensor]]
 
 
-@dataclass
 class _Packed:
-    ids: list[int]  # batch indices, in row order
-    counts: list[int]  # nodes per draft
-    tokens: Tensor  # int64 [B, N]
-    parents: Tensor  # int64 [B, N]
-    num_nodes: Tensor  # int64 [B]
-    rows: Tensor  # int64 [B, N+1] logits row of [root, nodes...]; padding repeats the last row
-    valid_rows: Tensor  # bool [B, N+1]
-    chains: bool
+    """A group of drafts padded to one width. Only what every path needs is built eagerly (a few small
+    tensor ops per round count at batch 1); parents and the valid-row mask are built on first use."""
 
-    @property
-    def padded(self) -> bool:
-        return min(self.counts) != self.tokens.shape[1]
+    def __init__(self, ids: list[int], drafts: dict[int, SpecDraft], root_rows: dict[int, int], device) -> None:
+        self.ids = ids  # batch indices, in row order
+        self.trees = [drafts[i].tree for i in ids]
+        self.counts = [t.num_nodes for t in self.trees]  # nodes per draft
+        self.chains = not any(drafts[i].is_tree for i in ids)
+        self.device = device
+        self.width = max(self.counts)
+        self.padded = min(self.counts) != self.width
+        self.tokens = (self.trees[0].tokens[None] if len(ids) == 1 else  # int64 [B, N]
+                       pad_sequence([t.tokens for t in self.trees], batch_first=True)).to(device)
+        self.num_nodes = torch.tensor(self.counts, dtype=torch.int64, device=device)  # [B]
+        local = torch.arange(self.width + 1, device=device)[None, :]
+        if self.padded:  # padding rows repeat each draft's last row (any valid row would do)
+            local = torch.minimum(local, self.num_nodes[:, None])
+        start = torch.tensor([root_rows[i] for i in ids], dtype=torch.int64, device=device)
+        self.rows = start[:, None] + local  # int64 [B, N+1]: logits row of [root, nodes...]
 
+    @cached_property
+    def parents(self) -> Tensor:  # int64 [B, N]
+        if self.chains:  # padding keeps the chain shape, so the verifier's chain test holds for the whole row
+            return (torch.arange(self.width, device=self.device) - 1).expand(len(self.ids), self.width)
+        return pad_sequence([t.parents for t in self.trees], batch_first=True, padding_value=-1).to(self.device)
 
-def _pack(ids: list[int], drafts: dict[int, SpecDraft], root_rows: dict[int, int], device) -> _Packed:
-    trees = [drafts[i].tree for i in ids]
-    counts = [t.num_nodes for t in trees]
-    chains = not any(drafts[i].is_tree for i in ids)
-    tokens = pad_sequence([t.tokens for t in trees], batch_first=True).to(device)
-    width = tokens.shape[1]
-    num_nodes = torch.tensor(counts, dtype=torch.int64, device=device)
-    if chains:  # padding keeps the chain shape, so the verifier's chain test holds for the whole row
-        parents = (torch.arange(width, device=device) - 1).expand(len(ids), width)
-    else:
-        parents = pad_sequence([t.parents for t in trees], batch_first=True, padding_value=-1).to(device)
-    local = torch.arange(width + 1, device=device)[None, :]
-    valid_rows = local <= num_nodes[:, None]
-    start = torch.tensor([root_rows[i] for i in ids], dtype=torch.int64, device=device)
-    rows = start[:, None] + torch.minimum(local, num_nodes[:, None])
-    return _Packed(ids, counts, tokens, parents, num_nodes, rows, valid_rows, chains)
+    @cached_property
+    def valid_rows(self) -> Tensor:  # bool [B, N+1]
+        return torch.arange(self.width + 1, device=self.device)[None, :] <= self.num_nodes[:, None]
 
 
 def _stacked_ancestors(trees: list[DraftTree], width: int) -> Tensor:  # bool [B, N+1, N+1]
@@ -98,7 +97,7 @@ def _greedy(logits_argmax: Tensor, packed: _Packed, drafts: dict[int, SpecDraft]
         for i, count, last in zip(packed.ids, *found):
             out.append((drafts[i].tree.tokens[:count].tolist() + [last], count, list(range(count))))
         return out, None  # a chain's accepted nodes already sit at their depth: nothing to compact
-    ancestors = _stacked_ancestors([drafts[i].tree for i in packed.ids], packed.tokens.shape[1])
+    ancestors = _stacked_ancestors(packed.trees, packed.width)
     tokens, num_accepted, nodes = greedy_accept(packed.tokens, packed.parents, target_argmax, packed.num_nodes,
                                                 False, ancestors.to(packed.tokens.device))
     return _rows(tokens, num_accepted, nodes), nodes
@@ -117,15 +116,18 @@ def _sampled(logits: Tensor, packed: _Packed, drafts: dict[int, SpecDraft], seqs
     def repeat(values, dtype):
         return torch.tensor(values, dtype=dtype, device=dev).repeat_interleave(per_row)
 
-    flat_rows = packed.rows[packed.valid_rows]
+    flat_rows = packed.rows[packed.valid_rows] if packed.padded else packed.rows.flatten()
     probs = logits_to_probs(logits.index_select(0, flat_rows), repeat([p.temperature for p in params], torch.float32),
                             repeat([p.top_k for p in params], torch.int64),
                             repeat([p.top_p for p in params], torch.float32))
     batch, width = packed.tokens.shape
-    target = probs.new_zeros(batch, width + 1, vocab)
-    target[packed.valid_rows] = probs
+    if packed.padded:
+        target = probs.new_zeros(batch, width + 1, vocab)
+        target[packed.valid_rows] = probs
+    else:
+        target = probs.view(batch, width + 1, vocab)
     draft_probs, point_mass = None, None
-    trees = [drafts[i].tree for i in packed.ids]
+    trees = packed.trees
     if any(t.draft_probs is not None for t in trees):
         draft_probs = torch.zeros(batch, width, vocab, device=dev)
         point_mass = torch.ones(batch, width, dtype=torch.bool, device=dev)
@@ -139,8 +141,11 @@ def _sampled(logits: Tensor, packed: _Packed, drafts: dict[int, SpecDraft], seqs
             draft_probs[b, :n] = tree.draft_probs.to(dev, torch.float32)
             point_mass[b, :n] = False if tree.point_mass is None else tree.point_mass.to(dev)
     gens = [generators[i] for i in packed.ids]
+    if packed.chains:
+        found = sampled_chain_accept(packed.tokens, target, gens, draft_probs, point_mass, packed.num_nodes)
+        return _rows(*found), None
     out = verify_batch(packed.tokens, packed.parents, target, False, gens, draft_probs, point_mass, packed.num_nodes)
-    return _rows(out.tokens, out.num_accepted, out.accepted_nodes), None if packed.chains else out.accepted_nodes
+    return _rows(out.tokens, out.num_accepted, out.accepted_nodes), out.accepted_nodes
 
 
 def verify_round(
@@ -158,7 +163,7 @@ def verify_round(
     for ids in (greedy_ids, sampled_ids):
         if not ids:
             continue
-        packed = _pack(ids, drafts, root_rows, logits.device)
+        packed = _Packed(ids, drafts, root_rows, logits.device)
         if ids is greedy_ids:
             rows, nodes = _greedy(logits_argmax, packed, drafts)
         else:

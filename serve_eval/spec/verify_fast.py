@@ -113,11 +113,14 @@ def sampled_chain_accept(
     if bool(rejected.any()):
         at = num_accepted.clamp_max(width - 1)
         x = tokens[rows, at]
-        q_row = F.one_hot(x, residual.shape[1]).double()
         if dense:
-            q_dense = draft_probs[rows, at].double()
-            q_row = q_dense if point_mass is None else torch.where(point_mass[rows, at][:, None], q_row, q_dense)
-        new = (residual - q_row).clamp_min(0.0)
+            q_row = draft_probs[rows, at].double()
+            if point_mass is not None:
+                q_row = torch.where(point_mass[rows, at][:, None], F.one_hot(x, residual.shape[1]).double(), q_row)
+            new = (residual - q_row).clamp_min(0.0)
+        else:  # r - one_hot(x), clamped at 0, is r with its x entry zeroed (r(x) <= 1)
+            new = residual.clone()
+            new[rows, x] = 0.0
         mass = new.sum(dim=-1, keepdim=True)
         # A residual is all zero only when r == q, where rejection has probability 0: keep r then.
         fixed = torch.where(mass > 0, new / mass.clamp_min(1e-300), residual)
