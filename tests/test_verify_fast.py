@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kernels.sampling import logits_to_probs
-from serve_eval.spec.tree import DraftTree, tree_ancestors, tree_depths
+from serve_eval.spec.tree import DraftTree, DynamicTreeBuilder, tree_ancestors, tree_depths
 from serve_eval.spec.verify import verify_batch, verify_reference
 
 VOCAB = 6  # small, so random drafts often hit the target's argmax and paths get deep
@@ -118,3 +118,20 @@ def test_chain_tree_geometry():
     assert tree.depths.tolist() == [1, 2, 3] and tree.is_chain
     assert torch.equal(tree.ancestors(), torch.ones(4, 4, dtype=torch.bool).tril())
     assert not DraftTree(torch.tensor([1, 2]), torch.tensor([-1, -1])).is_chain
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 4), st.integers(1, 4), st.integers(1, 20), st.integers(0, 2**31 - 1))
+def test_dynamic_builder_ancestors_match_a_fresh_tree(top_k, depth, max_nodes, seed):
+    """The builder grows ancestor rows incrementally; its candidate tree and its built tree carry exactly
+    the geometry a fresh DraftTree computes from their parents."""
+    gen = torch.Generator().manual_seed(seed)
+    builder = DynamicTreeBuilder(top_k, depth, max_nodes)
+    frontier = builder.add_root_candidates(torch.randint(0, 50, (top_k,), generator=gen),
+                                           torch.rand(top_k, generator=gen))
+    while frontier:
+        shape = (len(frontier), top_k)
+        frontier = builder.add_children(frontier, torch.randint(0, 50, shape, generator=gen), torch.rand(shape, generator=gen))
+    for tree in (builder.candidates(), builder.build()):
+        fresh = DraftTree(tree.tokens, tree.parents)
+        assert torch.equal(tree.ancestors(), fresh.ancestors()) and torch.equal(tree.depths, fresh.depths)

@@ -320,6 +320,9 @@ class DynamicTreeBuilder:
         self._parents: list[int] = []
         self._depths: list[int] = []
         self._scores: list[float] = []  # cumulative log-confidence
+        # bool [cap, cap] over rows (0 = root, id + 1 = candidate), grown as candidates arrive: a new row
+        # is its parent's row plus itself, so each add costs one row gather, never a recomputation.
+        self._anc = torch.eye(1 + top_k * (1 + (depth - 1) * top_k), dtype=torch.bool)
 
     @property
     def num_candidates(self) -> int:
@@ -328,9 +331,21 @@ class DynamicTreeBuilder:
     def candidates(self) -> DraftTree:
         """Every candidate so far as one tree, in creation order (the ids add_children returns), so a
         proposer reads their depths and ancestor masks from DraftTree instead of tracking them itself."""
+        n = len(self._tokens)
         return DraftTree._trusted(torch.tensor(self._tokens, dtype=torch.int64),
                                   torch.tensor(self._parents, dtype=torch.int64),
-                                  torch.tensor(self._depths, dtype=torch.int64))
+                                  torch.tensor(self._depths, dtype=torch.int64), ancestors=self._anc[: n + 1, : n + 1])
+
+    def _extend_ancestors(self, first: int) -> None:
+        """Ancestor rows of candidates first.. (rows already written never change)."""
+        end = len(self._tokens) + 1
+        if end > self._anc.shape[0]:  # more candidates than top_k per parent: grow
+            grown = torch.eye(2 * end, dtype=torch.bool)
+            grown[: self._anc.shape[0], : self._anc.shape[0]] = self._anc
+            self._anc = grown
+        rows = torch.arange(first + 1, end)
+        self._anc[rows] = self._anc[torch.tensor(self._parents[first:], dtype=torch.int64) + 1]
+        self._anc[rows, rows] = True
 
     def add_root_candidates(self, tokens: Tensor, probs: Tensor) -> list[int]:  # tokens, probs [k]
         if self._tokens:
@@ -344,7 +359,7 @@ class DynamicTreeBuilder:
                 f"dynamic tree: tokens shape {tuple(tokens.shape)}, probs shape {tuple(probs.shape)} "
                 f"and {len(parent_ids)} parents do not match"
             )
-        new_ids = []
+        new_ids, first = [], len(self._tokens)
         for parent, row_tokens, row_probs in zip(parent_ids, tokens.tolist(), probs.tolist()):
             base = 0.0 if parent == -1 else self._scores[parent]
             depth = 1 if parent == -1 else self._depths[parent] + 1
@@ -354,6 +369,7 @@ class DynamicTreeBuilder:
                 self._parents.append(parent)
                 self._depths.append(depth)
                 self._scores.append(base + math.log(max(prob, 1e-30)))
+        self._extend_ancestors(first)
         if not new_ids or self._depths[new_ids[0]] >= self.depth:
             return []
         return heapq.nlargest(self.top_k, new_ids, key=lambda i: (self._scores[i], -i))
@@ -369,7 +385,10 @@ class DynamicTreeBuilder:
             if parent != -1 and parent not in kept:  # cannot happen with probs <= 1; guard anyway
                 raise ValueError(f"dynamic tree kept node {old} without its parent {parent} (confidence > 1?)")
             parents.append(-1 if parent == -1 else new_id[parent])
-        # Kept set closed under ancestors and ordered by depth: parents precede children, depths carry over.
+        # Kept set closed under ancestors and ordered by depth: parents precede children, and depths and
+        # ancestor rows carry over (restricted to the kept rows).
+        rows = torch.tensor([0] + [i + 1 for i in order], dtype=torch.int64)
         return DraftTree._trusted(torch.tensor([self._tokens[i] for i in order], dtype=torch.int64),
                                   torch.tensor(parents, dtype=torch.int64),
-                                  torch.tensor([self._depths[i] for i in order], dtype=torch.int64))
+                                  torch.tensor([self._depths[i] for i in order], dtype=torch.int64),
+                                  ancestors=self._anc[rows][:, rows])
