@@ -38,7 +38,8 @@ from torch import Tensor, nn
 from drafts.common import DecoderConfig, decoder_config_from_dict, load_target_embed_and_head
 from drafts.eagle import EagleConfig, EagleDraft
 from drafts.eagle3 import Eagle3Config, Eagle3Draft
-from drafts.io import write_json, draft_state_dict, load_draft, read_safetensors, write_safetensors
+from drafts.files import write_json
+from drafts.io import draft_state_dict, load_draft, read_safetensors, write_safetensors
 from drafts.medusa import MedusaConfig, MedusaDraft
 from drafts.standalone import StandaloneDraft
 

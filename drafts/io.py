@@ -11,8 +11,6 @@ target and the target fingerprint, and raises a ValueError naming both sides' va
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -21,7 +19,9 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor, nn
 
+from drafts.artifacts import Artifacts
 from drafts.common import hf_config_dict
+from drafts.files import atomic_write, write_json
 from drafts.eagle import EagleConfig, EagleDraft
 from drafts.eagle3 import Eagle3Config, Eagle3Draft
 from drafts.medusa import MedusaConfig, MedusaDraft
@@ -94,27 +94,13 @@ def kind_of(model: nn.Module) -> str:
     return kind
 
 
-def _atomic_write(path: Path, write) -> None:
-    """Write via a temp file in the same dir + rename, so a crash never leaves a half-written file."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    os.close(fd)
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-
-
-def write_json(path: Path, obj: dict) -> None:
-    _atomic_write(path, lambda tmp: Path(tmp).write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n"))
 
 
 def write_safetensors(path: Path, tensors: dict[str, Tensor], metadata: dict[str, str] | None = None) -> None:
     from safetensors.torch import save_file
 
     flat = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
-    _atomic_write(path, lambda tmp: save_file(flat, tmp, metadata=metadata or {"format": "pt"}))
+    atomic_write(path, lambda tmp: save_file(flat, tmp, metadata=metadata or {"format": "pt"}))
 
 
 def read_safetensors(path: Path) -> dict[str, Tensor]:
@@ -248,3 +234,15 @@ def load_draft(
     if dtype is not None:
         model = model.to(dtype=dtype)  # buffers d2t/t2d are integer/bool and keep their dtype
     return LoadedDraft(model.eval(), meta.kind, meta)
+
+
+def latest_drafts_by_kind(artifacts: Artifacts, fingerprint: str) -> dict[str, Path]:
+    """The newest exported draft dir of each kind filed for one target (dirs without a readable
+    draftsmith.json are not drafts and are passed over)."""
+    found: dict[str, Path] = {}
+    for draft_dir in artifacts.draft_dirs(fingerprint):   # oldest first: newer ones overwrite
+        try:
+            found[read_draft_meta(draft_dir).kind] = draft_dir
+        except ValueError:
+            continue
+    return found

@@ -61,8 +61,10 @@ def print_table(report: dict) -> None:
 
 def target_model_dir(path: Path) -> Path:
     """An artifacts/targets/<fp> dir (its target.json names the model dir) or an HF checkpoint dir."""
-    if (path / "target.json").is_file():
-        return Path(json.loads((path / "target.json").read_text())["model_dir"])
+    from drafts.artifacts import TARGET_META_NAME
+
+    if (path / TARGET_META_NAME).is_file():
+        return Path(json.loads((path / TARGET_META_NAME).read_text())["model_dir"])
     return path
 
 
@@ -114,7 +116,7 @@ def eval_prompts(args) -> dict[str, list[list[int]]]:
     """Held-out eval prompts per domain (the corpus eval split), as target token ids."""
     from transformers import AutoTokenizer
 
-    from train.artifacts import Artifacts
+    from train.artifacts import artifacts_from_config
     from train.config import compose
     from train.corpus import build_corpus
 
@@ -122,7 +124,7 @@ def eval_prompts(args) -> dict[str, list[list[int]]]:
     if args.data_path:
         overrides.append(f"data.path={args.data_path}")
     cfg = compose(overrides + list(args.override))
-    corpus, _ = build_corpus(cfg, Artifacts.from_config(cfg))
+    corpus, _ = build_corpus(cfg, artifacts_from_config(cfg))
     tokenizer = AutoTokenizer.from_pretrained(str(args.model_dir))
     out: dict[str, list[list[int]]] = {}
     for record in corpus.records("eval"):

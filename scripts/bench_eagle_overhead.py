@@ -31,30 +31,22 @@ from serve_eval.spec.policy import SpecPolicyConfig  # noqa: E402
 def find_inputs(artifacts: Path, target_arg: str | None) -> tuple[Path, dict[str, Path]]:
     """The target (--target, else the first targets/<fp>/target.json with both drafts) and its newest trained
     eagle / eagle3 drafts."""
+    from drafts.artifacts import Artifacts
     from drafts.identity import target_fingerprint
-    from drafts.io import read_draft_meta
+    from drafts.io import latest_drafts_by_kind
 
+    layout = Artifacts(artifacts)
     if target_arg:
         candidates = [Path(target_arg)]
     else:
-        candidates = [Path(json.loads(m.read_text())["model_dir"]) for m in sorted(artifacts.glob("targets/*/target.json"))]
+        candidates = [Path(json.loads(layout.target_meta(fp).read_text())["model_dir"])
+                      for fp in layout.known_fingerprints()]
     for target in candidates:
-        drafts = _drafts_for(artifacts, target_fingerprint(target), read_draft_meta)
+        found = latest_drafts_by_kind(layout, target_fingerprint(target))
+        drafts = {kind: path for kind, path in found.items() if kind in ("eagle", "eagle3")}
         if {"eagle", "eagle3"} <= drafts.keys():
             return target, drafts
     raise SystemExit(f"no target with trained eagle and eagle3 drafts under {artifacts} (run the pipeline first)")
-
-
-def _drafts_for(artifacts: Path, fp: str, read_draft_meta) -> dict[str, Path]:
-    drafts: dict[str, Path] = {}
-    for d in sorted((artifacts / "targets" / fp / "drafts").glob("*/"), key=lambda p: p.stat().st_mtime):
-        try:
-            kind = read_draft_meta(d).kind
-        except ValueError:
-            continue
-        if kind in ("eagle", "eagle3"):
-            drafts[kind] = d
-    return drafts
 
 
 def load_prompts(artifacts: Path, tokenizer) -> list[list[int]]:

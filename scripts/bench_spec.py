@@ -59,16 +59,12 @@ def untrained_target(root: Path) -> Path:
 
 def find_drafts(artifacts: Path, target: Path, root: Path) -> tuple[dict[str, Path], str]:
     """Trained drafts for this target when present, untrained ones for the rest."""
+    from drafts.artifacts import Artifacts
     from drafts.identity import target_fingerprint
-    from drafts.io import read_draft_meta
+    from drafts.io import latest_drafts_by_kind
 
     fp = target_fingerprint(target)
-    found: dict[str, Path] = {}
-    for d in sorted((artifacts / "targets" / fp / "drafts").glob("*/"), key=lambda p: p.stat().st_mtime):
-        try:
-            found[read_draft_meta(d).kind] = d
-        except ValueError:
-            continue
+    found = latest_drafts_by_kind(Artifacts(artifacts), fp)
     source = {k: "trained" for k in found}
     for kind in ("standalone", "medusa", "eagle", "eagle3"):
         if kind not in found:

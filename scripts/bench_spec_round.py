@@ -72,17 +72,11 @@ def random_draft(kind: str, target: Path, root: Path) -> Path:
 
 
 def trained_drafts(artifacts: Path, target: Path) -> dict[str, Path]:
+    from drafts.artifacts import Artifacts
     from drafts.identity import target_fingerprint
-    from drafts.io import read_draft_meta
+    from drafts.io import latest_drafts_by_kind
 
-    found: dict[str, Path] = {}
-    for d in sorted((artifacts / "targets" / target_fingerprint(target) / "drafts").glob("*/"),
-                    key=lambda p: p.stat().st_mtime):
-        try:
-            found[read_draft_meta(d).kind] = d
-        except ValueError:
-            continue
-    return found
+    return latest_drafts_by_kind(Artifacts(artifacts), target_fingerprint(target))
 
 
 def weights_read(model_dir: Path) -> int:
@@ -176,8 +170,8 @@ def summarize(samples: list[dict[str, float]]) -> dict[str, tuple[float, float]]
             for c in COMPONENTS}
 
 
-def print_table(threads: int, rows: dict[str, dict[str, tuple[float, float]]], ratios: dict[str, float], k: int) -> None:
-    print(f"\n-- {threads} torch thread(s): ms per step, median (spread) over repetitions")
+def print_table(label: str, rows: dict[str, dict[str, tuple[float, float]]], ratios: dict[str, float], k: int) -> None:
+    print(f"\n-- {label}: ms per step, median (spread) over repetitions")
     print(f"{'method':12}" + "".join(f"{c:>16}" for c in COMPONENTS) + f"{'c':>7}{'weights':>9}")
     plain = rows.get("nospec", {}).get("step", (0.0, 0.0))[0]
     for method, comps in rows.items():
@@ -237,8 +231,13 @@ def main() -> None:
     for kind, src in sorted(sources.items()):
         print(f"  draft {kind}: {src}")
     print(f"load average before: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    measured: set[int] = set()
     for setting in args.threads.split(","):
         count = chosen if setting == "auto" else int(setting)
+        if count in measured:  # auto chose a count already in the table
+            print(f"\n-- engine's choice ({setting}): {count} thread(s), the table above")
+            continue
+        measured.add(count)
         torch.set_num_threads(count)
         for m in methods:  # warm-up
             one_repetition(engines[m], timers[m], prompt, 2, "warm")
@@ -246,7 +245,8 @@ def main() -> None:
         for rep in range(args.repeats):
             for m in methods:
                 samples[m].append(one_repetition(engines[m], timers[m], prompt, args.steps, f"{m}{rep}"))
-        print_table(count, {m: summarize(s) for m, s in samples.items()}, ratios, args.k)
+        label = f"{count} torch thread(s)" + (" = the engine's choice" if count == chosen else "")
+        print_table(label, {m: summarize(s) for m, s in samples.items()}, ratios, args.k)
     print(f"\nload average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())} ({os.cpu_count()} CPUs)")
     tmp.cleanup()
 

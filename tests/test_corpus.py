@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from omegaconf import OmegaConf
 
-from train.artifacts import Artifacts
+from drafts.artifacts import Artifacts
 from train.config import DataConfig
 from train.corpus import SYSTEM_PROMPT, build_corpus, build_embedded_records, math_problem, render_chat, split_records
 
@@ -117,7 +117,7 @@ def test_data_path_reads_a_user_file(tmp_path):
 
 def test_failed_cache_build_leaves_nothing_behind(tmp_path):
     """An exception while filling a cache entry leaves neither the entry nor its temporary dir."""
-    from train.artifacts import atomic_dir, is_complete
+    from drafts.files import atomic_dir, is_complete
 
     entry = tmp_path / "cache" / "key"
     with pytest.raises(RuntimeError):

@@ -10,7 +10,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from serve_eval.eval.sources import load_prompt_records
-from train.artifacts import Artifacts
+from drafts.artifacts import Artifacts
 from train.config import DataConfig, compose
 from train.corpus import build_corpus, load_records
 

@@ -6,7 +6,6 @@ import os
 
 import pytest
 
-from serve_eval.eval import report as report_mod
 from serve_eval.eval.recommend import recommend
 from serve_eval.eval.report import (SCHEMA_VERSION, Report, ReportSchemaError, ResultRow, SkippedEntry, TargetInfo,
                                     load_report)
@@ -125,7 +124,8 @@ def test_failed_write_keeps_the_previous_report(tmp_path, monkeypatch):
     def boom(src, dst):
         raise OSError("disk full")
 
-    monkeypatch.setattr(report_mod.os, "replace", boom)
+    import drafts.files
+    monkeypatch.setattr(drafts.files.os, "replace", boom)
     with pytest.raises(OSError):
         write_report(Report(TargetInfo("other", "zzz"), {}, []), tmp_path, plots=False)
     assert (tmp_path / "report.json").read_text() == before

@@ -27,7 +27,9 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from train.artifacts import Artifacts, atomic_dir, entry_lock, hash_files, is_complete, read_json, stable_hash, write_json
+from drafts.artifacts import Artifacts
+
+from drafts.files import atomic_dir, entry_lock, hash_files, is_complete, read_json, stable_hash, write_json
 from train.logs import format_fields
 from train.records import check_records, read_jsonl
 

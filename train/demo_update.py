@@ -32,6 +32,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from drafts.artifacts import Artifacts
 from train import hook_decision as rules
 from train.finetune import FinetuneConfig, FinetuneResult
 from train.target import TARGET_META_FILE
@@ -97,14 +98,15 @@ def say(message: str) -> None:
 
 def resolve_target(cfg: DemoConfig, overrides: list[str]) -> tuple[Path, Any]:
     """(target dir, corpus): ``--target`` as given, else the embedded one through the pipeline's caches."""
-    from train.artifacts import Artifacts
+    from drafts.artifacts import Artifacts
+    from train.artifacts import artifacts_from_config
     from train.config import compose
     from train.corpus import build_corpus
     from train.generate import resolve_target as pipeline_target
 
     job = compose([o for o in overrides if not o.startswith(("draft.", "++train.", "eval."))]
                   + ([f"target.path={cfg.target}"] if cfg.target else []))
-    artifacts = Artifacts.from_config(job)
+    artifacts = artifacts_from_config(job)
     if cfg.target:
         return Path(cfg.target).resolve(), build_corpus(job, artifacts)[0]
     target_dir, _, corpus = pipeline_target(job, artifacts)
@@ -135,7 +137,7 @@ def ensure_drafts(cfg: DemoConfig, registry: Any, target_dir: Path, overrides: l
         report = evaluate(target_dir, {k: Path(have[k].path) for k in cfg.kinds}, overrides)
         report_path = write_report(report, work / "reports" / "registry-drafts", plots=False).json
         return {k: registry.update(have[k].id, report_path=str(report_path), report_method=k) for k in cfg.kinds}
-    home = Path(cfg.artifacts_root) / "targets" / info.fingerprint
+    home = Artifacts(Path(cfg.artifacts_root)).target_home(info.fingerprint)
     say(f"registry has no promoted {', '.join(missing)} draft for target {info.fingerprint}: distilling "
         f"({cfg.steps} steps, {cfg.max_prompts} prompts)")
     start = time.perf_counter()
@@ -157,7 +159,7 @@ def ensure_drafts(cfg: DemoConfig, registry: Any, target_dir: Path, overrides: l
 def _initial_data(target_dir: Path, home: Path, overrides: list[str]) -> Path:
     """All domains answered by the target; the dir is keyed by the prompts and settings, so a rerun reuses it."""
     from train import hook_jobs
-    from train.artifacts import stable_hash
+    from drafts.files import stable_hash
 
     plan = {d: 1.0 for d in _corpus_domains(target_dir, overrides)}
     key = stable_hash({"plan": plan, "overrides": sorted(o for o in overrides if o.startswith("draft."))})
@@ -166,19 +168,22 @@ def _initial_data(target_dir: Path, home: Path, overrides: list[str]) -> Path:
 
 
 def _corpus_domains(target_dir: Path, overrides: list[str]) -> list[str]:
-    from train.artifacts import Artifacts
+    from drafts.artifacts import Artifacts
+    from train.artifacts import artifacts_from_config
     from train.corpus import build_corpus
     from train.hook_jobs import _REGENERATE_KEYS, compose_for
 
     job = compose_for(target_dir, overrides, ["draft=standalone"], owned=_REGENERATE_KEYS)
-    corpus, _ = build_corpus(job, Artifacts.from_config(job))
+    corpus, _ = build_corpus(job, artifacts_from_config(job))
     return sorted(corpus.counts["distill"])
 
 
 def update_target(cfg: DemoConfig, base_dir: Path, corpus_dir: Path) -> tuple[Path, FinetuneResult | None]:
     """The fine-tuned target, cached under target-cache/ by base fingerprint + settings."""
     from drafts.identity import target_fingerprint
-    from train.artifacts import Artifacts, is_complete, stable_hash
+    from drafts.artifacts import Artifacts
+    from drafts.files import is_complete, stable_hash
+    from train.artifacts import artifacts_from_config
     from train.finetune import finetune_from_corpus
 
     key = stable_hash({"base": target_fingerprint(base_dir), "finetune": asdict(cfg.finetune), "corpus": str(corpus_dir)})

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
-from train.artifacts import atomic_dir, write_json
+from drafts.files import atomic_dir, write_json
 from train.target import TARGET_META_FILE, domain_perplexity, pack_tokens, train_model
 
 

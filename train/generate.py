@@ -23,7 +23,9 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from drafts.schemas import MODES, SOURCES, DraftDataConfig
-from train.artifacts import Artifacts, stable_hash
+from drafts.artifacts import Artifacts
+from drafts.files import stable_hash
+from train.artifacts import artifacts_from_config
 from train.config import hydra_app
 from train.distill.gendata import (FORMAT_VERSION, HIDDEN_DTYPE, Manifest, StoredExtras, finalize, shard_complete,
                                    write_shard)
@@ -279,7 +281,7 @@ def dataset_for_job(cfg: DictConfig, artifacts: Artifacts, target_dir: Path, fin
 
 
 def run(cfg: DictConfig) -> Path:
-    artifacts = Artifacts.from_config(cfg)
+    artifacts = artifacts_from_config(cfg)
     target_dir, fingerprint, corpus = resolve_target(cfg, artifacts)
     out = dataset_for_job(cfg, artifacts, target_dir, fingerprint, corpus)
     print(f"distillation data: {out}")

@@ -34,7 +34,9 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Protocol
 
-from serve_eval.eval.report import Report, ReportSchemaError, atomic_write_text, load_report
+from drafts.artifacts import Artifacts
+from drafts.files import atomic_write_text
+from serve_eval.eval.report import Report, ReportSchemaError, load_report
 from serve_eval.eval.report_files import write_report
 from train import hook_decision as rules
 from train.registry import (DEFAULT_LOCK_TIMEOUT_S, DraftEntry, Registry, RegistryLockedError, TargetInfo,
@@ -200,7 +202,7 @@ class _Run:
             self.timings[phase] = self.timings.get(phase, 0.0) + time.perf_counter() - start
 
     def home(self, *parts: str) -> Path:
-        return self.registry.root / "targets" / self.new.fingerprint / Path(*parts)
+        return Artifacts(self.registry.root).target_home(self.new.fingerprint) / Path(*parts)
 
     # -- step 1: who is new, who is old
     def resolve_targets(self) -> None:

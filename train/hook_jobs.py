@@ -74,7 +74,7 @@ def regenerate(*, target_dir: str | Path, plan: dict[str, float], out_dir: str |
     from transformers import AutoConfig
 
     from drafts.identity import target_fingerprint
-    from train.artifacts import Artifacts
+    from train.artifacts import artifacts_from_config
     from train.corpus import build_corpus
     from train.generate import data_config, extras_for, generate_dataset
 
@@ -83,7 +83,7 @@ def regenerate(*, target_dir: str | Path, plan: dict[str, float], out_dir: str |
     # standalone's defaults carry it (answers only, no stored extras).
     chosen = any(_key(item) == "draft" for item in overrides)
     cfg = compose_for(target_dir, overrides, [] if chosen else ["draft=standalone"], owned=_REGENERATE_KEYS)
-    corpus, _ = build_corpus(cfg, Artifacts.from_config(cfg))
+    corpus, _ = build_corpus(cfg, artifacts_from_config(cfg))
     data = data_config(cfg.get("draft"))
     records = planned_records(corpus.records("distill"), plan, data.max_prompts)
     data.path, data.max_prompts = str(out_dir), None  # the plan already chose the prompts

@@ -30,7 +30,11 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from train.artifacts import Artifacts, read_json
+from drafts.artifacts import Artifacts
+
+from drafts.files import read_json
+
+from train.artifacts import artifacts_from_config
 from train.config import hydra_app
 from train.logs import init_wandb, log_event, stage
 
@@ -150,7 +154,7 @@ def check_stage_configs(cfg: DictConfig) -> None:
 
 def run(cfg: DictConfig) -> dict[str, Any]:
     """Run the configured stages; every stage's names are checked before the first one starts."""
-    artifacts = Artifacts.from_config(cfg)
+    artifacts = artifacts_from_config(cfg)
     stage_fns = [(name, resolve_stage(name)) for name in cfg.pipeline.stages]
     for name in cfg.pipeline.force:
         if name not in cfg.pipeline.stages:

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
-from train.artifacts import stable_hash
+from drafts.files import stable_hash
 
 if TYPE_CHECKING:
     from train.pipeline import PipelineContext

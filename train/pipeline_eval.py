@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from train.artifacts import stable_hash
+from drafts.files import stable_hash
 from train.pipeline_distill import DONE_MARKER, STAGE_PREFIX, as_dict, merge_checked, planned_kinds
 
 if TYPE_CHECKING:

@@ -33,10 +33,11 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from serve_eval.eval.report import atomic_write_text
+from drafts.artifacts import REGISTRY_NAME, Artifacts
+from drafts.files import atomic_write_text
 
 SCHEMA_VERSION = 1
-MANIFEST_NAME = "registry.json"
+MANIFEST_NAME = REGISTRY_NAME
 LOCK_NAME = "registry.lock"
 STATUSES = ("candidate", "promoted", "retired")
 DEFAULT_LOCK_TIMEOUT_S = 600.0
@@ -222,10 +223,10 @@ class Registry:
 
     # -- manifests
     def manifest_path(self, fingerprint: str) -> Path:
-        return self.root / "targets" / fingerprint / MANIFEST_NAME
+        return Artifacts(self.root).registry_manifest(fingerprint)
 
     def fingerprints(self) -> list[str]:
-        return sorted(p.parent.name for p in (self.root / "targets").glob(f"*/{MANIFEST_NAME}"))
+        return sorted(Artifacts(self.root).known_fingerprints(MANIFEST_NAME))
 
     def read(self, fingerprint: str) -> Manifest | None:
         path = self.manifest_path(fingerprint)

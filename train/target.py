@@ -22,7 +22,8 @@ from omegaconf import DictConfig, OmegaConf
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerBase
 
 from drafts.identity import target_fingerprint
-from train.artifacts import Artifacts, atomic_dir, entry_lock, is_complete, read_json, stable_hash, write_json
+from drafts.artifacts import Artifacts
+from drafts.files import atomic_dir, entry_lock, is_complete, read_json, stable_hash, write_json
 from train.corpus import Corpus
 from train.logs import progress
 from train.tokenizer import load_tokenizer
@@ -264,7 +265,7 @@ def build_target(cfg: DictConfig, corpus: Corpus, tokenizer_dir: Path | None, ar
         perplexity = _perplexity(model_dir / PERPLEXITY_FILE, model_dir, tcfg, corpus, tokenizer)
         fingerprint = target_fingerprint(model_dir)
     home = artifacts.target_dir(fingerprint)
-    write_json(home / "target.json", {"model_dir": str(model_dir), "fingerprint": fingerprint,
+    write_json(artifacts.target_meta(fingerprint), {"model_dir": str(model_dir), "fingerprint": fingerprint,
                                       "source": "path" if tcfg.path else "embedded", "shape": model_shape(config)})
     write_json(home / "reports" / "perplexity.json", {"corpus": corpus.content_hash, "perplexity": perplexity})
     return TargetResult(model_dir, fingerprint, perplexity, cached, model_shape(config))

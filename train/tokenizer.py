@@ -14,7 +14,9 @@ from pathlib import Path
 from omegaconf import DictConfig
 from transformers import PreTrainedTokenizerFast
 
-from train.artifacts import Artifacts, atomic_dir, entry_lock, is_complete, stable_hash
+from drafts.artifacts import Artifacts
+
+from drafts.files import atomic_dir, entry_lock, is_complete, stable_hash
 from train.corpus import BOS_TOKEN, EOS_TOKEN, PAD_TOKEN, ROLES, Corpus
 
 ROLE_TOKENS = [f"<|{role}|>" for role in ROLES]

@@ -20,6 +20,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from drafts.artifacts import Artifacts
 from serve_eval.eval.recommend import Thresholds, recommend, write_recommendations
 from serve_eval.eval.report import BASELINE_METHOD, Report, ResultRow, SkippedEntry, TargetInfo
 from serve_eval.eval.report_files import ReportFiles, log_to_wandb, write_report
@@ -289,7 +290,7 @@ def report_dir(artifacts_root: str | Path, fingerprint: str, out_dir: str | None
     if out_dir:
         return Path(out_dir)
     stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S")
-    return Path(artifacts_root) / "targets" / fingerprint / "reports" / stamp
+    return Artifacts(Path(artifacts_root)).target_home(fingerprint) / "reports" / stamp
 
 
 def write_outputs(report: Report, out_dir: Path, plots: bool = True, wandb_run: Any = None) -> ReportFiles:

@@ -16,7 +16,8 @@ from typing import Any
 
 import yaml
 
-from serve_eval.eval.report import BASELINE_METHOD, ResultRow, atomic_write_text
+from drafts.files import atomic_write_text
+from serve_eval.eval.report import BASELINE_METHOD, ResultRow
 
 RECOMMENDATIONS_SCHEMA_VERSION = 1
 # Reference methods the server cannot run itself (transformers' assisted generation).

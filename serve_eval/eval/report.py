@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import tempfile
 from dataclasses import asdict, dataclass, field, fields
 from datetime import datetime, timezone
 from pathlib import Path
@@ -174,18 +172,3 @@ def load_report(path: str | Path) -> Report:
     except json.JSONDecodeError as e:
         raise ReportSchemaError(f"{path}: not valid JSON ({e})") from e
     return Report.from_dict(data, source=str(path))
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    """Write via a temp file in the same directory + rename, so a reader never sees half a file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise

@@ -12,7 +12,8 @@ from pathlib import Path
 from typing import Any
 
 from serve_eval.eval.plots import write_plots
-from serve_eval.eval.report import BASELINE_METHOD, Report, ResultRow, atomic_write_text
+from drafts.files import atomic_write_text
+from serve_eval.eval.report import BASELINE_METHOD, Report, ResultRow
 
 
 # ----------------------------------------------------------------------------- markdown

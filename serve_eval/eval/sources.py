@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from drafts.artifacts import Artifacts
+from drafts.files import read_json
 from serve_eval.eval.report import SkippedEntry
 
 DRAFT_META_FILE = "draftsmith.json"
@@ -18,7 +20,7 @@ TARGET_META_FILE = "draftsmith_target.json"   # written by train.target into the
 
 
 def reports_root(artifacts_root: str | Path, fingerprint: str) -> Path:
-    return Path(artifacts_root) / "targets" / fingerprint / "reports"
+    return Artifacts(Path(artifacts_root)).target_home(fingerprint) / "reports"
 
 
 # ----------------------------------------------------------------------------- target
@@ -26,20 +28,21 @@ def reports_root(artifacts_root: str | Path, fingerprint: str) -> Path:
 def resolve_target(explicit: str | None, artifacts_root: str | Path) -> Path:
     """The target dir: `explicit` (a dir, or a fingerprint known under the artifacts root),
     else the target most recently registered under `<artifacts>/targets/*/target.json`."""
-    root = Path(artifacts_root)
+    artifacts = Artifacts(Path(artifacts_root))
     if explicit:
         path = Path(explicit).expanduser()
         if path.is_dir():
             return path
-        meta = root / "targets" / explicit / "target.json"
+        meta = artifacts.target_meta(explicit)
         if meta.is_file():
-            return Path(json.loads(meta.read_text())["model_dir"])
-        raise ValueError(f"eval.target: {explicit!r} is neither a model dir nor a target fingerprint under {root}")
-    metas = sorted((root / "targets").glob("*/target.json"), key=lambda p: p.stat().st_mtime)
-    if not metas:
-        raise ValueError(f"eval.target: not set and no target under {root / 'targets'}; run `draftsmith pipeline` "
-                         "first or pass eval.target=MODEL_DIR")
-    return Path(json.loads(metas[-1].read_text())["model_dir"])
+            return Path(read_json(meta)["model_dir"])
+        raise ValueError(f"eval.target: {explicit!r} is neither a model dir nor a target fingerprint under "
+                         f"{artifacts.root}")
+    known = artifacts.known_fingerprints()
+    if not known:
+        raise ValueError(f"eval.target: not set and no target under {artifacts.targets_dir}; run `draftsmith "
+                         "pipeline` first or pass eval.target=MODEL_DIR")
+    return Path(read_json(artifacts.target_meta(known[-1]))["model_dir"])
 
 
 # ----------------------------------------------------------------------------- prompts
@@ -152,9 +155,10 @@ def _kind(path: Path) -> str | None:
 def discover_drafts(artifacts_root: str | Path, fingerprint: str) -> dict[str, Path]:
     """Drafts filed for this target: dirs under `targets/<fp>/drafts/` with a draftsmith.json, and the
     registry's entries that are not retired. Labelled by kind; by dir name when a kind repeats."""
-    home = Path(artifacts_root) / "targets" / fingerprint
+    artifacts = Artifacts(Path(artifacts_root))
+    home = artifacts.target_home(fingerprint)
     paths: list[Path] = sorted(p.parent for p in (home / "drafts").glob(f"*/{DRAFT_META_FILE}"))
-    manifest = home / "registry.json"
+    manifest = artifacts.registry_manifest(fingerprint)
     if manifest.is_file():
         try:
             entries = json.loads(manifest.read_text()).get("entries", [])

@@ -22,7 +22,6 @@ The checkpoint root must be on a filesystem all ranks share (a cluster's shared 
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -37,6 +36,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_model, save_model
 
+from drafts.files import stable_hash
 from train.distill.manifest import verify_manifest, write_manifest
 from train.distill.state_io import load_state_tree, save_state_tree
 from train.logs import format_fields
@@ -65,8 +65,7 @@ class TrainerState:
 
 def config_fingerprint(config: Mapping[str, Any]) -> str:
     """sha256 of the config as canonical JSON (sorted keys); non-JSON leaves go through str()."""
-    canonical = json.dumps(config, sort_keys=True, default=str, separators=(",", ":"))
-    return hashlib.sha256(canonical.encode()).hexdigest()[:16]
+    return stable_hash(dict(config))
 
 
 def _differing_keys(saved: Any, current: Any, prefix: str = "") -> list[str]:

@@ -26,6 +26,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from drafts.files import atomic_write_text
+
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 HIDDEN_DTYPE = torch.bfloat16
@@ -96,12 +98,6 @@ class Manifest:
 
     def write(self, cache_dir: Path) -> None:
         atomic_write_text(cache_dir / MANIFEST, json.dumps(self.to_json(), indent=2, sort_keys=True) + "\n")
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 def shard_paths(cache_dir: Path, index: int) -> tuple[Path, Path]:

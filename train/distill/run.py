@@ -28,7 +28,9 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
-from train.artifacts import Artifacts, stable_hash
+from drafts.files import stable_hash
+
+from train.artifacts import artifacts_from_config
 from train.config import hydra_app
 from train.distill.gendata import DistillDataset, Manifest, StoredExtras
 from train.logs import init_wandb, log_event
@@ -185,7 +187,7 @@ def prepare(cfg: DictConfig) -> Prepared:
     kind = cfg.draft.get("kind")
     if kind not in KINDS:
         raise ValueError(f"draft: {kind!r} is not a trainable draft kind; pick draft=standalone|medusa|eagle|eagle3")
-    artifacts = Artifacts.from_config(cfg)
+    artifacts = artifacts_from_config(cfg)
     target_dir, fingerprint, corpus = resolve_target(cfg, artifacts)
     data_dir = dataset_for_job(cfg, artifacts, target_dir, fingerprint, corpus)
     manifest = Manifest.read(data_dir)
@@ -243,7 +245,7 @@ def train_and_export(cfg: DictConfig, prepared: Prepared, out_dir: Path | None =
         keyed["layout"] = {"strategy": launcher.strategy, "world_size": launcher.world_size,
                            "zero_stage": launcher.zero_stage if launcher.strategy == "deepspeed" else None}
     run_key = stable_hash(keyed)
-    artifacts = Artifacts.from_config(cfg)
+    artifacts = artifacts_from_config(cfg)
     name = f"{kind}-{run_key}"
     train_cfg = trainer_config(cfg, artifacts.target_dir(fingerprint) / "distill" / name)
     is_main = int(os.environ.get("RANK", "0")) == 0
