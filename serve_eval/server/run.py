@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib
 import ipaddress
 import logging
 from collections.abc import Mapping
@@ -24,11 +23,6 @@ from typing import Any
 import uvicorn
 
 log = logging.getLogger(__name__)
-
-# Where the speculative package may define its config (first hit wins).
-_SPEC_CONFIG_LOCATIONS = ("serve_eval.spec", "serve_eval.spec.config", "serve_eval.spec.strategy",
-                          "serve_eval.spec.engine")
-
 
 @dataclass
 class ServeConfig:
@@ -89,24 +83,14 @@ def _literal(value: str) -> Any:
 
 
 def build_speculative(spec: str | None) -> Any:
-    """The spec package's config object for `spec`, or None when speculation is off.
-    Raises RuntimeError (saying so) when this build has no speculative package yet."""
+    """The SpecConfig for `spec` ("key=value,..." over SpecConfig's fields), or None when off."""
     if not spec:
         return None
-    kwargs = parse_spec(spec)
-    for module_name in _SPEC_CONFIG_LOCATIONS:
-        try:
-            module = importlib.import_module(module_name)
-        except ModuleNotFoundError:
-            continue
-        spec_cls = getattr(module, "SpecConfig", None)
-        if spec_cls is not None:
-            try:
-                return spec_cls(**kwargs)
-            except TypeError as exc:
-                raise ValueError(f"spec: {exc}") from None
-    raise RuntimeError("speculative decoding is unavailable: no SpecConfig in "
-                       + ", ".join(_SPEC_CONFIG_LOCATIONS))
+    from serve_eval.spec.config import SpecConfig
+    try:
+        return SpecConfig(**parse_spec(spec))
+    except TypeError as exc:
+        raise ValueError(f"spec: {exc}") from None
 
 
 def build_engine(model_dir: str, cfg: ServeConfig) -> Any:
