@@ -68,19 +68,19 @@ def greedy_accept(
     on_path = ~(ancestors & ~good_rows[:, None, :]).any(dim=-1)  # every ancestor-or-self row is good
     accepted = on_path[:, 1:] & valid  # [B, N]: one root-to-node path per row
     num_accepted = accepted.sum(dim=1)
-    # A node's depth is its count of ancestor-or-self rows, the root excluded.
-    depths = ancestors[:, 1:, 1:].sum(dim=-1)  # [B, N]
-    max_depth = int(depths.masked_fill(~valid, 0).max()) if width else 0
-    b_idx, node_idx = accepted.nonzero(as_tuple=True)
-    slot = depths[b_idx, node_idx] - 1
-    out = torch.full((batch, max_depth + 1), -1, dtype=torch.int64, device=tokens.device)
-    nodes = torch.full((batch, max_depth), -1, dtype=torch.int64, device=tokens.device)
-    out[b_idx, slot] = tokens[b_idx, node_idx]
-    nodes[b_idx, slot] = node_idx
-    # The path's ids increase with depth (parents precede children), so its last node is the largest id.
-    last_row = (accepted * torch.arange(1, width + 1, device=tokens.device)).amax(dim=1) if width else num_accepted
-    out.scatter_(1, num_accepted[:, None], target_argmax.gather(1, last_row[:, None]))
-    return out, num_accepted, nodes
+    # The path's ids increase with depth (parents precede children): sorting the accepted ids lists the
+    # path in depth order, and its last node is the largest id.
+    node_ids = torch.arange(width, device=tokens.device)
+    path = torch.where(accepted, node_ids, width).sort(dim=1).values  # [B, N], padding = width
+    on = path < width
+    nodes = torch.where(on, path, -1)
+    out = torch.where(on, tokens.gather(1, path.clamp_max(max(width - 1, 0))), -1)
+    bonus = target_argmax.gather(1, nodes.amax(dim=1, keepdim=True) + 1 if width else num_accepted[:, None])
+    out = torch.cat([out, torch.full_like(bonus, -1)], 1).scatter_(1, num_accepted[:, None], bonus)
+    # Same widths as the general verifier: D = the deepest valid node (a node's depth is its number of
+    # ancestor-or-self rows, the root excluded).
+    depth = int(ancestors[:, 1:, 1:].sum(dim=-1).masked_fill(~valid, 0).max()) if width else 0
+    return out[:, : depth + 1], num_accepted, nodes[:, :depth]
 
 
 def sampled_chain_accept(
