@@ -135,3 +135,35 @@ def test_dynamic_builder_ancestors_match_a_fresh_tree(top_k, depth, max_nodes, s
     for tree in (builder.candidates(), builder.build()):
         fresh = DraftTree(tree.tokens, tree.parents)
         assert torch.equal(tree.ancestors(), fresh.ancestors()) and torch.equal(tree.depths, fresh.depths)
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.tuples(st.lists(st.integers(0, 10**6), min_size=1, max_size=8), st.booleans(), st.booleans()),
+                min_size=1, max_size=4), st.integers(0, 2**31 - 1))
+def test_round_verify_equals_general_path_on_logits(drafts_spec, seed):
+    """The engine's round verification (argmax-only T = 0 drafts, probabilities only for sampled ones)
+    emits what the general verifier emits on logits_to_probs of every row, token for token, for a batch
+    mixing greedy and sampled sequences, chains and trees of different sizes."""
+    from types import SimpleNamespace
+
+    from serve_eval.spec.round_verify import SpecDraft, verify_round
+
+    gen = torch.Generator().manual_seed(seed)
+    drafts, seqs, root_rows, row = {}, [], {}, 0
+    for b, (seeds, is_tree, greedy) in enumerate(drafts_spec):
+        tokens = torch.randint(0, VOCAB, (len(seeds),), generator=gen)
+        tree = DraftTree(tokens, torch.tensor(random_parents(seeds))) if is_tree else DraftTree.chain(tokens)
+        drafts[b] = SpecDraft(b, tree, is_tree)
+        params = SimpleNamespace(temperature=0.0 if greedy else 0.9, top_k=0, top_p=1.0)
+        seqs.append(SimpleNamespace(params=params, request_id=f"r{b}"))
+        root_rows[b], row = row, row + len(seeds) + 1
+    logits = 2 * torch.randn(row, VOCAB, generator=gen)
+    fast = verify_round(logits, root_rows, drafts, seqs,
+                        [torch.Generator().manual_seed(seed + b) for b in range(len(seqs))]).results
+    for b, seq in enumerate(seqs):
+        tree = drafts[b].tree
+        rows = logits[root_rows[b]:root_rows[b] + tree.num_nodes + 1]
+        probs = logits_to_probs(rows, seq.params.temperature)[None]
+        ref = verify_reference(tree.tokens[None], tree.parents[None], probs, seq.params.temperature == 0,
+                               [torch.Generator().manual_seed(seed + b)])
+        assert fast[b] == ref.to_results()[0]

@@ -19,7 +19,7 @@ from torch.nn.utils.rnn import pad_sequence
 from kernels.sampling import logits_to_probs
 from serve_eval.spec.tree import DraftTree
 from serve_eval.spec.verify import VerifyResult, verify_batch
-from serve_eval.spec.verify_fast import greedy_accept, greedy_chain_counts, sampled_chain_accept
+from serve_eval.spec.verify_fast import greedy_accept, greedy_chain_accepted, sampled_chain_accept
 
 
 @dataclass
@@ -57,12 +57,23 @@ class _Packed:
         self.padded = min(self.counts) != self.width
         self.tokens = (self.trees[0].tokens[None] if len(ids) == 1 else  # int64 [B, N]
                        pad_sequence([t.tokens for t in self.trees], batch_first=True)).to(device)
-        self.num_nodes = torch.tensor(self.counts, dtype=torch.int64, device=device)  # [B]
-        local = torch.arange(self.width + 1, device=device)[None, :]
+        self.starts = [root_rows[i] for i in ids]  # logits row of each draft's root; its nodes follow
+
+    @cached_property
+    def num_nodes(self) -> Tensor:  # int64 [B]
+        return torch.tensor(self.counts, dtype=torch.int64, device=self.device)
+
+    @cached_property
+    def rows(self) -> Tensor:  # int64 [B, N+1]: logits row of [root, nodes...]
+        local = torch.arange(self.width + 1, device=self.device)[None, :]
         if self.padded:  # padding rows repeat each draft's last row (any valid row would do)
             local = torch.minimum(local, self.num_nodes[:, None])
-        start = torch.tensor([root_rows[i] for i in ids], dtype=torch.int64, device=device)
-        self.rows = start[:, None] + local  # int64 [B, N+1]: logits row of [root, nodes...]
+        return torch.tensor(self.starts, dtype=torch.int64, device=self.device)[:, None] + local
+
+    def gather_rows(self, values: Tensor) -> Tensor:  # [R, ...] per logits row -> [B, N+1, ...]
+        if len(self.ids) == 1:  # one draft: its rows are one contiguous slice, a view
+            return values[self.starts[0]:self.starts[0] + self.width + 1][None]
+        return values[self.rows]
 
     @cached_property
     def parents(self) -> Tensor:  # int64 [B, N]
@@ -88,14 +99,13 @@ def _stacked_ancestors(trees: list[DraftTree], width: int) -> Tensor:  # bool [B
 
 def _greedy(logits_argmax: Tensor, packed: _Packed, drafts: dict[int, SpecDraft]) -> tuple[list, Tensor | None]:
     """-> per draft (emitted tokens, accepted count, accepted node ids), and accepted nodes [B, D] for trees."""
-    target_argmax = logits_argmax[packed.rows]  # [B, N+1]
+    target_argmax = packed.gather_rows(logits_argmax)  # [B, N+1]
     if packed.chains:
         valid = packed.valid_rows[:, 1:] if packed.padded else None
-        num_accepted, bonus = greedy_chain_counts(packed.tokens, target_argmax, valid)
-        found = torch.stack([num_accepted, bonus]).tolist()
-        out = []
-        for i, count, last in zip(packed.ids, *found):
-            out.append((drafts[i].tree.tokens[:count].tolist() + [last], count, list(range(count))))
+        counts = greedy_chain_accepted(packed.tokens, target_argmax, valid).tolist()
+        # Per draft, not per token: its accepted prefix, then the argmax of the row after it.
+        rows = zip(counts, packed.tokens.tolist(), target_argmax.tolist())
+        out = [(tokens[:count] + [argmax[count]], count, list(range(count))) for count, tokens, argmax in rows]
         return out, None  # a chain's accepted nodes already sit at their depth: nothing to compact
     ancestors = _stacked_ancestors(packed.trees, packed.width)
     tokens, num_accepted, nodes = greedy_accept(packed.tokens, packed.parents, target_argmax, packed.num_nodes,

@@ -28,16 +28,24 @@ def _valid(num_nodes: Tensor | None, batch: int, width: int, device) -> tuple[Te
     return num_nodes, torch.arange(width, device=device)[None, :] < num_nodes[:, None]  # [B], bool [B, N]
 
 
+def greedy_chain_accepted(
+    tokens: Tensor,  # int64 [B, K]
+    target_argmax: Tensor,  # int64 [B, K+1], row 0 = root
+    valid: Tensor | None = None,  # bool [B, K]; None = no padding
+) -> Tensor:  # int64 [B]
+    """Greedy chains: accepted drafts = the leading run of matches with the previous row's argmax."""
+    match = tokens == target_argmax[:, :-1]
+    if valid is not None:
+        match &= valid
+    return match.cumprod(dim=1).sum(dim=1)
+
+
 def greedy_chain_counts(
     tokens: Tensor,  # int64 [B, K]
     target_argmax: Tensor,  # int64 [B, K+1], row 0 = root
     valid: Tensor | None = None,  # bool [B, K]; None = no padding
 ) -> tuple[Tensor, Tensor]:  # num_accepted [B], bonus / correction token [B]
-    """Greedy chains: accepted drafts = the leading run of matches with the previous row's argmax."""
-    match = tokens == target_argmax[:, :-1]
-    if valid is not None:
-        match &= valid
-    num_accepted = match.long().cumprod(dim=1).sum(dim=1)
+    num_accepted = greedy_chain_accepted(tokens, target_argmax, valid)
     return num_accepted, target_argmax.gather(1, num_accepted[:, None])[:, 0]
 
 
