@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 from torch.nn.utils.rnn import pad_sequence
 
-from kernels.sampling import logits_to_probs
+from kernels.sampling import argmax_rows, logits_to_probs
 from serve_eval.spec.tree import DraftTree
 from serve_eval.spec.verify import VerifyResult, verify_batch
 from serve_eval.spec.verify_fast import greedy_accept, greedy_chain_accepted, sampled_chain_accept
@@ -169,7 +169,7 @@ def verify_round(
     sampled_ids = [i for i in sorted(drafts) if seqs[i].params.temperature != 0]
     results: dict[int, VerifyResult] = {}
     accepted = []
-    logits_argmax = logits.argmax(dim=-1) if greedy_ids else None  # [R]: one pass, no row copies
+    logits_argmax = argmax_rows(logits) if greedy_ids else None  # [R]: one pass, no row copies
     for ids in (greedy_ids, sampled_ids):
         if not ids:
             continue
