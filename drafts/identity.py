@@ -74,3 +74,23 @@ def target_fingerprint(model_dir: str | Path) -> str:
         for f in handles.values():
             f.close()
     return digest.hexdigest()[:FINGERPRINT_CHARS]
+
+
+def tokenizer_hash(model_dir: Path) -> str | None:
+    """Hash of the vocabulary a checkpoint's tokenizer maps text to; None when it ships no tokenizer.
+
+    tokenizer.json is reduced to its model (vocab, merges) and added tokens, so a rewrite by another
+    transformers version (key order, padding options) does not read as a vocabulary change.
+    """
+    fast = model_dir / "tokenizer.json"
+    if fast.is_file():
+        try:
+            raw = json.loads(fast.read_text())
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{fast}: not valid JSON ({err})") from None
+        payload = json.dumps([raw.get("model"), raw.get("added_tokens")], sort_keys=True).encode()
+        return hashlib.sha256(payload).hexdigest()[:16]
+    for name in ("tokenizer.model", "vocab.json"):  # sentencepiece / byte-level BPE vocab files
+        if (model_dir / name).is_file():
+            return hashlib.sha256((model_dir / name).read_bytes()).hexdigest()[:16]
+    return None

@@ -1,7 +1,7 @@
 """The retrain-hook demonstration: a target update, the drop in its drafts' acceptance, the hook's recovery.
 
-    python -m train.demo_update [--quick] [--kinds eagle medusa] [--domain code] [--registry DIR] [key=value ...]
-    scripts/demo_target_update.sh [--quick]
+    scripts/demo_target_update.sh [--quick] [--kinds eagle medusa] [--domain code] [--registry DIR] [key=value ...]
+    python scripts/demo_target_update.py ...     (the same, without the venv activation)
 
 1. the embedded target (``--target DIR`` for another) and its promoted drafts in the registry; when the
    registry has none of a kind, one is distilled here with a bounded recipe (``--steps`` on
@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from dataclasses import asdict, dataclass, field, replace
@@ -32,10 +33,12 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from drafts.artifacts import Artifacts
-from train import hook_decision as rules
-from train.finetune import FinetuneConfig, FinetuneResult
-from train.target import TARGET_META_FILE
+sys.path.insert(0, os.fspath(Path(__file__).resolve().parents[1]))   # run as a script from any directory
+
+from drafts.artifacts import Artifacts  # noqa: E402
+from train.hook import decision as rules  # noqa: E402
+from train.finetune import FinetuneConfig, FinetuneResult  # noqa: E402
+from train.target import TARGET_META_FILE  # noqa: E402
 
 DEMO_DIR = "demo-target-update"
 
@@ -98,7 +101,6 @@ def say(message: str) -> None:
 
 def resolve_target(cfg: DemoConfig, overrides: list[str]) -> tuple[Path, Any]:
     """(target dir, corpus): ``--target`` as given, else the embedded one through the pipeline's caches."""
-    from drafts.artifacts import Artifacts
     from train.artifacts import artifacts_from_config
     from train.config import compose
     from train.corpus import build_corpus
@@ -123,10 +125,10 @@ def evaluate(target_dir: Path, drafts: dict[str, Path], overrides: list[str], do
 def ensure_drafts(cfg: DemoConfig, registry: Any, target_dir: Path, overrides: list[str], work: Path) -> dict[str, Any]:
     """Promoted drafts of the target per kind; the missing kinds are distilled, evaluated and promoted here."""
     from serve_eval.eval.report_files import write_report
-    from train import hook_jobs
-    from train.registry import TargetInfo
+    from train.hook import jobs as hook_jobs
+    from train.registry.records import RegisteredTarget
 
-    info = TargetInfo.from_dir(target_dir)
+    info = RegisteredTarget.from_dir(target_dir)
     have = {e.kind: e for e in registry.promoted(info.fingerprint)}
     missing = [k for k in cfg.kinds if k not in have or not have[k].report_path]
     if not missing:
@@ -152,13 +154,13 @@ def ensure_drafts(cfg: DemoConfig, registry: Any, target_dir: Path, overrides: l
     report_path = write_report(report, work / "reports" / "initial-drafts", plots=False).json
     for kind, path in made.items():
         have[kind] = registry.add(path, info, report_path=report_path, report_method=kind, status="promoted",
-                                  note="trained by train.demo_update")
+                                  note="trained by scripts/demo_target_update.py")
     return {k: have[k] for k in cfg.kinds}
 
 
 def _initial_data(target_dir: Path, home: Path, overrides: list[str]) -> Path:
     """All domains answered by the target; the dir is keyed by the prompts and settings, so a rerun reuses it."""
-    from train import hook_jobs
+    from train.hook import jobs as hook_jobs
     from drafts.files import stable_hash
 
     plan = {d: 1.0 for d in _corpus_domains(target_dir, overrides)}
@@ -168,10 +170,9 @@ def _initial_data(target_dir: Path, home: Path, overrides: list[str]) -> Path:
 
 
 def _corpus_domains(target_dir: Path, overrides: list[str]) -> list[str]:
-    from drafts.artifacts import Artifacts
     from train.artifacts import artifacts_from_config
     from train.corpus import build_corpus
-    from train.hook_jobs import _REGENERATE_KEYS, compose_for
+    from train.hook.jobs import _REGENERATE_KEYS, compose_for
 
     job = compose_for(target_dir, overrides, ["draft=standalone"], owned=_REGENERATE_KEYS)
     corpus, _ = build_corpus(job, artifacts_from_config(job))
@@ -183,7 +184,6 @@ def update_target(cfg: DemoConfig, base_dir: Path, corpus_dir: Path) -> tuple[Pa
     from drafts.identity import target_fingerprint
     from drafts.artifacts import Artifacts
     from drafts.files import is_complete, stable_hash
-    from train.artifacts import artifacts_from_config
     from train.finetune import finetune_from_corpus
 
     key = stable_hash({"base": target_fingerprint(base_dir), "finetune": asdict(cfg.finetune), "corpus": str(corpus_dir)})
@@ -196,14 +196,14 @@ def update_target(cfg: DemoConfig, base_dir: Path, corpus_dir: Path) -> tuple[Pa
 
 
 def run_hook(cfg: DemoConfig, new_dir: Path, old_dir: Path, overrides: list[str], work: Path) -> tuple[int, dict, float]:
-    from train import hook
+    from train.hook import cli as hook_cli
 
     argv = ["target-updated", f"target.path={new_dir}", f"baseline={old_dir}", f"registry={_registry_root(cfg)}",
             f"hook.threshold={cfg.threshold}", f"hook.record={work / 'decision.json'}",
             *overrides, f"++train.max_steps={cfg.hook_steps}"]
     say("running: draftsmith hook " + " ".join(argv))
     start = time.perf_counter()
-    code = hook.main(argv)
+    code = hook_cli.main(argv)
     wall = time.perf_counter() - start
     record_path = work / "decision.json"
     if not record_path.is_file():
@@ -214,7 +214,7 @@ def run_hook(cfg: DemoConfig, new_dir: Path, old_dir: Path, overrides: list[str]
 def scratch_baseline(cfg: DemoConfig, kinds: list[str], new_dir: Path, domains: list[str], overrides: list[str],
                      work: Path) -> dict[str, Any]:
     """The same kinds distilled from scratch on the new target with the original recipe; timed like the hook."""
-    from train import hook_jobs
+    from train.hook import jobs as hook_jobs
 
     start = time.perf_counter()
     data = hook_jobs.regenerate(target_dir=new_dir, plan={d: 1.0 for d in domains}, out_dir=work / "scratch-data",
@@ -296,7 +296,7 @@ def render(summary: dict[str, Any]) -> str:
 
 def run_demo(cfg: DemoConfig, extra: list[str] | None = None) -> dict[str, Any]:
     """The whole demonstration; returns the summary (also written to the work dir)."""
-    from train.registry import Registry
+    from train.registry.store import Registry
 
     cfg.validate()
     stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S")
@@ -335,10 +335,10 @@ def run_demo(cfg: DemoConfig, extra: list[str] | None = None) -> dict[str, Any]:
 
 
 def parse_args(argv: list[str]) -> tuple[DemoConfig, list[str]]:
-    from train.registry import split_key_values
+    from train.registry.cli import split_key_values
 
     pairs, rest = split_key_values(argv)
-    p = argparse.ArgumentParser(prog="python -m train.demo_update", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="scripts/demo_target_update.sh", description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="a bounded run of the whole flow (a few minutes)")
     p.add_argument("--kinds", nargs="+", default=None)
     p.add_argument("--no-scratch", dest="scratch", action="store_false", help="skip the from-scratch baseline")

@@ -3,10 +3,10 @@
 #   scripts/demo_target_update.sh            # full run (about 20 minutes on 2 CPU cores)
 #   scripts/demo_target_update.sh --quick    # the whole flow, bounded (a few minutes; noisy figures)
 #   scripts/demo_target_update.sh --kinds eagle medusa --domain math eval.max_tokens=64
-# Extra arguments go to `python -m train.demo_update` (see its --help).
+# Extra arguments go to scripts/demo_target_update.py (see its --help).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [ -f .venv/bin/activate ]; then . .venv/bin/activate; fi
 # On a shared or oversubscribed CPU, spinning OpenMP workers make torch 5-10x slower; sleep instead.
 export OMP_WAIT_POLICY="${OMP_WAIT_POLICY:-PASSIVE}"
-exec python -m train.demo_update "$@"
+exec python scripts/demo_target_update.py "$@"

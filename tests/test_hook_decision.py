@@ -21,9 +21,12 @@ from safetensors.torch import save_file
 from serve_eval.eval.report import Report, ResultRow, SkippedEntry
 from serve_eval.eval.report_files import write_report
 from serve_eval.eval.report import TargetInfo as ReportTarget
-from train import hook_decision as rules
-from train.hook import Collaborators, HookOptions, main, run_hook
-from train.registry import Registry, TargetInfo
+from train.hook import decision as rules
+from train.hook.cli import main, run_hook
+from train.hook.collaborators import Collaborators
+from train.hook.state import HookOptions
+from train.registry.records import RegisteredTarget
+from train.registry.store import Registry
 
 DOMAINS = ["chat", "code", "math", "prose"]
 OLD = {"chat": 0.70, "code": 0.75, "math": 0.68, "prose": 0.72}
@@ -181,7 +184,7 @@ def world(tmp_path):
         draft = make_draft(tmp_path / name, {"old": OLD, "new": new_alphas})
         report = FakeEvaluator().evaluate(old_t, {"eagle3": draft}, DOMAINS, "full")
         files = write_report(report, tmp_path / f"{name}-report", plots=False)
-        registry.add(draft, TargetInfo.from_dir(old_t), report_path=files.json, status="promoted")
+        registry.add(draft, RegisteredTarget.from_dir(old_t), report_path=files.json, status="promoted")
         return draft
 
     return type("World", (), {"old": old_t, "new": new_t, "registry": registry, "install": staticmethod(install),
@@ -265,7 +268,7 @@ def test_draft_the_eval_cannot_run_is_retrained_on_every_domain(world, tmp_path)
     draft = make_draft(tmp_path / "eagle-x", {"old": OLD})
     files = write_report(FakeEvaluator().evaluate(world.old, {"eagle3": draft}, DOMAINS, "full"), tmp_path / "r",
                          plots=False)
-    world.registry.add(draft, TargetInfo.from_dir(world.old), report_path=files.json, status="promoted")
+    world.registry.add(draft, RegisteredTarget.from_dir(world.old), report_path=files.json, status="promoted")
     code, record, _, _, regen, distiller = hook(world, FakeDistiller({"new": OLD}))
     [outcome] = record["drafts"]
     assert "could not run it on the new target" in outcome["reason"] and "aux layer 7" in outcome["reason"]
@@ -385,7 +388,7 @@ def test_real_load_check_catches_a_shape_change(tmp_path):
     refuses it, naming hidden_size, when the new target's hidden size changed."""
     from drafts.io import save_draft
     from drafts.medusa import MedusaConfig, MedusaDraft
-    from train.hook import DraftIOLoader
+    from train.hook.collaborators import DraftIOLoader
 
     draft = save_draft(MedusaDraft(MedusaConfig(hidden_size=64, vocab_size=128, num_heads=2)), tmp_path / "medusa",
                        target_fingerprint="0" * 16)

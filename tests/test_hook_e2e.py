@@ -21,7 +21,7 @@ os.environ.setdefault("DRAFTSMITH_NO_PROGRESS", "1")
 
 @pytest.fixture(scope="module")
 def demo(tmp_path_factory):
-    from train.demo_update import DemoConfig, run_demo
+    from demo_target_update import DemoConfig, run_demo
     from train.finetune import FinetuneConfig
 
     torch.set_num_threads(1)
@@ -76,7 +76,7 @@ def test_registry_follows_the_record(demo):
     """Old target: the demo's promoted draft. New target: the candidate is promoted iff the record says so,
     else the old draft is carried over as the promoted one; the candidate was warm-started (its metrics
     name the old draft's run lineage field) and trained for the hook's step budget."""
-    from train.registry import Registry
+    from train.registry.store import Registry
 
     tmp, _, summary = demo
     registry = Registry(tmp / "artifacts")
@@ -95,7 +95,7 @@ def test_registry_follows_the_record(demo):
 def test_demo_table_carries_the_record_figures(demo):
     """Every alpha of the printed table is the record's, the recovered share is (cand - new)/(old - new),
     and the from-scratch baseline was timed when the hook retrained."""
-    from train.demo_update import render
+    from demo_target_update import render
 
     _, _, summary = demo
     draft = json.loads(Path(summary["decision_record"]).read_text())["drafts"][0]
@@ -115,7 +115,7 @@ def test_planned_records_keep_the_full_jobs_prompts_per_share():
     """A regressed domain (share 1) gets exactly the prompts a from-scratch job would use; a replayed one
     (share 0.25) a prefix of them; a domain outside the plan none; a share outside [0, 1] is refused."""
     from train.generate import interleave_domains
-    from train.hook_jobs import planned_records
+    from train.hook.jobs import planned_records
 
     records = [{"domain": d, "prompt": f"{d}{i}", "reference": ""} for d in ("code", "math", "chat") for i in range(10)]
     full = interleave_domains(records, 24)  # 8 per domain

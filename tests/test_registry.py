@@ -13,8 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from train import registry as reg_mod
-from train.registry import Registry, RegistryLockedError, TargetInfo, main
+from train.registry import cli as registry_cli
+from train.registry.cli import main
+from train.registry.records import RegisteredTarget
+from train.registry.store import Registry, RegistryLockedError
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -28,7 +30,7 @@ def make_draft(path: Path, kind: str = "eagle3", fingerprint: str = "a" * 16) ->
     return path
 
 
-TARGET = TargetInfo("a" * 16, "/targets/old", vocab_size=128, hidden_size=64, num_layers=2, tokenizer_hash="t1")
+TARGET = RegisteredTarget("a" * 16, "/targets/old", vocab_size=128, hidden_size=64, num_layers=2, tokenizer_hash="t1")
 
 
 def wait_for(path: Path, proc: subprocess.Popen) -> None:
@@ -45,7 +47,7 @@ def spawn_lock_holder(root: Path, tmp: Path) -> tuple[subprocess.Popen, Path, Pa
     code = textwrap.dedent(f"""
         import time
         from pathlib import Path
-        from train.registry import Registry
+        from train.registry.store import Registry
         with Registry({str(root)!r}).locked():
             Path({str(locked)!r}).touch()
             while not Path({str(release)!r}).exists():
@@ -155,9 +157,10 @@ def test_concurrent_writers_lose_no_update(tmp_path):
     code = textwrap.dedent("""
         import json, sys
         from pathlib import Path
-        from train.registry import Registry, TargetInfo
+        from train.registry.records import RegisteredTarget
+        from train.registry.store import Registry
         root, tag = sys.argv[1], sys.argv[2]
-        target = TargetInfo("a" * 16, "/targets/old")
+        target = RegisteredTarget("a" * 16, "/targets/old")
         registry = Registry(root)
         for i in range(12):
             d = Path(root).parent / f"{tag}-{i}"
@@ -205,8 +208,8 @@ def test_cli_add_from_target_dir_and_key_value_root(tmp_path, capsys, monkeypatc
     assert main([f"artifacts_root={tmp_path / 'art'}", "add", str(draft), "--target-dir", str(target),
                  "--status", "promoted"]) == 0
     assert "registered" in capsys.readouterr().out
-    info = TargetInfo.from_dir(target)
+    info = RegisteredTarget.from_dir(target)
     [entry] = Registry(tmp_path / "art").promoted(info.fingerprint)
     assert entry.path == str(draft.resolve())
     assert Registry(tmp_path / "art").read(info.fingerprint).target.vocab_size == 128
-    assert reg_mod.registry_root({}, None) == Path("artifacts")
+    assert registry_cli.registry_root({}, None) == Path("artifacts")

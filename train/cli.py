@@ -22,8 +22,8 @@ JOBS: dict[str, tuple[str, str]] = {
     "plan": ("serve_eval.eval.plan:main", "predict speedups and memory from a target config and the hardware"),
     "serve": ("train.jobs:serve_main", "OpenAI-compatible HTTP server with speculative decoding"),
     "export": ("drafts.export:main", "export a draft to vLLM (EAGLE-1, speculators EAGLE-3) / SGLang / Medusa layouts"),
-    "hook": ("train.hook:main", "target changed? re-measure, re-distill on regression, promote if better"),
-    "drafts": ("train.registry:main", "list / show / promote / retire the drafts filed under each target"),
+    "hook": ("train.hook.cli:main", "target changed? re-measure, re-distill on regression, promote if better"),
+    "drafts": ("train.registry.cli:main", "list / show / promote / retire the drafts filed under each target"),
 }
 
 

@@ -153,14 +153,15 @@ def print_report(ctx: PipelineContext) -> None:
 
 def stage_register(ctx: PipelineContext) -> dict[str, Any]:
     """Each draft of this run -> promoted in the registry, with this run's report (idempotent on reruns)."""
-    from train.registry import Registry, TargetInfo
+    from train.registry.records import RegisteredTarget
+    from train.registry.store import Registry
 
     if "eval" not in ctx.results:
         raise ValueError("pipeline.stages: 'register' needs the 'eval' stage before it")
     target = ctx.results["target"]
     report_path = (Path(ctx.results["eval"]) / "report.json").resolve()
     registry = Registry(ctx.artifacts.root)
-    info = TargetInfo.from_dir(target.model_dir)
+    info = RegisteredTarget.from_dir(target.model_dir)
     fields: dict[str, Any] = {}
     for kind, draft_dir in run_drafts(ctx).items():
         path = str(Path(draft_dir).resolve())

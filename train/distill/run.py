@@ -218,7 +218,7 @@ def read_throughput(metrics_file: Path) -> float | None:
 def train_and_export(cfg: DictConfig, prepared: Prepared, out_dir: Path | None = None,
                      extra_metrics: dict[str, Any] | None = None) -> Path | None:
     """Train and export; ``out_dir`` (default: the keyed drafts dir) and ``extra_metrics`` (into
-    draftsmith.json) let the retrain hook (train.hook_jobs) choose where its candidate lands."""
+    draftsmith.json) let the retrain hook (train.hook.jobs) choose where its candidate lands."""
     from train.distill.launch import LauncherConfig
     from train.distill.objectives.teacher import Teacher
     from train.distill.trainer import Trainer

@@ -1,6 +1,6 @@
 """The retrain hook's decisions, as pure functions over per-domain acceptance rates.
 
-Nothing here reads files, trains or evaluates: `train.hook` gathers the numbers and acts on what
+Nothing here reads files, trains or evaluates: the hook's steps gather the numbers and acts on what
 these functions answer, so every rule below is tested on scripted values.
 
 Alphas are fractions in [0, 1]; "5 points" of alpha is 0.05.
@@ -21,6 +21,10 @@ EXIT_ERROR = 2       # bad input, incompatible target without from-scratch retra
 EXIT_NOT_PROMOTED = 3  # retrained, but a candidate did not beat the old draft
 
 SCOPES = ("regressed", "all")
+
+
+class HookError(ValueError):
+    """Bad input or a state the hook cannot act on; the message says which."""
 
 
 @dataclass(frozen=True)
@@ -149,7 +153,7 @@ def promotion_check(bar: Mapping[str, float | None], candidate: Mapping[str, flo
 def vocab_change(old: Mapping[str, Any], new: Mapping[str, Any]) -> str | None:
     """Why drafts of ``old`` cannot read ``new``'s tokens (None = same vocabulary, as far as known).
 
-    Compares vocab_size and the tokenizer hash (train.registry.tokenizer_hash); a side that does not
+    Compares vocab_size and the tokenizer hash (drafts.identity.tokenizer_hash); a side that does not
     know a field (None) is not evidence of a change.
     """
     reasons = []
