@@ -19,7 +19,7 @@ from torch.nn.utils.rnn import pad_sequence
 from kernels.sampling import argmax_rows, logits_to_probs
 from serve_eval.spec.tree import DraftTree
 from serve_eval.spec.verify import VerifyResult, verify_batch
-from serve_eval.spec.verify_fast import greedy_accept, greedy_chain_accepted, sampled_chain_accept
+from serve_eval.spec.verify_fast import greedy_chain_accepted, greedy_tree_paths, sampled_chain_accept
 
 
 @dataclass
@@ -107,10 +107,16 @@ def _greedy(logits_argmax: Tensor, packed: _Packed, drafts: dict[int, SpecDraft]
         rows = zip(counts, packed.tokens.tolist(), target_argmax.tolist())
         out = [(tokens[:count] + [argmax[count]], count, list(range(count))) for count, tokens, argmax in rows]
         return out, None  # a chain's accepted nodes already sit at their depth: nothing to compact
-    ancestors = _stacked_ancestors(packed.trees, packed.width)
-    tokens, num_accepted, nodes = greedy_accept(packed.tokens, packed.parents, target_argmax, packed.num_nodes,
-                                                False, ancestors.to(packed.tokens.device))
-    return _rows(tokens, num_accepted, nodes), nodes
+    ancestors = _stacked_ancestors(packed.trees, packed.width).to(packed.tokens.device)
+    valid = packed.valid_rows[:, 1:] if packed.padded else None
+    num_accepted, path = greedy_tree_paths(packed.tokens, packed.parents, target_argmax, ancestors, valid)
+    out = []
+    for count, ids, tokens, argmax in zip(num_accepted.tolist(), path.tolist(), packed.tokens.tolist(),
+                                          target_argmax.tolist()):
+        ids = ids[:count]  # per draft: its path, its tokens, then the argmax of the last accepted row
+        out.append(([tokens[n] for n in ids] + [argmax[ids[-1] + 1 if ids else 0]], count, ids))
+    width = path.shape[1]
+    return out, torch.where(path < width, path, -1)
 
 
 def _rows(tokens: Tensor, num_accepted: Tensor, nodes: Tensor) -> list:

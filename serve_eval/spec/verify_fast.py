@@ -66,20 +66,8 @@ def greedy_accept(
         out = torch.cat([torch.where(accepted, tokens, -1), torch.full_like(bonus[:, None], -1)], 1)
         nodes = torch.where(accepted, torch.arange(width, device=tokens.device), -1)
         return out.scatter_(1, num_accepted[:, None], bonus[:, None]), num_accepted, nodes
-    match = valid & (tokens == target_argmax.gather(1, parents + 1))  # [B, N]
-    # Among siblings with the right token only the first (lowest id) is followed.
-    same_parent = parents[:, :, None] == parents[:, None, :]  # [B, N, N]
-    earlier = torch.ones(width, width, dtype=torch.bool, device=tokens.device).tril_(-1)
-    shadowed = (same_parent & earlier & match[:, None, :]).any(dim=-1)
-    good_rows = F.pad(match & ~shadowed, (1, 0), value=True)  # [B, N+1], the root is always reached
     ancestors = tree_ancestors(parents) if ancestors is None else ancestors  # [B, N+1, N+1]
-    on_path = ~(ancestors & ~good_rows[:, None, :]).any(dim=-1)  # every ancestor-or-self row is good
-    accepted = on_path[:, 1:] & valid  # [B, N]: one root-to-node path per row
-    num_accepted = accepted.sum(dim=1)
-    # The path's ids increase with depth (parents precede children): sorting the accepted ids lists the
-    # path in depth order, and its last node is the largest id.
-    node_ids = torch.arange(width, device=tokens.device)
-    path = torch.where(accepted, node_ids, width).sort(dim=1).values  # [B, N], padding = width
+    num_accepted, path = greedy_tree_paths(tokens, parents, target_argmax, ancestors, valid)
     on = path < width
     nodes = torch.where(on, path, -1)
     out = torch.where(on, tokens.gather(1, path.clamp_max(max(width - 1, 0))), -1)
@@ -89,6 +77,33 @@ def greedy_accept(
     # ancestor-or-self rows, the root excluded).
     depth = int(ancestors[:, 1:, 1:].sum(dim=-1).masked_fill(~valid, 0).max()) if width else 0
     return out[:, : depth + 1], num_accepted, nodes[:, :depth]
+
+
+def greedy_tree_paths(
+    tokens: Tensor,  # int64 [B, N]
+    parents: Tensor,  # int64 [B, N], -1 = root
+    target_argmax: Tensor,  # int64 [B, N+1], row 0 = root
+    ancestors: Tensor,  # bool [B, N+1, N+1] over rows (0 = root)
+    valid: Tensor | None = None,  # bool [B, N]; None = no padding
+) -> tuple[Tensor, Tensor]:  # num_accepted [B], path [B, N]: accepted node ids in depth order, then N
+    """The greedy path of each tree: a node is good when its token is its parent row's argmax and it is
+    the first such child (all good siblings share that token, so the lowest id wins); it is accepted
+    when every ancestor-or-self is good. The accepted ids increase with depth (parents precede
+    children), so sorting them lists the path in depth order."""
+    batch, width = tokens.shape
+    parent_rows = parents + 1
+    match = tokens == target_argmax.gather(1, parent_rows)  # [B, N]
+    if valid is not None:
+        match &= valid
+    node_ids = torch.arange(width, device=tokens.device).expand(batch, width)
+    candidate = torch.where(match, node_ids, width)
+    first = candidate.new_full((batch, width + 1), width).scatter_reduce_(1, parent_rows, candidate, "amin")
+    good_rows = F.pad(match & (candidate == first.gather(1, parent_rows)), (1, 0), value=True)  # [B, N+1]
+    on_path = ~(ancestors[:, 1:] & ~good_rows[:, None, :]).any(dim=-1)  # [B, N]
+    if valid is not None:  # padding rows of the ancestor matrix may be empty, hence "on every path"
+        on_path &= valid
+    path = torch.where(on_path, node_ids, width).sort(dim=1).values
+    return on_path.sum(dim=1), path
 
 
 def sampled_chain_accept(
