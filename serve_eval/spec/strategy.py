@@ -222,14 +222,15 @@ class SpeculativeStrategy:
         src, dst = [], []
         for seq_index, nodes in outcome.accepted:  # nodes [B, D], -1 padded
             depth = torch.arange(nodes.shape[1])
-            move = (nodes >= 0) & (nodes != depth)  # a node already at its depth's slot stays
-            root = cu_t[seq_index][:, None].expand_as(nodes)
-            src.append((root + 1 + nodes)[move])
-            dst.append((root + 1 + depth).expand_as(nodes)[move])
+            # The path node at depth index d has id >= d (ids are topological); equal means it already sits
+            # in its slot, and padding (-1) never moves.
+            move = nodes > depth
+            first_slot = cu_t[seq_index][:, None] + 1  # [B, 1]: the slot right after each root
+            src.append((first_slot + nodes)[move])
+            dst.append((first_slot + depth).expand_as(nodes)[move])
         src_t, dst_t = torch.cat(src), torch.cat(dst)
         if src_t.numel():
-            index = torch.cat([src_t, dst_t]).to(slot_mapping.device)
-            slots = slot_mapping[index]
+            slots = slot_mapping[torch.cat([src_t, dst_t]).to(slot_mapping.device)]
             engine.executor.copy_slots(slots[:src_t.numel()], slots[src_t.numel():])
 
     def _feed_features(self, out, fwd, cu: list[int], drafts, results) -> None:
