@@ -114,25 +114,7 @@ class SpeculativeStrategy:
 
         # 1. propose for decode sequences that got lookahead slots
         spec_idx = [i for i, la in enumerate(out.num_lookahead_tokens) if la > 0]
-        drafts: dict[int, SpecDraft] = {}
-        draft_time = 0.0
-        if spec_idx:
-            seqs = [out.seqs[i] for i in spec_idx]
-            ks = [max(1, min(self._k.get(s.request_id, 1), out.num_lookahead_tokens[i]))
-                  if not self.config.uses_tree else max(1, self._k.get(s.request_id, 1))
-                  for s, i in zip(seqs, spec_idx)]
-            t0 = time.perf_counter()
-            proposals = self.proposer.propose(seqs, ks)
-            draft_time += time.perf_counter() - t0
-            if len(proposals) != len(seqs):
-                raise ValueError(f"proposer returned {len(proposals)} proposals for {len(seqs)} sequences")
-            for i, proposal in zip(spec_idx, proposals):
-                proposal.validate(engine.executor.vocab_size)
-                if proposal.tree is not None:
-                    self.config.check_tree(proposal.tree.num_nodes)
-                d = _as_draft(i, proposal, out.num_lookahead_tokens[i])
-                if d.num_nodes:
-                    drafts[i] = d
+        drafts, draft_time = self._propose(engine, out, spec_idx)
 
         # 2. one target forward over all scheduled tokens
         t_target = time.perf_counter()
@@ -191,6 +173,29 @@ class SpeculativeStrategy:
             rejected[i] = out.num_lookahead_tokens[i] - (results[i].num_accepted_drafts if i in results else 0)
         self._record(engine, out, drafts, results, draft_time, target_time)
         return StepResult(new_tokens, rejected)
+
+    def _propose(self, engine: "LLMEngine", out: SchedulerOutput, spec_idx: list[int]) -> tuple[dict[int, SpecDraft], float]:
+        """One proposer call for the sequences with lookahead slots -> their non-empty drafts, and its time."""
+        drafts: dict[int, SpecDraft] = {}
+        if not spec_idx:
+            return drafts, 0.0
+        seqs = [out.seqs[i] for i in spec_idx]
+        ks = [max(1, min(self._k.get(s.request_id, 1), out.num_lookahead_tokens[i]))
+              if not self.config.uses_tree else max(1, self._k.get(s.request_id, 1))
+              for s, i in zip(seqs, spec_idx)]
+        t0 = time.perf_counter()
+        proposals = self.proposer.propose(seqs, ks)
+        draft_time = time.perf_counter() - t0
+        if len(proposals) != len(seqs):
+            raise ValueError(f"proposer returned {len(proposals)} proposals for {len(seqs)} sequences")
+        for i, proposal in zip(spec_idx, proposals):
+            proposal.validate(engine.executor.vocab_size)
+            if proposal.tree is not None:
+                self.config.check_tree(proposal.tree.num_nodes)
+            d = _as_draft(i, proposal, out.num_lookahead_tokens[i])
+            if d.num_nodes:
+                drafts[i] = d
+        return drafts, draft_time
 
     def _tree_inputs(self, out, batch, drafts: dict[int, SpecDraft], cu: list[int]) -> tuple[Tensor, Tensor]:
         """Positions by depth for tree rows and a [T, max_q] mask: causal rows, ancestor rows for trees."""

@@ -111,11 +111,10 @@ class DraftTree:
         self._check_probs(num_nodes)
 
     def _check_probs(self, num_nodes: int) -> None:
-        if self.draft_probs is not None:
-            if self.draft_probs.dim() != 2 or self.draft_probs.shape[0] != num_nodes:
-                raise ValueError(
-                    f"draft_probs shape {tuple(self.draft_probs.shape)} does not match the tree's {num_nodes} nodes"
-                )
+        if self.draft_probs is not None and (self.draft_probs.dim() != 2 or self.draft_probs.shape[0] != num_nodes):
+            raise ValueError(
+                f"draft_probs shape {tuple(self.draft_probs.shape)} does not match the tree's {num_nodes} nodes"
+            )
         if self.point_mass is not None:
             self.point_mass = torch.as_tensor(self.point_mass, dtype=torch.bool, device=self.tokens.device)
             if self.point_mass.shape != (num_nodes,):

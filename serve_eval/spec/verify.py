@@ -130,6 +130,53 @@ def verify_batch(
     return verify_reference(tokens, parents, target_probs, greedy, generators, draft_probs, point_mass, num_nodes)
 
 
+class _TreeInputs(NamedTuple):
+    tokens: Tensor  # int64 [B, N]
+    children: Tensor  # int64 [B, N+1, max_branch], -1 padded
+    draft_probs: Tensor | None  # [B, N, V]
+    point_mass: Tensor  # bool [B, N]
+    node_uniforms: Tensor  # float64 [B, N]
+    greedy: Tensor  # bool [B]
+
+
+def _try_children(
+    inputs: _TreeInputs,
+    rows: Tensor,  # int64 [A] active trees
+    cur: Tensor,  # int64 [A] their current row
+    residual: Tensor,  # float64 [A, V], updated in place on each rejection
+    target_argmax: Tensor,  # int64 [A]
+) -> Tensor:  # int64 [A]: the accepted child's node id, -1 when every child was rejected
+    """Try the children of each active tree's current row in node order (see the module docstring)."""
+    row_greedy = inputs.greedy[rows]
+    chosen = torch.full_like(rows, -1)
+    for j in range(inputs.children.shape[2]):
+        child = inputs.children[rows, cur, j]
+        trying = (child >= 0) & (chosen < 0)
+        if not bool(trying.any()):
+            continue
+        safe_child = child.clamp_min(0)
+        x = inputs.tokens[rows, safe_child]
+        r_x = residual.gather(1, x[:, None])[:, 0]
+        is_point = inputs.point_mass[rows, safe_child]
+        if inputs.draft_probs is None:
+            q_x = torch.ones_like(r_x)
+        else:
+            q_x = torch.where(is_point, 1.0, inputs.draft_probs[rows, safe_child, x].double())
+        u = inputs.node_uniforms[rows, safe_child]
+        accept = trying & torch.where(row_greedy, x == target_argmax, u * q_x < r_x)
+        chosen = torch.where(accept, child, chosen)
+        reject = (trying & ~accept & ~row_greedy).nonzero()[:, 0]
+        if reject.numel():
+            q_row = F.one_hot(x[reject], residual.shape[1]).double()
+            if inputs.draft_probs is not None:
+                q_dense = inputs.draft_probs[rows[reject], safe_child[reject]].double()
+                q_row = torch.where(is_point[reject, None], q_row, q_dense)
+            new = (residual[reject] - q_row).clamp_min(0.0)
+            mass = new.sum(dim=-1, keepdim=True)
+            residual[reject] = torch.where(mass > 0, new / mass.clamp_min(1e-300), residual[reject])
+    return chosen
+
+
 def verify_reference(
     tokens: Tensor,  # int64 [B, N] draft tokens per node
     parents: Tensor,  # int64 [B, N], -1 = root, parents[b, i] < i
@@ -143,7 +190,6 @@ def verify_reference(
     """The general algorithm of the module docstring, depth by depth, vectorized over the batch."""
     _check_inputs(tokens, parents, target_probs, draft_probs)
     batch, max_nodes = tokens.shape
-    vocab_size = target_probs.shape[2]
     device = tokens.device
     greedy = _greedy_rows(greedy, batch, device)
     if num_nodes is None:
@@ -159,6 +205,7 @@ def verify_reference(
     if node_uniforms.shape[1] < max_nodes:  # greedy-only batches draw nothing
         node_uniforms = F.pad(node_uniforms, (0, max_nodes - node_uniforms.shape[1]), value=1.0)
 
+    inputs = _TreeInputs(tokens, children, draft_probs, point_mass, node_uniforms, greedy)
     out_tokens = torch.full((batch, max_depth + 1), -1, dtype=torch.int64, device=device)
     accepted_nodes = torch.full((batch, max(max_depth, 0)), -1, dtype=torch.int64, device=device)
     num_accepted = torch.zeros(batch, dtype=torch.int64, device=device)
@@ -173,32 +220,7 @@ def verify_reference(
         residual = target_probs[rows, cur].double()  # [A, V]
         row_greedy = greedy[rows]
         target_argmax = residual.argmax(dim=-1)
-        chosen = torch.full_like(rows, -1)
-        for j in range(children.shape[2]):
-            child = children[rows, cur, j]
-            trying = (child >= 0) & (chosen < 0)
-            if not bool(trying.any()):
-                continue
-            safe_child = child.clamp_min(0)
-            x = tokens[rows, safe_child]
-            r_x = residual.gather(1, x[:, None])[:, 0]
-            is_point = point_mass[rows, safe_child]
-            if draft_probs is None:
-                q_x = torch.ones_like(r_x)
-            else:
-                q_x = torch.where(is_point, 1.0, draft_probs[rows, safe_child, x].double())
-            u = node_uniforms[rows, safe_child]
-            accept = trying & torch.where(row_greedy, x == target_argmax, u * q_x < r_x)
-            chosen = torch.where(accept, child, chosen)
-            reject = (trying & ~accept & ~row_greedy).nonzero()[:, 0]
-            if reject.numel():
-                q_row = F.one_hot(x[reject], vocab_size).double()
-                if draft_probs is not None:
-                    q_dense = draft_probs[rows[reject], safe_child[reject]].double()
-                    q_row = torch.where(is_point[reject, None], q_row, q_dense)
-                new = (residual[reject] - q_row).clamp_min(0.0)
-                mass = new.sum(dim=-1, keepdim=True)
-                residual[reject] = torch.where(mass > 0, new / mass.clamp_min(1e-300), residual[reject])
+        chosen = _try_children(inputs, rows, cur, residual, target_argmax)
 
         took = chosen >= 0
         if bool(took.any()):
