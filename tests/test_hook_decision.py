@@ -398,3 +398,31 @@ def test_real_load_check_catches_a_shape_change(tmp_path):
     DraftIOLoader().check(draft, same_shape)  # fingerprint differs on purpose: only shapes matter here
     with pytest.raises(ValueError, match="hidden_size=64, but the target has hidden_size=96"):
         DraftIOLoader().check(draft, wider)
+
+
+def test_a_serving_drift_event_redistills_that_slice_on_the_same_target(world, capsys):
+    """`hook drift EVENT`: the server's event names the target and the slice; the target is unchanged,
+    yet the served draft is re-distilled on that domain (plus replay), warm-started, and promoted."""
+    from serve_eval.server.drift import DriftEvent
+
+    steady = {"chat": 0.70, "code": 0.75, "math": 0.675, "prose": 0.72}
+    draft = make_draft(world.tmp / "served-draft", {"new": steady})
+    files = write_report(FakeEvaluator().evaluate(world.new, {"eagle3": draft}, DOMAINS, "full"),
+                         world.tmp / "served-report", plots=False)
+    world.registry.add(draft, RegisteredTarget.from_dir(world.new), report_path=files.json, status="promoted")
+    event = DriftEvent("code", 0.75, 0.65, 0.41, 0.47, 512, "2026-12-01T00:00:00+00:00", str(world.new),
+                       str(draft), "eagle3")
+    log = world.tmp / "drift-events.jsonl"
+    log.write_text(event.to_json() + "\n")
+    better = FakeDistiller({"new": {**steady, "code": 0.80}})
+    regen = FakeRegenerator()
+    collab = Collaborators(FakeEvaluator(), regen, better, FakeLoader())
+    record_path = world.tmp / "drift-decision.json"
+    assert main(["drift", str(log), f"registry={world.registry.root}", f"hook.record={record_path}"], collab) == 0
+    record = json.loads(record_path.read_text())
+    [outcome] = record["drafts"]
+    assert outcome["regressed"] == ["code"] and "served alpha 0.410 on code" in outcome["reason"]
+    assert regen.plans == [{"chat": 0.2, "code": 1.0, "math": 0.2, "prose": 0.2}]
+    assert better.calls[0]["init_from"] == draft.resolve() and outcome["candidate"]["promoted"]
+    assert main(["drift", f"registry={world.registry.root}"], collab) == 2
+    assert "pass the drift event file" in capsys.readouterr().err

@@ -22,6 +22,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from serve_eval.server import protocol as P
+from serve_eval.server.drift import DriftSettings
 from serve_eval.server.engine_loop import EngineLoop, LoopConfig
 from serve_eval.server.metrics import ServerMetrics, read_engine_stats
 from serve_eval.server.openai_serving import OpenAIServing
@@ -42,6 +43,7 @@ class ServerConfig:
     retry_after_s: int = 1
     shutdown_grace_s: float = 5.0          # in-flight requests get this long, then are aborted
     max_request_body_bytes: int = 4 * 1024 * 1024   # larger bodies get a 413 before they are read
+    drift: DriftSettings | None = None     # watch per-domain acceptance against an eval report
 
 
 def _model_dir(engine: Any) -> Path | None:
@@ -148,7 +150,8 @@ def create_app(engine: Any, config: ServerConfig | None = None, tokenizer: Any =
         from transformers import AutoTokenizer
         tokenizer = AutoTokenizer.from_pretrained(str(model_dir)) if model_dir else engine.tokenizer
 
-    metrics = ServerMetrics()
+    context = {"target": str(model_dir)} if model_dir else {}
+    metrics = ServerMetrics(config.drift.build(context) if config.drift else None)
     loop = EngineLoop(engine, LoopConfig(max_waiting_requests=config.max_waiting_requests,
                                          retry_after_s=config.retry_after_s), metrics)
     figures = read_engine_stats(engine.stats())

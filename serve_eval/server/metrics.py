@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from serve_eval.server.drift import DriftMonitor
 from serve_eval.server.prom import Registry
 from serve_eval.spec.metrics import DEFAULT_DOMAIN   # the label of requests without a domain
 
@@ -120,7 +121,8 @@ class TokenRateWindow:
 
 
 class ServerMetrics:
-    def __init__(self) -> None:
+    def __init__(self, drift: DriftMonitor | None = None) -> None:
+        self.drift = drift
         r = self.registry = Registry()
         p = PREFIX
         self.http_requests = r.counter(p + "http_requests", "HTTP requests by route and status.",
@@ -155,6 +157,9 @@ class ServerMetrics:
         self.spec_accepted_per_pos = r.counter(
             p + "spec_decode_num_accepted_tokens_per_pos",
             "Draft tokens accepted at each draft position (0-based).", ("domain", "position"))
+        self.spec_alpha_drift = r.gauge(
+            p + "spec_alpha_drift", "Eval alpha minus the rolling served alpha, per domain (positive: worse).",
+            ("domain",))
         self.token_window = TokenRateWindow()
         self.update_from_engine(None)
 
@@ -182,6 +187,12 @@ class ServerMetrics:
             per_pos = counts.num_accepted_tokens_per_pos or [0]
             for position, accepted in enumerate(per_pos):
                 self.spec_accepted_per_pos.set_total(accepted, domain=domain, position=position)
+            if self.drift is not None:
+                self.drift.observe(domain, counts.num_draft_tokens, counts.num_accepted_tokens)
+        if self.drift is not None:
+            for domain in self.drift.domains():
+                gap = self.drift.drift(domain)
+                self.spec_alpha_drift.set(0.0 if gap is None else gap, domain=domain)
 
     def render(self) -> str:
         self.tokens_per_second.set(self.token_window.rate())

@@ -35,6 +35,13 @@ class ServeConfig:
     retry_after_s: int = 1
     shutdown_grace_s: float = 5.0
     max_request_body_bytes: int = 4 * 1024 * 1024   # 413 above it
+    # acceptance drift: hold the served draft's per-domain alpha to an eval report's (off when unset)
+    drift_reference: str | None = None      # report.json; its rows of the spec method at the spec K, T=0
+    drift_log: str | None = None            # JSON lines of drift events (default: beside the report)
+    drift_webhook: str | None = None        # POSTed each event
+    drift_window_tokens: int = 512
+    drift_tolerance: float = 0.10
+    drift_min_alpha: float = 0.0
     log_level: str = "info"
     # engine
     dtype: str = "float32"
@@ -106,7 +113,21 @@ def build_app(model_dir: str, cfg: ServeConfig, engine: Any = None) -> Any:
     return create_app(engine, ServerConfig(
         model_name=cfg.model_name, api_key=api_key_from_env(cfg.api_key), max_model_len=cfg.max_model_len,
         max_waiting_requests=cfg.max_waiting_requests, retry_after_s=cfg.retry_after_s,
-        shutdown_grace_s=cfg.shutdown_grace_s, max_request_body_bytes=cfg.max_request_body_bytes))
+        shutdown_grace_s=cfg.shutdown_grace_s, max_request_body_bytes=cfg.max_request_body_bytes,
+        drift=drift_settings(cfg)))
+
+
+def drift_settings(cfg: ServeConfig) -> Any:
+    """DriftSettings from the flat serve flags (speculation must be on: its method and K are read)."""
+    if not cfg.drift_reference:
+        return None
+    if not cfg.spec:
+        raise ValueError("drift_reference: acceptance drift needs speculation on (--spec method=...)")
+    from serve_eval.server.drift import DriftConfig, DriftSettings
+    spec = parse_spec(cfg.spec)
+    return DriftSettings(cfg.drift_reference, str(spec["method"]), spec.get("num_speculative_tokens"),
+                         0.0, cfg.drift_log, cfg.drift_webhook,
+                         DriftConfig(cfg.drift_window_tokens, cfg.drift_tolerance, cfg.drift_min_alpha))
 
 
 def _is_loopback(host: str) -> bool:

@@ -131,6 +131,11 @@ def _assess_one(run: HookRun, entry: DraftEntry, outcome: DraftOutcome) -> None:
     outcome.domains = {d: {"old_target": c.before, "new_target": c.after, "drop": c.drop, "candidate": None}
                        for d, c in changes.items()}
     outcome.regressed = rules.regressed_domains(changes, run.opts.policy.regression_threshold)
+    drift = run.opts.drift
+    if drift is not None and drift.kind in (None, entry.kind):
+        outcome.regressed = sorted({*outcome.regressed, drift.domain})
+        outcome.action, outcome.init_from, outcome.reason = "retrain", entry.path, drift.reason
+        return
     if outcome.regressed:
         outcome.action, outcome.init_from = "retrain", entry.path
         outcome.reason = (f"alpha fell by more than {run.opts.policy.regression_threshold:g} on "

@@ -37,7 +37,7 @@ from train.hook.act import act, finish
 from train.hook.assess import assess, resolve_targets
 from train.hook.collaborators import Collaborators
 from train.hook.decision import HookError
-from train.hook.state import HookOptions, HookRun
+from train.hook.state import DriftTrigger, HookOptions, HookRun
 from train.registry.cli import registry_root, split_key_values
 from train.registry.store import DEFAULT_LOCK_TIMEOUT_S, Registry, RegistryLockedError
 
@@ -51,7 +51,7 @@ def run_hook(opts: HookOptions, collab: Collaborators, registry: Registry | None
         resolve_targets(run)
         lock = contextlib.nullcontext() if opts.dry_run else registry.locked(opts.lock_timeout_s)
         with lock:
-            if run.new.fingerprint == run.baseline.fingerprint:
+            if run.new.fingerprint == run.baseline.fingerprint and opts.drift is None:
                 run.record["note"] = "the new target has the baseline's fingerprint: nothing changed"
             else:
                 assess(run)
@@ -87,9 +87,12 @@ def parse_args(argv: list[str]) -> tuple[HookOptions, dict[str, str], list[str]]
     """(options, collaborator specs, pass-through overrides for the real collaborators)."""
     pairs, rest = split_key_values(argv)
     p = argparse.ArgumentParser(prog="draftsmith hook", description=__doc__.split("\n\n")[0])
-    p.add_argument("event", choices=["target-updated"])
+    p.add_argument("event", choices=["target-updated", "drift"])
+    p.add_argument("event_file", nargs="?", help="drift: the server's drift event (its JSON-lines log; the "
+                                                   "last event is taken)")
     p.add_argument("--dry-run", action="store_true", help="report the decision; train and change nothing")
     args = p.parse_args(rest)
+    drift = _drift_trigger(args, pairs)
     if not pairs.get("target.path"):
         raise HookError("target.path=NEW_TARGET_DIR is required")
     policy_kw: dict[str, Any] = {}
@@ -112,6 +115,7 @@ def parse_args(argv: list[str]) -> tuple[HookOptions, dict[str, str], list[str]]
         lock_timeout_s=float(pairs.pop("lock_timeout", DEFAULT_LOCK_TIMEOUT_S)),
         dry_run=args.dry_run or _bool("dry_run", pairs.pop("dry_run", "false")),
         record_path=Path(pairs.pop("hook.record")) if "hook.record" in pairs else None,
+        drift=drift,
     )
     pairs.pop("registry", None)
     specs = {key.split(".", 1)[1]: pairs.pop(key) for key in _COLLABORATOR_KEYS if key in pairs}
@@ -121,6 +125,25 @@ def parse_args(argv: list[str]) -> tuple[HookOptions, dict[str, str], list[str]]
                         f"{', '.join(sorted([*_HOOK_KEYS, *_COLLABORATOR_KEYS, 'hook.profile', 'hook.domains', 'hook.record']))}")
     overrides = [f"{k}={v}" for k, v in pairs.items()]  # e.g. artifacts_root=, train.max_steps=: for the real jobs
     return opts, specs, overrides
+
+
+def _drift_trigger(args: argparse.Namespace, pairs: dict[str, str]) -> DriftTrigger | None:
+    """`hook drift EVENT`: the slice to re-distill; the event's target is the target and the baseline."""
+    if args.event != "drift":
+        if args.event_file:
+            raise HookError(f"{args.event}: takes no event file (only `hook drift EVENT` does)")
+        return None
+    if not args.event_file:
+        raise HookError("drift: pass the drift event file, e.g. `draftsmith hook drift drift-events.jsonl`")
+    from serve_eval.server.drift import DriftEvent
+    event = DriftEvent.from_file(args.event_file)
+    if not pairs.get("target.path"):
+        if not event.target:
+            raise HookError(f"{args.event_file}: the event names no target; pass target.path=DIR")
+        pairs["target.path"] = event.target
+    pairs.setdefault("baseline", pairs["target.path"])
+    return DriftTrigger(event.domain, event.method, f"served alpha {event.rolling_alpha:.3f} on {event.domain} "
+                        f"fell below its bar {event.bar:.3f} (eval reference {event.reference_alpha:.3f})")
 
 
 def print_summary(record: dict, record_path: Path | None) -> None:

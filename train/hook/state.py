@@ -21,6 +21,15 @@ from train.registry.store import DEFAULT_LOCK_TIMEOUT_S, Registry
 RECORD_SCHEMA_VERSION = 1
 
 
+@dataclass(frozen=True)
+class DriftTrigger:
+    """A serving drift event (`draftsmith hook drift EVENT`): re-distill `kind` on `domain` even though
+    the target did not change, because the served acceptance there fell below its bar."""
+    domain: str
+    kind: str | None          # the served draft's kind (None: every promoted draft)
+    reason: str
+
+
 @dataclass
 class HookOptions:
     target_path: Path
@@ -32,6 +41,7 @@ class HookOptions:
     lock_timeout_s: float = DEFAULT_LOCK_TIMEOUT_S
     dry_run: bool = False
     record_path: Path | None = None     # None: <registry>/targets/<new fp>/hook/decision-<stamp>.json
+    drift: DriftTrigger | None = None   # set by `hook drift`: the slice to re-distill on the same target
 
 
 @dataclass
