@@ -26,6 +26,10 @@ class DraftDataConfig:
     # Sampling of the regenerated answers (SamplingParams fields).
     max_new_tokens: int = 128
     temperature: float = 0.0  # greedy by default: the draft then learns the target's greedy path
+    # Share of the prompts answered by sampling at sampled_temperature instead (the rest at `temperature`):
+    # a draft trained on greedy answers only proposes, at T=1, tokens the target rarely samples.
+    sampled_fraction: float = 0.0
+    sampled_temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
     seed: int = 0
@@ -36,6 +40,8 @@ class DraftDataConfig:
     store_hidden: bool | None = None  # None: decided by the kind and mode (EAGLE/Medusa offline)
     disk_cap_gb: float = 20.0  # refuse to start when the hidden-state cache estimate exceeds this
     teacher_batch_size: int = 8  # sequences per teacher-forced forward
+    teacher_bf16: bool = False  # teacher-forced pass under bf16 autocast (about 2x faster on CPU; stored in bf16 anyway)
+    max_minutes: float | None = None  # wall-clock cap: stop after the shard that crosses it (logged), keep the rest
     # Engine settings for generation (EngineConfig fields).
     max_num_seqs: int = 64
     kv_cache_memory_gb: float = 0.5
@@ -102,7 +108,8 @@ class Eagle3Schema:
     data: DraftDataConfig = field(default_factory=DraftDataConfig)
     aux_layers: list[int] | None = None  # None = [2, L//2, L-3]
     draft_vocab_size: int | None = None  # None = the target's vocabulary; else the most frequent tokens
-    ttt_steps: int = 3  # training-time-test unroll length
+    draft_vocab_coverage: float | None = None  # with draft_vocab_size null: smallest vocab covering this share of answer tokens
+    ttt_steps: int = 3  # training-time-test unroll length (at least the largest K the eval drafts)
     step_weight_decay: float = 0.8  # step j loss weight = decay ** j
     noise_width: float = 0.0
     eval_steps: int = 4

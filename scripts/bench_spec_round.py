@@ -20,11 +20,8 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 import tempfile
-import time
-from collections import defaultdict
 from pathlib import Path
 
 import torch
@@ -32,11 +29,10 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from serve_eval.engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
-from serve_eval.spec.config import SpecConfig  # noqa: E402
-from serve_eval.spec.policy import SpecPolicyConfig  # noqa: E402
+from serve_eval.engine import LLMEngine  # noqa: E402
+from serve_eval.eval import step_cost  # noqa: E402
+from serve_eval.eval.step_cost import COMPONENTS, weights_read  # noqa: E402
 
-COMPONENTS = ("draft", "forward", "verify", "rest", "step")
 METHODS = ("nospec", "standalone", "medusa", "eagle", "eagle3", "eagle-tree")
 
 
@@ -79,97 +75,14 @@ def trained_drafts(artifacts: Path, target: Path) -> dict[str, Path]:
     return latest_drafts_by_kind(Artifacts(artifacts), target_fingerprint(target))
 
 
-def weights_read(model_dir: Path) -> int:
-    """Parameters a forward reads per token: everything but the input embedding (one row is read), which
-    counts only when tied to the output head (no separate lm_head tensor)."""
-    from safetensors import safe_open
-
-    sizes: dict[str, int] = {}
-    for f in model_dir.glob("*.safetensors"):
-        with safe_open(str(f), "pt") as st:
-            sizes.update({k: _prod(st.get_slice(k).get_shape()) for k in st.keys()})
-    tied = not any("lm_head" in k for k in sizes)
-    return sum(n for k, n in sizes.items() if tied or "embed_tokens" not in k)
-
-
-def _prod(shape) -> int:
-    out = 1
-    for s in shape:
-        out *= int(s)
-    return out
-
-
-# -- engines and timers -------------------------------------------------------------------------
+# -- engines and timers: serve_eval.eval.step_cost (the pipeline's cost stage measures with the same code) --
 def build_engine(method: str, target: Path, drafts: dict[str, Path], args) -> LLMEngine:
-    cfg = EngineConfig(str(target), dtype=args.dtype, kv_cache_memory_gb=0.25)
-    if method == "nospec":
-        return LLMEngine(cfg)
     kind = "eagle" if method == "eagle-tree" else method
-    tree = {"tree": "dynamic", "tree_top_k": 4, "max_draft_nodes": 16} if method == "eagle-tree" else {}
-    spec = SpecConfig(kind, draft_path=str(drafts[kind]), num_speculative_tokens=args.k,
-                      policy=SpecPolicyConfig(fallback=False), **tree)
-    return LLMEngine(cfg, speculative=spec)
-
-
-class Timers:
-    """Accumulated seconds per component, filled by wrappers around the engine's own methods."""
-
-    def __init__(self) -> None:
-        self.seconds: dict[str, float] = defaultdict(float)
-
-    def wrap(self, obj, name: str, component: str) -> None:
-        inner = getattr(obj, name)
-
-        def timed(*a, **kw):
-            t0 = time.perf_counter()
-            try:
-                return inner(*a, **kw)
-            finally:
-                self.seconds[component] += time.perf_counter() - t0
-
-        setattr(obj, name, timed)
-
-
-def instrument(engine: LLMEngine) -> Timers:
-    timers = Timers()
-    timers.wrap(engine.executor, "forward", "forward")
-    strategy = engine.strategy
-    if hasattr(strategy, "proposer"):
-        for hook in ("propose", "on_accepted", "add_features"):
-            timers.wrap(strategy.proposer, hook, "draft")
-        timers.wrap(strategy, "_verify", "verify")
-    else:
-        timers.wrap(engine, "sample", "verify")
-    return timers
-
-
-def one_repetition(engine: LLMEngine, timers: Timers, prompt: list[int], steps: int, tag: str) -> dict[str, float]:
-    """ms per decode step by component over `steps` steps of one request (prefill excluded)."""
-    params = SamplingParams(temperature=0.0, max_tokens=steps * 32 + 8, ignore_eos=True)
-    rid = f"{tag}-{time.perf_counter_ns()}"
-    engine.add_request(rid, prompt, params)
-    engine.step()  # prefill
-    engine.step()  # first decode (the proposer's features arrive)
-    timers.seconds.clear()
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        engine.step()
-    total = time.perf_counter() - t0
-    engine.abort(rid)
-    engine.step()  # let the strategy release the aborted request
-    s = timers.seconds
-    out = {c: 1000 * s[c] / steps for c in ("draft", "forward", "verify")}
-    out["step"] = 1000 * total / steps
-    out["rest"] = out["step"] - out["draft"] - out["forward"] - out["verify"]
-    return out
+    tree = {"tree": "dynamic", "tree_top_k": 4, "max_draft_nodes": 16} if method == "eagle-tree" else None
+    return step_cost.build_engine(method, target, drafts, args.k, args.dtype, kind=kind, tree=tree)
 
 
 # -- report -------------------------------------------------------------------------------------
-def summarize(samples: list[dict[str, float]]) -> dict[str, tuple[float, float]]:
-    return {c: (statistics.median(s[c] for s in samples), max(s[c] for s in samples) - min(s[c] for s in samples))
-            for c in COMPONENTS}
-
-
 def print_table(label: str, rows: dict[str, dict[str, tuple[float, float]]], ratios: dict[str, float], k: int) -> None:
     print(f"\n-- {label}: ms per step, median (spread) over repetitions")
     print(f"{'method':12}" + "".join(f"{c:>16}" for c in COMPONENTS) + f"{'c':>7}{'weights':>9}")
@@ -220,7 +133,7 @@ def main() -> None:
             drafts[kind] = random_draft(kind, target, root)
     engines = {m: build_engine(m, target, drafts, args) for m in methods}
     chosen = getattr(next(iter(engines.values())), "num_threads", torch.get_num_threads())
-    timers = {m: instrument(e) for m, e in engines.items()}
+    timers = {m: step_cost.instrument(e) for m, e in engines.items()}
     target_params = weights_read(target)
     ratios = {m: weights_read(drafts["eagle" if m == "eagle-tree" else m]) / target_params
               for m in methods if m != "nospec"}
@@ -239,14 +152,9 @@ def main() -> None:
             continue
         measured.add(count)
         torch.set_num_threads(count)
-        for m in methods:  # warm-up
-            one_repetition(engines[m], timers[m], prompt, 2, "warm")
-        samples: dict[str, list[dict[str, float]]] = {m: [] for m in methods}
-        for rep in range(args.repeats):
-            for m in methods:
-                samples[m].append(one_repetition(engines[m], timers[m], prompt, args.steps, f"{m}{rep}"))
+        rows = step_cost.interleaved(engines, timers, prompt, args.steps, args.repeats)
         label = f"{count} torch thread(s)" + (" = the engine's choice" if count == chosen else "")
-        print_table(label, {m: summarize(s) for m, s in samples.items()}, ratios, args.k)
+        print_table(label, rows, ratios, args.k)
     print(f"\nload average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())} ({os.cpu_count()} CPUs)")
     tmp.cleanup()
 

@@ -51,7 +51,7 @@ class TargetConfig:
     # Architecture of the embedded target (LlamaForCausalLM).
     vocab_size: int = 4096  # BPE vocabulary trained on the corpus (special tokens included)
     hidden_size: int = 256
-    num_layers: int = 8
+    num_layers: int = 20  # deep and narrow: a 1-layer draft + the LM head is ~1/9 of the weights (real targets: 1/10-1/50)
     num_heads: int = 4
     num_kv_heads: int = 2
     intermediate_size: int = 704
@@ -109,6 +109,9 @@ class PipelineConfig:
     train: dict[str, Any] = field(default_factory=dict)  # TrainerConfig fields (over the `train` group), every kind
     train_by_kind: dict[str, Any] = field(default_factory=dict)  # kind -> TrainerConfig fields for that kind
     eval: dict[str, Any] = field(default_factory=dict)  # EvalConfig fields (over the `eval` group)
+    # The `cost` stage: decode steps x interleaved repetitions per draft (at the largest eval K).
+    cost_steps: int = 8
+    cost_repeats: int = 3
 
 
 @dataclass

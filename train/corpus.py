@@ -111,7 +111,10 @@ def _code_and_docstrings(cfg: DictConfig) -> tuple[list[tuple[str, str]], list[s
             block = lines[node.lineno - 1 : node.end_lineno]
             if not 120 <= sum(len(line) + 1 for line in block) <= cfg.max_record_chars:
                 continue
-            # The prompt ends after the docstring if there is one, else after the signature.
+            # The prompt ends after the docstring if there is one, else after the signature, and WITHOUT
+            # its line break: in the packed pretraining stream a bare newline is mostly followed by a
+            # document's EOS, so a prompt ending in one is answered with EOS at once. The reference
+            # starts with that newline instead (the first answer token is the body's indentation).
             first = node.body[0]
             has_doc = isinstance(first, ast.Expr) and isinstance(getattr(first, "value", None), ast.Constant)
             head_end = (first.end_lineno if has_doc else first.lineno - 1) - node.lineno + 1
@@ -119,7 +122,7 @@ def _code_and_docstrings(cfg: DictConfig) -> tuple[list[tuple[str, str]], list[s
             text_lines = text.split("\n")
             head, body = text_lines[:head_end], text_lines[head_end:]
             if head and body and "".join(body).strip():
-                functions.append((f"# {rel}\n" + "\n".join(head) + "\n", "\n".join(body) + "\n"))
+                functions.append((f"# {rel}\n" + "\n".join(head), "\n" + "\n".join(body) + "\n"))
     return functions, docstrings
 
 

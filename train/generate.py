@@ -27,9 +27,9 @@ from drafts.artifacts import Artifacts
 from drafts.files import stable_hash
 from train.artifacts import artifacts_from_config
 from train.config import hydra_app
-from train.distill.gendata import (FORMAT_VERSION, HIDDEN_DTYPE, Manifest, StoredExtras, finalize, shard_complete,
-                                   write_shard)
-from train.logs import log_event, progress
+from train.distill.gendata import (FORMAT_VERSION, HIDDEN_DTYPE, Manifest, StoredExtras, finalize, find_covering,
+                                   shard_complete, write_shard)
+from train.logs import log_event, progress, warn_event
 
 GB = 1e9
 
@@ -59,8 +59,7 @@ def extras_for(draft_cfg: Any, num_target_layers: int) -> StoredExtras:
         from drafts.eagle3 import default_aux_layers
 
         aux = list(draft_cfg.get("aux_layers") or default_aux_layers(num_target_layers))
-    if data.topk_logits < 0:
-        raise ValueError(f"draft.data.topk_logits must be >= 0, got {data.topk_logits}")
+    check_data_config(data)
     return StoredExtras(final_hidden=bool(store_hidden), aux_layers=aux, topk=int(data.topk_logits))
 
 
@@ -79,8 +78,32 @@ def tokenizer_hash(tokenizer: Any) -> str:
 
 
 def sampling_dict(data: DraftDataConfig) -> dict[str, Any]:
-    return {"temperature": data.temperature, "top_k": data.top_k, "top_p": data.top_p, "seed": data.seed,
-            "max_new_tokens": data.max_new_tokens}
+    out = {"temperature": data.temperature, "top_k": data.top_k, "top_p": data.top_p, "seed": data.seed,
+           "max_new_tokens": data.max_new_tokens}
+    if data.sampled_fraction > 0:  # (kept out otherwise: caches of greedy-only runs keep their keys)
+        out.update(sampled_fraction=data.sampled_fraction, sampled_temperature=data.sampled_temperature)
+    return out
+
+
+def check_data_config(data: DraftDataConfig) -> None:
+    """Settings that cannot work stop before any long work, in one line naming the field and value."""
+    if not 0.0 <= data.sampled_fraction <= 1.0:
+        raise ValueError(f"draft.data.sampled_fraction: {data.sampled_fraction} is outside [0, 1]")
+    if data.sampled_temperature <= 0 and data.sampled_fraction > 0:
+        raise ValueError(f"draft.data.sampled_temperature: {data.sampled_temperature} must be > 0 (it samples)")
+    if data.temperature < 0:
+        raise ValueError(f"draft.data.temperature: {data.temperature} must be >= 0")
+    if data.topk_logits < 0:
+        raise ValueError(f"draft.data.topk_logits: {data.topk_logits} must be >= 0")
+    if data.max_minutes is not None and data.max_minutes <= 0:
+        raise ValueError(f"draft.data.max_minutes: {data.max_minutes} must be > 0 (or null: no cap)")
+
+
+def answer_temperature(data: DraftDataConfig, example_id: int) -> float:
+    """The temperature prompt ``example_id`` is answered at: a low-discrepancy pick (golden-ratio steps) puts
+    ``sampled_fraction`` of any run of consecutive prompts, hence of every domain (they interleave), at
+    ``sampled_temperature``, the same however the prompts are sharded."""
+    return data.sampled_temperature if (example_id * 0.6180339887498949) % 1.0 < data.sampled_fraction else data.temperature
 
 
 def prompt_token_ids(tokenizer: Any, records: list[dict[str, str]], data: DraftDataConfig) -> list[list[int]]:
@@ -120,7 +143,7 @@ def check_disk(out_dir: Path, estimate: int, data: DraftDataConfig, tokens: int,
 
 
 def teacher_forced_extras(teacher: Any, sequences: list[list[int]], extras: StoredExtras, batch_size: int,
-                          example_ids: list[int]) -> dict[str, torch.Tensor]:
+                          example_ids: list[int], bf16: bool = False) -> dict[str, torch.Tensor]:
     """One forward of the target over each full sequence; per-example tensors named <id>.<field>."""
     tensors: dict[str, torch.Tensor] = {}
     if not extras.any:
@@ -133,7 +156,7 @@ def teacher_forced_extras(teacher: Any, sequences: list[list[int]], extras: Stor
         mask = torch.zeros(len(chunk), width, dtype=torch.bool)
         for row, seq in enumerate(chunk):
             ids[row, : len(seq)], mask[row, : len(seq)] = torch.tensor(seq), True
-        with torch.no_grad():
+        with torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
             out = teacher(ids.to(device), mask.to(device), extras.aux_layers, need_logits=extras.topk > 0)
         for row, seq in enumerate(chunk):
             eid, n = example_ids[start + row], len(seq)
@@ -162,7 +185,7 @@ class _Generator:
                            kv_cache_memory_gb=self.data.kv_cache_memory_gb, seed=self.data.seed)
         d = self.data
         # One seed per prompt (from its global index): the same answers however the prompts are sharded.
-        params = [SamplingParams(temperature=d.temperature, top_k=d.top_k, top_p=d.top_p, seed=d.seed + eid,
+        params = [SamplingParams(temperature=answer_temperature(d, eid), top_k=d.top_k, top_p=d.top_p, seed=d.seed + eid,
                                  max_tokens=max(1, min(d.max_new_tokens, d.max_length - len(p))))
                   for p, eid in zip(prompts, example_ids)]
         outs = self.llm.generate(prompts, params, use_tqdm=False)
@@ -179,26 +202,31 @@ def _reference_answers(tokenizer: Any, records: list[dict[str, str]], prompts: l
     return out
 
 
-def cache_key(fingerprint: str, tok_hash: str, prompt_hash: str, data: DraftDataConfig, extras: StoredExtras) -> str:
+def content_key(fingerprint: str, tok_hash: str, prompt_hash: str, data: DraftDataConfig) -> str:
+    """Everything that decides the stored answers (not which extras are stored beside them)."""
     return stable_hash({
         "format": FORMAT_VERSION, "target": fingerprint, "tokenizer": tok_hash, "prompts": prompt_hash,
         "source": data.source, "sampling": sampling_dict(data) if data.source == "target" else None,
-        "max_length": data.max_length, "shard_size": data.shard_size, "extras": asdict(extras),
-    })
+        "max_length": data.max_length, "shard_size": data.shard_size,
+    })  # (data.max_minutes is not keyed: a cap that cut in is in the manifest and the stage's log line)
+
+
+def cache_key(fingerprint: str, tok_hash: str, prompt_hash: str, data: DraftDataConfig, extras: StoredExtras) -> str:
+    return stable_hash({"content": content_key(fingerprint, tok_hash, prompt_hash, data), "extras": asdict(extras)})
 
 
 def generate_dataset(target_dir: Path, fingerprint: str, records: list[dict[str, str]], data: DraftDataConfig,
                      extras: StoredExtras, data_root: Path) -> Path:
-    """Build (or finish, or reuse) the cache for these prompts; returns its dir."""
+    """Build (or finish, or reuse) the cache for these prompts; returns its dir. A complete cache with the
+    same answers whose extras are a superset of ``extras`` is reused as it is (train.distill.gendata.find_covering)."""
     from transformers import AutoConfig, AutoTokenizer
-
-    from train.distill.objectives.teacher import Teacher
 
     if data.source not in SOURCES:
         raise ValueError(f"draft.data.source: {data.source!r} is not one of {SOURCES}")
     if data.shard_size < 1 or data.max_length < 2 or data.max_new_tokens < 1:
         raise ValueError(f"draft.data: shard_size ({data.shard_size}) and max_new_tokens ({data.max_new_tokens}) must be "
                          f">= 1, max_length ({data.max_length}) >= 2")
+    check_data_config(data)
     records = interleave_domains(records, data.max_prompts)
     if not records:
         raise ValueError("draft.data: no distill prompts to generate from")
@@ -207,19 +235,12 @@ def generate_dataset(target_dir: Path, fingerprint: str, records: list[dict[str,
     prompts = prompt_token_ids(tokenizer, records, data)
     prompt_hash = stable_hash([[r["domain"], r["prompt"]] for r in records])
     tok_hash = tokenizer_hash(tokenizer)
+    content = content_key(fingerprint, tok_hash, prompt_hash, data)
     key = cache_key(fingerprint, tok_hash, prompt_hash, data, extras)
     out_dir = Path(data.path) if data.path else data_root / key
-    if out_dir.is_dir() and (out_dir / "manifest.json").is_file():
-        existing = Manifest.read(out_dir)
-        if existing.target_fingerprint != fingerprint:
-            raise ValueError(f"{out_dir / 'manifest.json'}: data cache was made for target fingerprint "
-                             f"{existing.target_fingerprint}, but the target's fingerprint is {fingerprint}")
-        if existing.key != key:
-            raise ValueError(f"{out_dir / 'manifest.json'}: cache key {existing.key} was made with other settings "
-                             f"than this job's ({key}); use another draft.data.path")
-        if existing.complete:
-            log_event(stage="generate", status="cached", dir=out_dir, examples=existing.num_examples)
-            return out_dir
+    reused = _reusable(out_dir, fingerprint, key, content, extras, data_root, bool(data.path))
+    if reused is not None:
+        return reused
     tokens, estimate = estimate_cache_bytes(prompts, data, extras, hidden_size)
     print(f"draftsmith generate: {len(prompts)} prompts, up to {tokens} tokens; per-position extras "
           f"(hidden bf16 + top-{extras.topk}) estimated at up to {estimate / GB:.4f} GB -> {out_dir}", flush=True)
@@ -229,30 +250,75 @@ def generate_dataset(target_dir: Path, fingerprint: str, records: list[dict[str,
     manifest = Manifest(key=key, target_fingerprint=fingerprint, tokenizer_hash=tok_hash, prompt_set_hash=prompt_hash,
                         source=data.source, sampling=sampling_dict(data) if data.source == "target" else None,
                         max_length=data.max_length, shard_size=data.shard_size, num_prompts=len(prompts),
-                        hidden_size=hidden_size, extras=extras)
+                        hidden_size=hidden_size, extras=extras, content_key=content)
     manifest.write(out_dir)
+    _write_shards(out_dir, manifest, target_dir, tokenizer, records, prompts, data, extras)
+    finalize(out_dir, manifest)
+    log_event(stage="generate", status="done", dir=out_dir, examples=manifest.num_examples, key=key,
+              stopped_by_time_cap=manifest.stopped_by_time_cap)
+    return out_dir
+
+
+def _reusable(out_dir: Path, fingerprint: str, key: str, content: str, extras: StoredExtras, data_root: Path,
+              given_path: bool) -> Path | None:
+    """The complete cache this job can use as it is (its own keyed dir, or one whose extras cover), else None."""
+    if out_dir.is_dir() and (out_dir / "manifest.json").is_file():
+        existing = Manifest.read(out_dir)
+        if existing.target_fingerprint != fingerprint:
+            raise ValueError(f"{out_dir / 'manifest.json'}: data cache was made for target fingerprint "
+                             f"{existing.target_fingerprint}, but the target's fingerprint is {fingerprint}")
+        covers = existing.content_key == content and existing.extras.covers(extras)
+        if existing.key != key and not (existing.complete and covers):
+            raise ValueError(f"{out_dir / 'manifest.json'}: cache key {existing.key} was made with other settings "
+                             f"than this job's ({key}); use another draft.data.path")
+        if existing.complete:
+            log_event(stage="generate", status="cached", dir=out_dir, examples=existing.num_examples)
+            return out_dir
+    if given_path:
+        return None
+    covering = find_covering(data_root, content, extras)
+    if covering is not None:
+        log_event(stage="generate", status="cached", dir=covering, examples=Manifest.read(covering).num_examples,
+                  reused="covering extras", needed=",".join(f"{k}={v}" for k, v in asdict(extras).items()).replace(" ", ""))
+    return covering
+
+
+def _write_shards(out_dir: Path, manifest: Manifest, target_dir: Path, tokenizer: Any, records: list[dict[str, str]],
+                  prompts: list[list[int]], data: DraftDataConfig, extras: StoredExtras) -> None:
+    """The missing shards, in order; past ``data.max_minutes`` the shards not yet written are dropped
+    (the manifest then counts only the prompts written, and says the cap cut in)."""
+    import time
+
+    from train.distill.objectives.teacher import Teacher
+
     generator = _Generator(target_dir, data)
     teacher = Teacher.from_dir(target_dir) if extras.any else None
     done = [i for i in range(manifest.num_shards) if shard_complete(out_dir, i)]
     bar = progress(total=len(prompts), initial=min(len(prompts), len(done) * data.shard_size), desc="generate", unit="prompt")
+    start = time.perf_counter()
     for shard in range(manifest.num_shards):
         if shard in done:
             continue
+        if data.max_minutes is not None and time.perf_counter() - start > data.max_minutes * 60 and shard > 0:
+            kept = shard * data.shard_size
+            warn_event(stage="generate", stopped_by_time_cap=True, shards=f"{shard}/{manifest.num_shards}",
+                       prompts=f"{kept}/{manifest.num_prompts}", max_minutes=data.max_minutes)
+            manifest.num_prompts, manifest.stopped_by_time_cap = kept, True
+            break
         lo, hi = shard * data.shard_size, min(len(prompts), (shard + 1) * data.shard_size)
         ids = list(range(lo, hi))
         answers = (generator.answers(prompts[lo:hi], ids) if data.source == "target"
                    else _reference_answers(tokenizer, records[lo:hi], prompts[lo:hi], data))
         sequences = [prompts[i] + answer for i, (answer, _) in zip(ids, answers)]
-        tensors = teacher_forced_extras(teacher, sequences, extras, data.teacher_batch_size, ids) if teacher else {}
+        tensors = (teacher_forced_extras(teacher, sequences, extras, data.teacher_batch_size, ids, data.teacher_bf16)
+                   if teacher else {})
         rows = [{"example_id": i, "shard": shard, "domain": records[i]["domain"], "input_ids": seq,
-                 "prompt_length": len(prompts[i]), "finish_reason": reason, "answer": tokenizer.decode(answer)}
+                 "prompt_length": len(prompts[i]), "finish_reason": reason, "answer": tokenizer.decode(answer),
+                 "temperature": answer_temperature(data, i) if data.source == "target" else -1.0}
                 for i, seq, (answer, reason) in zip(ids, sequences, answers)]
         write_shard(out_dir, shard, rows, tensors)
         bar.update(hi - lo)
     bar.close()
-    finalize(out_dir, manifest)
-    log_event(stage="generate", status="done", dir=out_dir, examples=manifest.num_examples, key=key)
-    return out_dir
 
 
 # ----------------------------------------------------------------------------- the job

@@ -41,6 +41,11 @@ def log_event(**fields: Any) -> None:
     logger.info("draftsmith %s", format_fields(**fields))
 
 
+def warn_event(**fields: Any) -> None:
+    """A structured line at WARNING level: a cap cut in, a setting wastes the draft."""
+    logger.warning("draftsmith %s", format_fields(**fields))
+
+
 @contextlib.contextmanager
 def stage(name: str) -> Iterator[dict[str, Any]]:
     """Time a stage; fields put in the yielded dict are appended to its closing line."""

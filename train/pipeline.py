@@ -1,7 +1,7 @@
 """``draftsmith pipeline``: the main job, a list of cached stages run in order.
 
     corpus -> tokenizer -> target -> generate -> distill_standalone / _medusa / _eagle / _eagle3
-           -> eval -> report -> register
+           -> cost -> eval -> report -> register
 
 Every stage is cached by its inputs' hash (corpus: data config; tokenizer: corpus; target: its config +
 corpus; generate: target fingerprint + prompts + sampling + stored extras; distill_<kind>: target + data
@@ -36,7 +36,7 @@ from drafts.files import read_json
 
 from train.artifacts import artifacts_from_config
 from train.config import hydra_app
-from train.logs import init_wandb, log_event, stage
+from train.logs import init_wandb, log_event, stage, warn_event
 
 STAGES: dict[str, str] = {
     "corpus": "train.pipeline:stage_corpus",
@@ -47,6 +47,7 @@ STAGES: dict[str, str] = {
     "distill_medusa": "train.pipeline_distill:stage_distill_medusa",
     "distill_eagle": "train.pipeline_distill:stage_distill_eagle",
     "distill_eagle3": "train.pipeline_distill:stage_distill_eagle3",
+    "cost": "train.pipeline_cost:stage_cost",
     "eval": "train.pipeline_eval:stage_eval",
     "report": "train.pipeline_eval:stage_report",
     "register": "train.pipeline_eval:stage_register",
@@ -119,6 +120,10 @@ def print_target(ctx: PipelineContext) -> None:
     print(f"target shape: {s.get('model_type')} layers={s.get('num_hidden_layers')} hidden={s.get('hidden_size')} "
           f"heads={s.get('num_attention_heads')} kv_heads={s.get('num_key_value_heads')} "
           f"ffn={s.get('intermediate_size')} vocab={s.get('vocab_size')} cached={target.cached}")
+    from train.pipeline_cost import cost_lines
+
+    for line in cost_lines(ctx.results.get("cost")):
+        print(line)
     print("held-out perplexity per domain:")
     for domain, ppl in target.perplexity.items():
         print(f"  {domain:<8} {ppl:10.3f}")
@@ -139,17 +144,26 @@ def print_summary(ctx: PipelineContext) -> None:
           + f"  total={sum(ctx.wall_s.values()):.1f}")
 
 
-def check_stage_configs(cfg: DictConfig) -> None:
-    """The later stages' settings (pipeline.data/drafts/train/eval) fail now, not after the target trains."""
+def check_stage_configs(cfg: DictConfig) -> list[str]:
+    """The later stages' settings (pipeline.data/drafts/train/eval) fail now, not after the target trains;
+    returns the recipe warnings (settings that work but waste a draft), logged here and kept for the report."""
     from train.pipeline_distill import draft_config, planned_kinds, trainer_node
+    from train.recipes import check_recipe, planned_target_vocab, recipe_warnings
 
-    for kind in planned_kinds(cfg):
-        draft_config(cfg, kind)
-        trainer_node(cfg, kind)
+    eval_ks: list[int] = []
     if "eval" in cfg.pipeline.stages:
         from train.pipeline_eval import check_eval_settings
 
-        check_eval_settings(cfg)
+        eval_ks = list(check_eval_settings(cfg).num_speculative_tokens)
+    vocab, warnings = planned_target_vocab(cfg), []
+    for kind in planned_kinds(cfg):
+        dcfg = draft_config(cfg, kind)
+        trainer_node(cfg, kind)
+        check_recipe(kind, dcfg, vocab)
+        warnings += recipe_warnings(kind, dcfg, eval_ks)
+    for line in warnings:
+        warn_event(check="recipe", warning=line)
+    return warnings
 
 
 def run(cfg: DictConfig) -> dict[str, Any]:
@@ -163,11 +177,12 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         from train.target import validate_target_dir
 
         validate_target_dir(cfg.target.path)
-    check_stage_configs(cfg)
+    warnings = check_stage_configs(cfg)
     log_event(job="pipeline", profile=cfg.pipeline.name, stages=",".join(cfg.pipeline.stages),
               artifacts_root=artifacts.root)
     wandb_run = init_wandb(cfg, job_type="pipeline", wandb_dir=artifacts.wandb_dir)
     ctx = PipelineContext(cfg, artifacts, wandb_run)
+    ctx.results["recipe_warnings"] = warnings
     try:
         for name, fn in stage_fns:
             with stage(name) as fields:

@@ -189,6 +189,8 @@ def distill(ctx: PipelineContext, kind: str) -> dict[str, Any]:
 
     metrics = read_draft_meta(out_dir).metrics
     fields = {"cached": cached, "dir": out_dir, "steps": metrics.get("steps")}
+    if metrics.get("stopped_by_time_cap"):
+        fields["stopped_by_time_cap"] = True  # (train.max_minutes cut in; the trainer logged the step)
     for name in ("eval/simulated_tau", "eval/loss", "train_tokens_per_s"):
         if isinstance(metrics.get(name), (int, float)):
             fields[name.replace("eval/", "")] = round(float(metrics[name]), 4)

@@ -38,11 +38,13 @@ def run_drafts(ctx: PipelineContext) -> dict[str, Path]:
             if STAGE_PREFIX + kind in ctx.results}
 
 
-def check_eval_settings(cfg: DictConfig) -> None:
+def check_eval_settings(cfg: DictConfig) -> Any:
     """``pipeline.eval`` over the ``eval`` group must make a valid EvalConfig (ValueError naming the field)."""
     from serve_eval.eval.settings import validate
 
-    validate(OmegaConf.to_object(merge_checked(cfg.eval, cfg.pipeline.eval, "pipeline.eval")))
+    settings = OmegaConf.to_object(merge_checked(cfg.eval, cfg.pipeline.eval, "pipeline.eval"))
+    validate(settings)
+    return settings
 
 
 def eval_node(ctx: PipelineContext) -> DictConfig:
@@ -125,7 +127,12 @@ def stage_report(ctx: PipelineContext) -> dict[str, Any]:
     header = ["domain", "method", "T", "K", "alpha", "tau", "ms/token", "speedup"]
     table = render_table(header, summary_rows(report))
     skipped = [f"skipped: domain={s.domain} method={s.method}: {s.reason}" for s in report.skipped]
-    (out_dir / SUMMARY_FILE).write_text(f"```\n{table}\n```\n" + "".join(f"\n- {s}" for s in skipped) + "\n")
+    skipped += [f"warning: {line}" for line in ctx.results.get("recipe_warnings", [])]
+    from train.pipeline_cost import cost_lines
+
+    cost = "\n".join(cost_lines(ctx.results.get("cost")))
+    (out_dir / SUMMARY_FILE).write_text(f"```\n{table}\n```\n" + "".join(f"\n- {s}" for s in skipped) + "\n"
+                                        + (f"\n```\n{cost}\n```\n" if cost else ""))
     ctx.results["report"] = {"table": table, "skipped": skipped, "json": out_dir / "report.json",
                              "markdown": out_dir / "report.md"}
     domains = sorted({r.domain for r in report.results})

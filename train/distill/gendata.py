@@ -76,6 +76,8 @@ class Manifest:
     complete: bool = False
     num_examples: int = 0
     format_version: int = FORMAT_VERSION
+    content_key: str = ""  # the key without the extras: caches with equal content keys hold the same answers
+    stopped_by_time_cap: bool = False  # data.max_minutes cut generation short (fewer prompts than asked)
 
     @property
     def num_shards(self) -> int:
@@ -90,7 +92,7 @@ class Manifest:
         if not path.is_file():
             raise ValueError(f"{path}: missing; {cache_dir} is not a distillation data cache (run draftsmith generate)")
         raw = json.loads(path.read_text())
-        missing = [name for name in cls.__dataclass_fields__ if name not in raw and name not in ("complete", "num_examples", "hidden_dtype", "format_version")]
+        missing = [name for name in cls.__dataclass_fields__ if name not in raw and name not in _OPTIONAL_FIELDS]
         if missing:
             raise ValueError(f"{path}: missing fields {missing}")
         raw["extras"] = StoredExtras(**raw["extras"])
@@ -98,6 +100,24 @@ class Manifest:
 
     def write(self, cache_dir: Path) -> None:
         atomic_write_text(cache_dir / MANIFEST, json.dumps(self.to_json(), indent=2, sort_keys=True) + "\n")
+
+
+_OPTIONAL_FIELDS = ("complete", "num_examples", "hidden_dtype", "format_version", "content_key", "stopped_by_time_cap")
+
+
+def find_covering(data_root: Path, content_key: str, need: StoredExtras) -> Path | None:
+    """A complete cache under ``data_root`` with the same answers whose extras cover ``need`` (the one
+    with the fewest stored bytes), so a job needing less (standalone: top-k only) reuses the pipeline's
+    dataset (hidden states + aux layers + top-k) instead of regenerating."""
+    found: list[tuple[int, str, Path]] = []
+    for entry in data_root.glob("*/" + MANIFEST) if data_root.is_dir() else []:
+        try:
+            manifest = Manifest.read(entry.parent)
+        except (ValueError, TypeError, json.JSONDecodeError):
+            continue  # not a cache of this format: never reused
+        if manifest.complete and manifest.content_key == content_key and manifest.extras.covers(need):
+            found.append((manifest.extras.bytes_per_token(manifest.hidden_size), entry.parent.name, entry.parent))
+    return min(found)[2] if found else None
 
 
 def shard_paths(cache_dir: Path, index: int) -> tuple[Path, Path]:

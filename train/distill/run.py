@@ -100,7 +100,7 @@ def token_counts(dataset: DistillDataset, vocab_size: int) -> torch.Tensor:
 
 
 def build_draft(kind: str, dcfg: Any, target_dir: Path, train_set: DistillDataset) -> nn.Module:
-    from drafts.common import load_target_embed_and_head
+    from kernels.layers.checkpoint import load_target_embed_and_head
 
     target_cfg = json.loads((target_dir / "config.json").read_text())
     embed, lm_head = load_target_embed_and_head(target_dir)
@@ -130,11 +130,18 @@ def build_draft(kind: str, dcfg: Any, target_dir: Path, train_set: DistillDatase
         return draft
     from drafts.eagle3 import Eagle3Draft, build_reduced_vocab
 
+    from train.recipes import reduced_vocab_size
+
     aux = list(dcfg.aux_layers) if dcfg.aux_layers is not None else None
-    draft = Eagle3Draft.from_target_config(target_cfg, aux_layers=aux, draft_vocab_size=dcfg.draft_vocab_size)
-    if dcfg.draft_vocab_size is not None:
-        draft.set_vocab_map(*build_reduced_vocab(token_counts(train_set, int(target_cfg["vocab_size"])), dcfg.draft_vocab_size))
+    counts = token_counts(train_set, int(target_cfg["vocab_size"]))
+    size, coverage = reduced_vocab_size(counts, dcfg.draft_vocab_size, dcfg.get("draft_vocab_coverage"))
+    draft = Eagle3Draft.from_target_config(target_cfg, aux_layers=aux, draft_vocab_size=size)
+    if size is not None:
+        draft.set_vocab_map(*build_reduced_vocab(counts, size))
     draft.init_from_target(embed, lm_head)
+    draft.vocab_coverage = coverage  # share of training answer tokens the draft vocabulary holds (exported)
+    log_event(stage="distill", kind="eagle3", draft_vocab=size or int(target_cfg["vocab_size"]),
+              target_vocab=int(target_cfg["vocab_size"]), vocab_coverage=round(coverage, 4))
     return draft
 
 
@@ -187,8 +194,12 @@ def prepare(cfg: DictConfig) -> Prepared:
     kind = cfg.draft.get("kind")
     if kind not in KINDS:
         raise ValueError(f"draft: {kind!r} is not a trainable draft kind; pick draft=standalone|medusa|eagle|eagle3")
+    from train.recipes import check_recipe, planned_target_vocab
+
+    check_recipe(kind, cfg.draft, planned_target_vocab(cfg))  # before the target and the data
     artifacts = artifacts_from_config(cfg)
     target_dir, fingerprint, corpus = resolve_target(cfg, artifacts)
+    check_recipe(kind, cfg.draft, int(json.loads((Path(target_dir) / "config.json").read_text())["vocab_size"]))
     data_dir = dataset_for_job(cfg, artifacts, target_dir, fingerprint, corpus)
     manifest = Manifest.read(data_dir)
     target_tokens = tokenizer_hash(AutoTokenizer.from_pretrained(str(target_dir)))
@@ -262,6 +273,8 @@ def train_and_export(cfg: DictConfig, prepared: Prepared, out_dir: Path | None =
             out_dir = export(kind, dcfg, draft, teacher, state, out_dir or artifacts.drafts_dir(fingerprint) / name,
                              target_dir, fingerprint, Manifest.read(data_dir).key,
                              {**result.final_metrics, "steps": result.state.step,
+                              "stopped_by_time_cap": result.stopped_by_time_cap,
+                              **({"draft_vocab_coverage": draft.vocab_coverage} if hasattr(draft, "vocab_coverage") else {}),
                               "train_tokens_per_s": read_throughput(Path(train_cfg.output_dir) / "metrics.jsonl"),
                               **(extra_metrics or {})})
     finally:

@@ -27,7 +27,7 @@ from train.distill import checkpoint as ckpt
 from train.distill.data import ShardedResumableSampler, collate_token_sequences, eval_shard_batches
 from train.distill.launch import LauncherConfig, make_accelerator, shutdown_distributed, write_rank_report
 from train.distill.objective import Objective, PositionCounts
-from train.logs import log_event, progress
+from train.logs import log_event, progress, warn_event
 
 LR_SCHEDULES = ("constant", "linear", "cosine")
 _VOLATILE = {"volatile": True}  # fields that cannot change the loss trajectory: left out of the config hash
@@ -60,6 +60,9 @@ class TrainerConfig:
     checkpoint_every: int = field(default=0, metadata=_VOLATILE)  # 0: only at the end
     keep_last: int = field(default=2, metadata=_VOLATILE)
     resume: str = field(default="auto", metadata=_VOLATILE)  # auto | never | <checkpoint dir>
+    # Wall-clock cap (minutes of this fit call): training stops after the step that crosses it, saves, evaluates
+    # and logs that the cap cut in. Volatile: a rerun with another cap reuses the export.
+    max_minutes: float | None = field(default=None, metadata=_VOLATILE)
 
     def validate(self) -> None:
         for name in ("max_steps", "batch_size", "gradient_accumulation_steps", "eval_batch_size", "log_every"):
@@ -124,6 +127,7 @@ class TrainResult:
     state: ckpt.TrainerState
     final_metrics: dict[str, float]
     checkpoint: Path | None
+    stopped_by_time_cap: bool = False
 
 
 class Trainer:
@@ -249,6 +253,13 @@ class Trainer:
         stacked = self.accelerator.reduce(stacked, reduction="mean")
         return dict(zip(names, stacked.tolist()))
 
+    def _time_up(self, start: float) -> bool:
+        """Past train.max_minutes? Ranks agree (mean elapsed time), so they stop at the same step."""
+        if self.cfg.max_minutes is None:
+            return False
+        elapsed = self._mean_over_ranks({"elapsed": time.perf_counter() - start})["elapsed"]
+        return elapsed > self.cfg.max_minutes * 60
+
     def _sum_over_ranks(self, tensor: Tensor) -> Tensor:
         return self.accelerator.reduce(tensor, reduction="sum") if self.accelerator.num_processes > 1 else tensor
 
@@ -327,7 +338,11 @@ class Trainer:
             final_metrics: dict[str, float] = {}
             window_tokens, window_start = 0.0, time.perf_counter()
             self._set_training(True)
+            fit_start, stopped = time.perf_counter(), False
             while state.step < cfg.max_steps:
+                if self._time_up(fit_start):
+                    stopped = True
+                    break
                 step = state.step + 1
                 component_sums: dict[str, float] = defaultdict(float)
                 grad_norm: Tensor | None = None
@@ -371,11 +386,16 @@ class Trainer:
                 if (cfg.checkpoint_every and step % cfg.checkpoint_every == 0) or step == cfg.max_steps:
                     self._save(state)
             bar.close()
+            if stopped:
+                warn_event(stage="distill", stopped_by_time_cap=True, step=state.step, max_steps=cfg.max_steps,
+                           max_minutes=cfg.max_minutes)
+                if state.step > 0 and not (cfg.checkpoint_every and state.step % cfg.checkpoint_every == 0):
+                    self._save(state)  # (a checkpoint_every step is saved already)
             if not final_metrics:
                 final_metrics = self.evaluate()
             write_rank_report(self.output_dir / "ranks" / f"rank{acc.process_index}.json", acc, self.model,
                               self.launcher, self.sampler.examples_of(self.consumed_batches))
-            return TrainResult(state, final_metrics, self.last_checkpoint)
+            return TrainResult(state, final_metrics, self.last_checkpoint, stopped)
         except BaseException:
             # The error may be on this rank only: a barrier would hang, so tear down without one.
             shutdown_distributed(barrier=False)
