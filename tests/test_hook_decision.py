@@ -426,3 +426,51 @@ def test_a_serving_drift_event_redistills_that_slice_on_the_same_target(world, c
     assert better.calls[0]["init_from"] == draft.resolve() and outcome["candidate"]["promoted"]
     assert main(["drift", f"registry={world.registry.root}"], collab) == 2
     assert "pass the drift event file" in capsys.readouterr().err
+
+
+GOAL = {"code": 0.75, "math": 0.70}
+
+
+@pytest.mark.parametrize("curve,stop_after,reason", [
+    ([{"code": 0.55, "math": 0.60}, {"code": 0.68, "math": 0.66}, {"code": 0.74, "math": 0.69}], 3, "target_reached"),
+    ([{"code": 0.55, "math": 0.60}, {"code": 0.56, "math": 0.60}], 2, "plateau"),
+    ([{"code": 0.40, "math": 0.40}, {"code": 0.50, "math": 0.50}, {"code": 0.60, "math": 0.60}], 3, "budget"),
+    ([{"code": 0.74, "math": 0.71}], 1, "target_reached"),
+])
+def test_recovery_stops_when_the_target_is_reached_it_plateaus_or_the_budget_is_spent(curve, stop_after, reason):
+    """Scripted eval curves: recovery_step says continue until its one stop rule applies."""
+    policy = rules.HookPolicy(max_rounds=3, recovery_tolerance=0.02, plateau_gain=0.01)
+    steps = [rules.recovery_step(curve[:n], GOAL, policy) for n in range(1, len(curve) + 1)]
+    assert [s.stop for s in steps] == [False] * (stop_after - 1) + [True]
+    assert steps[-1].reason == reason
+
+
+class CurveDistiller(FakeDistiller):
+    """Each round's candidate reaches the next point of a scripted curve (on the new target)."""
+
+    def __init__(self, curve: list[dict[str, float]]):
+        super().__init__({})
+        self.curve = curve
+
+    def distill(self, kind, target_dir, data, init_from, *, out_dir, parent_run=None):
+        self.candidate_alphas = {"new": self.curve[min(len(self.calls), len(self.curve) - 1)]}
+        return super().distill(kind, target_dir, data, init_from, out_dir=out_dir, parent_run=parent_run)
+
+
+def test_the_hook_recovers_in_rounds_until_the_old_pairs_alpha(world):
+    """Code fell 0.75 -> 0.52; rounds 1-3 reach 0.62, 0.70, 0.74: the hook runs three warm-started rounds
+    (each from the last candidate), stops at target_reached, and promotes the last one."""
+    old_draft = world.install(NEW_CODE_DROP)
+    rest = {"chat": 0.70, "math": 0.675, "prose": 0.72}
+    curve = [{**rest, "code": 0.62}, {**rest, "code": 0.70}, {**rest, "code": 0.74}, {**rest, "code": 0.76}]
+    distiller = CurveDistiller(curve)
+    code, record, *_ = hook(world, distiller, policy=rules.HookPolicy(max_rounds=5))
+    [draft] = record["drafts"]
+    recovery = draft["candidate"]["recovery"]
+    assert (code, recovery["rounds"], recovery["stopped_by"]) == (0, 3, "target_reached")
+    assert [c["init_from"] for c in distiller.calls] == [old_draft.resolve()] + [
+        Path(r["path"]) for r in recovery["history"][:-1]]
+    assert draft["candidate"]["promoted"] and draft["domains"]["code"]["candidate"] == pytest.approx(0.74)
+    promoted = world.registry.promoted(record["new_target"]["fingerprint"])
+    assert [e.id for e in promoted] == [draft["candidate"]["id"]]
+    assert world.registry.get(promoted[0].parent_id).id == recovery["history"][1]["id"]

@@ -34,31 +34,59 @@ def act(run: HookRun) -> None:
 
 
 def _retrain(run: HookRun, outcome: DraftOutcome, old: DraftEntry, data: Path) -> None:
+    """Recovery rounds (each warm-started from the last candidate) until `rules.recovery_step` stops
+    them; the last candidate is then promoted if it holds the bar on every domain."""
+    policy = run.opts.policy
+    goal = {d: outcome.domains[d]["old_target"] for d in (outcome.regressed or sorted(outcome.domains))}
+    init_from = Path(outcome.init_from) if outcome.init_from else None
+    parent, history, rounds = old, [], []
+    while True:
+        label = f"{old.kind}-hook-{run.stamp}" + (f"-r{len(history) + 1}" if history else "")
+        cand, draft_dir, alphas, report_path = _one_round(run, outcome, old, parent, data, init_from, label)
+        history.append(alphas)
+        step = rules.recovery_step(history, goal, policy)
+        rounds.append({"id": cand.id, "path": str(draft_dir), "report": str(report_path), "alphas": alphas})
+        if step.stop:
+            break
+        parent, init_from = cand, draft_dir
+    bar = _promotion_bar(outcome, alphas, policy.regression_threshold)
+    check = rules.promotion_check(bar, alphas, policy.promote_tolerance)
+    if check.promote:
+        run.registry.promote(cand.id)
+    outcome.candidate = {"id": cand.id, "path": str(draft_dir), "report": str(report_path),
+                         "promoted": check.promote, "reason": check.reason, "bar": bar,
+                         "recovery": {"rounds": len(rounds), "stopped_by": step.reason, "goal": goal,
+                                      "history": rounds}}
+
+
+def _one_round(run: HookRun, outcome: DraftOutcome, old: DraftEntry, parent: DraftEntry, data: Path,
+               init_from: Path | None, label: str):
+    """Distill one candidate, register it (lineage: parent), evaluate it; (entry, dir, alphas, report)."""
     with run.timed("distill"):
         draft_dir = run.collab.distiller.distill(
-            old.kind, run.opts.target_path, data, Path(outcome.init_from) if outcome.init_from else None,
-            out_dir=run.home("drafts", f"{old.kind}-hook-{run.stamp}"), parent_run=old.extra.get("wandb_run"))
-    cand = run.registry.add(draft_dir, run.new, parent_id=old.id, note=f"hook {run.stamp}: {outcome.reason}",
-                             extra={"hook_record": str(run.record_path)})
+            old.kind, run.opts.target_path, data, init_from, out_dir=run.home("drafts", label),
+            parent_run=parent.extra.get("wandb_run"))
+    cand = run.registry.add(draft_dir, run.new, parent_id=parent.id, note=f"hook {run.stamp}: {outcome.reason}",
+                            extra={"hook_record": str(run.record_path)})
     with run.timed("evaluate_candidates"):
         report = run.collab.evaluator.evaluate(run.opts.target_path, {old.kind: Path(draft_dir)},
-                                                sorted(outcome.domains), run.opts.profile)
-    report_path = run.save_report(report, f"{old.kind}-candidate")
+                                               sorted(outcome.domains), run.opts.profile)
+    report_path = run.save_report(report, label.replace(f"-hook-{run.stamp}", "-candidate"))
     run.registry.update(cand.id, report_path=str(report_path), report_method=old.kind)
-    alphas = rules.domain_alphas(report.results, old.kind)
-    threshold = run.opts.policy.regression_threshold
+    return cand, draft_dir, rules.domain_alphas(report.results, old.kind), report_path
+
+
+def _promotion_bar(outcome: DraftOutcome, alphas: dict[str, float], threshold: float) -> dict[str, float | None]:
+    """Per domain, what the candidate must reach: the old draft on the new target, or (where the old
+    draft cannot run there) its old level less the regression threshold."""
     bar: dict[str, float | None] = {}
     for d, row in outcome.domains.items():
         row["candidate"] = alphas.get(d)
         if row["new_target"] is not None:
             bar[d] = row["new_target"]
-        elif row["old_target"] is not None:  # the old draft cannot run here: hold it to its old level
+        elif row["old_target"] is not None:
             bar[d] = max(0.0, row["old_target"] - threshold)
-    check = rules.promotion_check(bar, alphas, run.opts.policy.promote_tolerance)
-    if check.promote:
-        run.registry.promote(cand.id)
-    outcome.candidate = {"id": cand.id, "path": str(draft_dir), "report": str(report_path),
-                         "promoted": check.promote, "reason": check.reason, "bar": bar}
+    return bar
 
 
 def _carry_over(run: HookRun, entries: dict[str, DraftEntry]) -> None:

@@ -71,7 +71,8 @@ def run_hook(opts: HookOptions, collab: Collaborators, registry: Registry | None
 
 _HOOK_KEYS = {"hook.threshold": "regression_threshold", "hook.tolerance": "promote_tolerance",
               "hook.scope": "scope", "hook.replay_share": "replay_share",
-              "hook.from_scratch": "from_scratch_on_vocab_change"}
+              "hook.from_scratch": "from_scratch_on_vocab_change", "hook.max_rounds": "max_rounds",
+              "hook.recovery_tolerance": "recovery_tolerance", "hook.plateau_gain": "plateau_gain"}
 _COLLABORATOR_KEYS = ("hook.evaluator", "hook.regenerator", "hook.distiller", "hook.loader")
 
 
@@ -101,7 +102,8 @@ def parse_args(argv: list[str]) -> tuple[HookOptions, dict[str, str], list[str]]
             value = pairs.pop(key)
             try:
                 policy_kw[name] = (_bool(key, value) if name == "from_scratch_on_vocab_change"
-                                   else value if name == "scope" else float(value))
+                                   else value if name == "scope" else int(value) if name == "max_rounds"
+                                   else float(value))
             except ValueError as err:
                 raise HookError(f"{key}: {err}") from None
     domains = pairs.pop("hook.domains", None)

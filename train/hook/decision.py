@@ -34,9 +34,18 @@ class HookPolicy:
     scope: str = "regressed"            # regenerate data for: regressed domains (+ replay) | all domains
     replay_share: float = 0.2           # share of the other domains' prompts kept in the new data (scope=regressed)
     from_scratch_on_vocab_change: bool = False  # a new tokenizer/vocab: retrain from scratch, or stop
+    # Recovery: re-distill in rounds (each warm-started from the last) until the candidate is back at the
+    # old pair's alpha within recovery_tolerance on every regressed domain, stops gaining (plateau_gain
+    # in mean alpha over a round), or max_rounds is spent.
+    max_rounds: int = 3
+    recovery_tolerance: float = 0.02
+    plateau_gain: float = 0.01
 
     def __post_init__(self) -> None:
-        for name in ("regression_threshold", "promote_tolerance", "replay_share"):
+        if not isinstance(self.max_rounds, int) or self.max_rounds < 1:
+            raise ValueError(f"hook.max_rounds must be an int >= 1, got {self.max_rounds!r}")
+        for name in ("regression_threshold", "promote_tolerance", "replay_share", "recovery_tolerance",
+                     "plateau_gain"):
             value = getattr(self, name)
             if not 0.0 <= value <= 1.0:
                 raise ValueError(f"hook.{name} must be in [0, 1] (alpha is a fraction: 5 points = 0.05), got {value}")
@@ -118,6 +127,32 @@ def data_plan(domains: Iterable[str], regressed: Iterable[str], scope: str, repl
     if scope == "all":
         return {d: 1.0 for d in sorted(domains)}
     return {d: (1.0 if d in regressed else replay_share) for d in sorted(domains)}
+
+
+@dataclass(frozen=True)
+class RecoveryStep:
+    stop: bool
+    reason: str        # target_reached | plateau | budget | continue
+
+
+def recovery_step(history: list[Mapping[str, float]], goal: Mapping[str, float | None],
+                  policy: HookPolicy) -> RecoveryStep:
+    """After round len(history): stop when every goal domain is within recovery_tolerance of its goal
+    (the old draft's alpha on the old target), when the last round gained less than plateau_gain in
+    mean alpha over the goal domains, or when max_rounds is spent."""
+    if not history:
+        raise ValueError("recovery_step needs at least one evaluated round")
+    domains = [d for d, g in goal.items() if g is not None]
+    last = history[-1]
+    if all(last.get(d) is not None and last[d] >= goal[d] - policy.recovery_tolerance - _EPS for d in domains):
+        return RecoveryStep(True, "target_reached")
+    if len(history) >= policy.max_rounds:
+        return RecoveryStep(True, "budget")
+    if len(history) >= 2 and domains:
+        mean = lambda alphas: sum(alphas.get(d) or 0.0 for d in domains) / len(domains)  # noqa: E731
+        if mean(last) - mean(history[-2]) < policy.plateau_gain - _EPS:
+            return RecoveryStep(True, "plateau")
+    return RecoveryStep(False, "continue")
 
 
 @dataclass(frozen=True)
