@@ -16,57 +16,19 @@ import heapq
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from serve_eval.spec.tree_geometry import tree_ancestors, tree_depths
 
 
 def check_node_budget(num_nodes: int, max_nodes: int | None, what: str = "draft tree") -> None:
     """ValueError naming both values when a tree exceeds the configured node budget."""
     if max_nodes is not None and num_nodes > max_nodes:
         raise ValueError(f"{what} has {num_nodes} nodes but the node budget (max_draft_nodes) is {max_nodes}")
-
-
-def _parent_rows(parents: Tensor) -> Tensor:  # int64 [B, N] -> [B, N+1]
-    """Row pointers over [root, nodes...]: row i + 1 points at its parent's row, the root at itself."""
-    return F.pad(parents + 1, (1, 0), value=0)
-
-
-def _num_jumps(num_nodes: int) -> int:
-    """Pointer-doubling rounds that cover any depth <= num_nodes (2**rounds > num_nodes)."""
-    return max(1, num_nodes.bit_length())
-
-
-def tree_depths(parents: Tensor) -> Tensor:  # int64 [..., N] -> int64 [..., N], root's children at 1
-    """Depth of every node, by pointer jumping: log2(N) gathers, no per-node loop.
-
-    Invariant: dist[r] is the number of edges from row r up to row ptr[r]; the root row points at itself
-    with distance 0, so once every pointer has reached it, dist is the depth.
-    """
-    shape, n = parents.shape, parents.shape[-1]
-    ptr = _parent_rows(parents.reshape(math.prod(shape[:-1]), n))  # [B, N+1]
-    dist = (torch.arange(n + 1, device=parents.device) > 0).long().expand_as(ptr)
-    for _ in range(_num_jumps(n)):
-        dist = dist + dist.gather(1, ptr)
-        ptr = ptr.gather(1, ptr)
-    return dist[:, 1:].reshape(shape)
-
-
-def tree_ancestors(parents: Tensor) -> Tensor:  # int64 [..., N] -> bool [..., N+1, N+1] over rows (0 = root)
-    """[r, c] = row c is row r or one of its ancestors, by pointer doubling (log2(N) row gathers).
-
-    After round k, anc[r] holds every row within 2**k edges above r and ptr[r] the 2**k-th ancestor
-    (clamped at the root), so anc[r] | anc[ptr[r]] doubles the reach.
-    """
-    shape, n = parents.shape, parents.shape[-1]
-    ptr = _parent_rows(parents.reshape(math.prod(shape[:-1]), n))  # [B, N+1]
-    eye = torch.eye(n + 1, dtype=torch.bool, device=parents.device)
-    anc = eye | F.one_hot(ptr, n + 1).bool()  # [B, N+1, N+1]
-    for _ in range(_num_jumps(n)):
-        anc = anc | anc.gather(1, ptr[:, :, None].expand(-1, -1, n + 1))
-        ptr = ptr.gather(1, ptr)
-    return anc.reshape(*shape[:-1], n + 1, n + 1)
 
 
 @dataclass(eq=False)
@@ -284,8 +246,27 @@ class TreeShape:
         """How many candidates per depth the shape needs (top-k with k = max_rank)."""
         return max(self.ranks, default=-1) + 1
 
+    @cached_property
+    def _geometry(self) -> DraftTree:
+        """The shape's geometry, computed and validated once; every fill shares it."""
+        tree = DraftTree(torch.zeros(self.num_nodes, dtype=torch.int64), list(self.parents))
+        tree.ancestors()
+        return tree
+
     def fill(self, tokens: Tensor | Sequence[int], draft_probs: Tensor | None = None) -> DraftTree:
-        return DraftTree(torch.as_tensor(tokens, dtype=torch.int64), list(self.parents), draft_probs=draft_probs)
+        tokens = torch.as_tensor(tokens, dtype=torch.int64)
+        if tokens.shape != (self.num_nodes,):
+            raise ValueError(f"tree shape has {self.num_nodes} nodes but got tokens of shape {tuple(tokens.shape)}")
+        geo = self._geometry
+        tree = DraftTree._trusted(tokens, geo.parents.to(tokens.device), geo.depths.to(tokens.device), draft_probs,
+                                  ancestors=geo.ancestors().to(tokens.device))
+        tree._check_probs(self.num_nodes)
+        return tree
+
+    @cached_property
+    def _medusa_index(self) -> tuple[Tensor, Tensor]:  # (head, rank) of every node, int64 [N] each
+        return (torch.tensor([len(p) - 1 for p in self.paths], dtype=torch.int64),
+                torch.tensor(self.ranks, dtype=torch.int64))
 
     def fill_medusa(self, topk_tokens: Tensor) -> DraftTree:  # topk_tokens int64 [num_heads, k]
         """Medusa: node at depth d with rank c gets head (d-1)'s c-th candidate; point masses."""
@@ -294,8 +275,7 @@ class TreeShape:
                 f"topk_tokens shape {tuple(topk_tokens.shape)} too small for a tree of depth "
                 f"{self.max_depth} needing {self.max_rank} candidates per head"
             )
-        depth_index = torch.tensor([len(p) - 1 for p in self.paths], dtype=torch.int64)
-        rank_index = torch.tensor(self.ranks, dtype=torch.int64)
+        depth_index, rank_index = self._medusa_index
         return self.fill(topk_tokens[depth_index.to(topk_tokens.device), rank_index.to(topk_tokens.device)])
 
 
