@@ -1,0 +1,226 @@
+"""Distill recipes side by side: per draft kind, the old default, the new default and alternatives, at equal
+step budgets, on the same target, prompts and init, measured in one eval run (alpha and tau at T=0 and T=1).
+
+Recipes (a recipe = the draft's objective settings + the data it trains on):
+  standalone  old: sequence KD on greedy answers | new: token KD (forward KL) on the stored top-16 of the
+              mixed greedy/T=1 answers + 0.1 hard CE | alt: the same with TVD | alt: JSD, no hard CE
+  eagle       old: feature + token loss on greedy answers | new: the same on the mixed answers | alt: token
+              weight 0.5 on the mixed answers
+  eagle3      old: TTT 2, 1024-token vocabulary, greedy answers | new: TTT 4, vocabulary covering 95% of the
+              answer tokens, mixed answers | alt: TTT 4 with the full vocabulary
+  medusa      old: greedy answers | new: mixed answers | alt: mixed answers, equal head weights
+
+The data the new defaults train on is the pipeline profile's own (pipeline.data): with the same
+--artifacts as a pipeline run, its target and dataset are reused, not rebuilt. "old" data = the profile's
+data with sampled_fraction 0 (greedy only), no top-k requirement beyond what the old recipe needs.
+
+  python scripts/bench_recipes.py                                   # smoke profile: tiny target, a few minutes
+  python scripts/bench_recipes.py --profile embedded --artifacts artifacts --steps 150 --prompts 4
+  python scripts/bench_recipes.py --kinds standalone --steps 300 -o pipeline.data.max_new_tokens=64
+
+Figures of the smoke profile say nothing about quality (its target is tiny); they show the mechanics.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+GREEDY = {"sampled_fraction": 0.0}
+
+
+@dataclass
+class Recipe:
+    kind: str
+    label: str  # old | new | alt-...
+    what: str  # one line for the table
+    draft: dict[str, Any] = field(default_factory=dict)  # over the profile's pipeline.drafts.<kind>
+    data: dict[str, Any] = field(default_factory=dict)  # over the profile's pipeline.data
+
+
+def recipes(target_vocab: int) -> list[Recipe]:
+    old_vocab = min(1024, target_vocab // 2)
+    return [
+        Recipe("standalone", "old", "sequence KD, greedy data",
+               {"loss": "sequence_kd", "hard_weight": 0.0, "teacher": "auto"}, GREEDY),
+        Recipe("standalone", "new", "token KD fwd-KL top-k + 0.1 CE, mixed data", {}),
+        Recipe("standalone", "alt-tv", "token KD TVD top-k + 0.1 CE, mixed data", {"divergence": "tv"}),
+        Recipe("standalone", "alt-jsd", "token KD JSD top-k, no CE, mixed data", {"divergence": "jsd", "hard_weight": 0.0}),
+        Recipe("eagle", "old", "feature + token loss, greedy data", {}, GREEDY),
+        Recipe("eagle", "new", "feature + token loss, mixed data", {}),
+        Recipe("eagle", "alt-tok0.5", "token weight 0.5, mixed data", {"token_weight": 0.5}),
+        Recipe("eagle3", "old", f"TTT 2, vocab {old_vocab}, greedy data",
+               {"ttt_steps": 2, "draft_vocab_size": old_vocab, "draft_vocab_coverage": None}, GREEDY),
+        Recipe("eagle3", "new", "profile's TTT (embedded 4), vocab by 95% coverage, mixed data", {}),
+        Recipe("eagle3", "alt-fullvocab", "TTT 4, full vocab, mixed data",
+               {"draft_vocab_size": None, "draft_vocab_coverage": None}),
+        Recipe("medusa", "old", "greedy data", {}, GREEDY),
+        Recipe("medusa", "new", "mixed data", {}),
+        Recipe("medusa", "alt-flat", "equal head weights, mixed data", {"head_weight_decay": 1.0}),
+    ]
+
+
+def parse_args() -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--profile", default="smoke", help="pipeline profile whose target/data/recipes are the base")
+    ap.add_argument("--artifacts", default="/tmp/draftsmith-bench-recipes", help="artifacts_root (reuse a pipeline's)")
+    ap.add_argument("--kinds", default="standalone,eagle,eagle3,medusa")
+    ap.add_argument("--recipes", default="", help="comma list of labels to keep (default: all)")
+    ap.add_argument("--steps", type=int, default=40, help="optimizer steps, the same for every recipe")
+    ap.add_argument("--k", type=int, default=0, help="drafted tokens per round in the eval (0: the profile's largest eval K)")
+    ap.add_argument("--prompts", type=int, default=3, help="held-out prompts per domain")
+    ap.add_argument("--max-tokens", type=int, default=24, help="tokens generated per prompt")
+    ap.add_argument("-o", "--override", action="append", default=[], help="extra Hydra override (repeatable)")
+    return ap.parse_args()
+
+
+def base_context(args: argparse.Namespace) -> Any:
+    """Config + the corpus, tokenizer and target stages (cached under --artifacts)."""
+    from train.artifacts import artifacts_from_config
+    from train.config import compose
+    from train.logs import init_wandb
+    from train.pipeline import PipelineContext, stage_corpus, stage_target, stage_tokenizer
+
+    cfg = compose([f"pipeline={args.profile}", f"artifacts_root={args.artifacts}", "wandb.mode=disabled",
+                   *args.override])
+    artifacts = artifacts_from_config(cfg)
+    ctx = PipelineContext(cfg, artifacts, init_wandb(cfg, job_type="bench", wandb_dir=artifacts.wandb_dir))
+    for name, fn in (("corpus", stage_corpus), ("tokenizer", stage_tokenizer), ("target", stage_target)):
+        t0 = time.perf_counter()
+        fn(ctx)
+        print(f"{name}: {time.perf_counter() - t0:.1f} s", flush=True)
+    return ctx
+
+
+def recipe_job(ctx: Any, recipe: Recipe, steps: int) -> Any:
+    """The distill job config of one recipe: the profile's kind config + the recipe, at `steps` steps."""
+    from omegaconf import open_dict
+
+    from train.pipeline_distill import draft_config, merge_checked, trainer_node
+    from train.recipes import check_recipe
+
+    job = ctx.cfg.copy()
+    with open_dict(job):  # as train.pipeline_distill.job_config, with the recipe merged on
+        job.draft = merge_checked(draft_config(ctx.cfg, recipe.kind), {**recipe.draft, "data": recipe.data},
+                                  f"recipe {recipe.kind}:{recipe.label}")
+        job.train = merge_checked(trainer_node(ctx.cfg, recipe.kind), {"max_steps": steps, "max_minutes": None,
+                                  "checkpoint_every": 0, "eval_every": 0}, "recipe train")
+    check_recipe(recipe.kind, job.draft, ctx.results["target"].shape.get("vocab_size"))
+    return job
+
+
+def dataset_for(ctx: Any, job: Any) -> Path:
+    """The recipe's dataset: the profile's data + the recipe's data fields, covering its needs (cached)."""
+    from drafts.schemas import DraftDataConfig
+    from train.distill.run import dataset_needs
+    from train.generate import generate_dataset
+    from train.pipeline_distill import as_dict, draft_config, union_extras
+
+    target = ctx.results["target"]
+    needs = dataset_needs(job.draft.kind, job.draft, int(target.shape["num_hidden_layers"]))
+    # Hold the whole union the profile's kinds need, so every recipe on this data reads one cache.
+    profile_needs = [dataset_needs(k, draft_config(ctx.cfg, k), int(target.shape["num_hidden_layers"]))
+                     for k in ("standalone", "medusa", "eagle", "eagle3")]
+    data = DraftDataConfig(**as_dict(job.draft.data))
+    return generate_dataset(Path(target.model_dir), target.fingerprint, ctx.results["corpus"].records("distill"),
+                            data, union_extras([needs, *profile_needs]), ctx.artifacts.data_dir(target.fingerprint))
+
+
+def train_recipe(ctx: Any, recipe: Recipe, steps: int) -> Path:
+    from drafts.files import stable_hash
+    from train.distill.gendata import Manifest
+    from train.distill.run import Prepared, train_and_export
+    from train.pipeline_distill import as_dict
+
+    target = ctx.results["target"]
+    job = recipe_job(ctx, recipe, steps)
+    data_dir = dataset_for(ctx, job)
+    key = stable_hash({"draft": as_dict(job.draft), "train": as_dict(job.train), "data": Manifest.read(data_dir).key,
+                       "seed": job.seed})
+    out = ctx.artifacts.target_dir(target.fingerprint) / "bench-recipes" / f"{recipe.kind}-{recipe.label}-{key}"
+    if not (out / ".complete").is_file():
+        t0 = time.perf_counter()
+        train_and_export(job, Prepared(str(target.model_dir), target.fingerprint, str(data_dir)), out_dir=out)
+        (out / ".complete").write_text("")
+        print(f"trained {recipe.kind}:{recipe.label} ({steps} steps) in {time.perf_counter() - t0:.1f} s", flush=True)
+    return out
+
+
+def evaluate(ctx: Any, drafts: dict[str, Path], args: argparse.Namespace) -> Any:
+    """One eval run over every recipe's draft (labels kind:label), T in {0, 1} at K = --k."""
+    from omegaconf import OmegaConf
+
+    from serve_eval.eval.harness import run_eval
+    from serve_eval.eval.settings import validate
+    from serve_eval.eval.sources import collect_drafts, gather_prompts
+    from train.pipeline_distill import merge_checked
+
+    target = ctx.results["target"]
+    node = merge_checked(ctx.cfg.eval, ctx.cfg.pipeline.eval, "pipeline.eval")
+    node = merge_checked(node, {"methods": ["no-spec", "drafts"], "num_speculative_tokens": [args.k],
+                                "temperatures": [0.0, 1.0], "max_prompts_per_domain": args.prompts,
+                                "max_tokens": args.max_tokens, "repetitions": 1, "plots": False,
+                                "prompts": str(ctx.results["corpus"].path("eval")), "target": str(target.model_dir),
+                                "drafts": {n: str(p) for n, p in drafts.items()}, "discover_drafts": False}, "eval")
+    cfg = OmegaConf.to_object(node)
+    validate(cfg)
+    prompts, skipped = gather_prompts(cfg, ctx.artifacts.root, target.model_dir)
+    sources = collect_drafts(cfg.drafts, ctx.artifacts.root, target.fingerprint, discover=False)
+    return run_eval(cfg, Path(target.model_dir), target.fingerprint, prompts, sources, skipped, progress=lambda _: None)
+
+
+def mean(values: list[float]) -> float | None:
+    values = [v for v in values if v is not None]
+    return sum(values) / len(values) if values else None
+
+
+def print_table(report: Any, chosen: list[Recipe], steps: int, k: int, prompts: int, max_tokens: int) -> None:
+    domains = sorted({r.domain for r in report.results})
+    print(f"\nrecipes at {steps} steps each; eval K={k}, T=0 and T=1, mean over domains {','.join(domains)} "
+          f"({prompts} held-out prompts x {max_tokens} tokens each, one run)")
+    header = f"{'kind':<11}{'recipe':<15}{'alpha T=0':>10}{'tau T=0':>9}{'alpha T=1':>11}{'tau T=1':>9}  what"
+    print(header + "\n" + "-" * len(header))
+    for r in chosen:
+        label = f"{r.kind}:{r.label}"
+        cells = []
+        for t in (0.0, 1.0):
+            rows = [x for x in report.results if x.method == label and x.temperature == t and x.K == k]
+            cells += [mean([x.alpha for x in rows]), mean([x.tau for x in rows])]
+        fmt = [f"{c:.3f}" if c is not None else "-" for c in cells]
+        print(f"{r.kind:<11}{r.label:<15}{fmt[0]:>10}{fmt[1]:>9}{fmt[2]:>11}{fmt[3]:>9}  {r.what}")
+
+
+def main() -> None:
+    args = parse_args()
+    t0 = time.perf_counter()
+    ctx = base_context(args)
+    if args.k <= 0:
+        from train.pipeline_cost import largest_eval_k
+
+        args.k = largest_eval_k(ctx)
+    kinds = [k for k in args.kinds.split(",") if k]
+    keep = {x for x in args.recipes.split(",") if x}
+    chosen = [r for r in recipes(int(ctx.results["target"].shape["vocab_size"]))
+              if r.kind in kinds and (not keep or r.label in keep)]
+    if not chosen:
+        raise SystemExit(f"no recipe matches --kinds {args.kinds} --recipes {args.recipes}")
+    drafts = {f"{r.kind}:{r.label}": train_recipe(ctx, r, args.steps) for r in chosen}
+    t_eval = time.perf_counter()
+    report = evaluate(ctx, drafts, args)
+    print(f"load average: {' '.join(f'{x:.2f}' for x in os.getloadavg())}; train {t_eval - t0:.0f} s, "
+          f"eval {time.perf_counter() - t_eval:.0f} s")
+    print_table(report, chosen, args.steps, args.k, args.prompts, args.max_tokens)
+    for s in report.skipped:
+        print(f"skipped: domain={s.domain} method={s.method}: {s.reason}")
+
+
+if __name__ == "__main__":
+    main()
