@@ -19,15 +19,11 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from drafts.common import (
-    AttnFn,
-    DecoderConfig,
-    LlamaDecoderLayer,
-    causal_attn_fn,
-    count_parameters,
-    hf_config_dict,
-    unroll_ttt,
-)
+from drafts.common import causal_attn_fn, count_parameters, unroll_ttt
+from kernels.layers.config import DecoderConfig, hf_config_dict
+from kernels.layers.decoder import AttnFn, DecoderLayer, run_layer
+from kernels.layers.linear import Linear
+from kernels.layers.rope import RotaryEmbedding
 
 
 @dataclass
@@ -67,8 +63,11 @@ class EagleDraft(nn.Module):
         d = cfg.hidden_size
         self.embed_tokens = nn.Embedding(cfg.vocab_size, d)
         self.fc = nn.Linear(2 * d, d, bias=cfg.fc_bias)
-        self.layers = nn.ModuleList([LlamaDecoderLayer(cfg.decoder, input_norm=False)])
+        self.layers = nn.ModuleList([DecoderLayer(cfg.decoder, input_norm=False)])
         self.lm_head = nn.Linear(d, cfg.vocab_size, bias=False)
+        self.rotary = RotaryEmbedding(cfg.decoder)
+        self.serving_fc: Linear | None = None  # serving forms (to_serving_)
+        self.serving_head: Linear | None = None
         for module in self.modules():
             if isinstance(module, (nn.Linear, nn.Embedding)):
                 nn.init.normal_(module.weight, std=0.02)
@@ -92,11 +91,20 @@ class EagleDraft(nn.Module):
     def forward(self, input_ids: Tensor, features: Tensor, positions: Tensor, attn_fn: AttnFn) -> Tensor:
         """input_ids [T] (x_{i+1}), features [T, d] (f_i or the draft's own prediction), positions [T]
         -> predicted next feature [T, d]."""
-        hidden = self.fc(torch.cat([self.embed_tokens(input_ids), features.to(self.fc.weight.dtype)], dim=-1))
-        return self.layers[0](hidden, positions, attn_fn)
+        fc = self.serving_fc or self.fc
+        hidden = fc(torch.cat([self.embed_tokens(input_ids), features.to(self.fc.weight.dtype)], dim=-1))
+        cos, sin = self.rotary(positions, hidden.dtype)
+        return run_layer(self.layers[0], hidden, cos, sin, attn_fn)
 
     def compute_logits(self, predicted_features: Tensor) -> Tensor:
-        return self.lm_head(predicted_features)
+        return (self.serving_head or self.lm_head)(predicted_features)
+
+    def to_serving_(self, pack: bool | None = None) -> "EagleDraft":
+        """Serving form (inference only): the engine's fused, packed projections (kernels.layers)."""
+        self.serving_fc = Linear.fuse([self.fc], pack)
+        self.layers[0].to_serving_(pack)
+        self.serving_head = Linear.fuse([self.lm_head], pack)
+        return self
 
     def forward_batch(self, input_ids: Tensor, features: Tensor) -> tuple[Tensor, Tensor]:
         """Training API: input_ids [B, S], features [B, S, d] -> (predicted features [B,S,d], logits [B,S,V])."""

@@ -20,16 +20,12 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from drafts.common import (
-    AttnFn,
-    DecoderConfig,
-    LlamaDecoderLayer,
-    RMSNorm,
-    causal_attn_fn,
-    count_parameters,
-    hf_config_dict,
-    unroll_ttt,
-)
+from drafts.common import causal_attn_fn, count_parameters, unroll_ttt
+from kernels.layers.config import DecoderConfig, hf_config_dict
+from kernels.layers.decoder import AttnFn, DecoderLayer, mlp_residual, run_layer
+from kernels.layers.linear import Linear
+from kernels.layers.norm import RMSNorm
+from kernels.layers.rope import RotaryEmbedding
 
 
 def default_aux_layers(num_target_layers: int) -> list[int]:
@@ -108,19 +104,27 @@ class Eagle3Config:
         )
 
 
-class Eagle3MidLayer(LlamaDecoderLayer):
+class Eagle3MidLayer(DecoderLayer):
     """Decoder layer whose attention reads [input_layernorm(emb) ; hidden_norm(hidden)] (2d)."""
 
     def __init__(self, cfg: DecoderConfig, norm_before_residual: bool = False) -> None:
         super().__init__(cfg, attn_input_size=2 * cfg.hidden_size, input_norm=True)
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.norm_before_residual = norm_before_residual
+        self.serving_hidden_norm = None
 
-    def forward(self, embeds: Tensor, hidden: Tensor, positions: Tensor, attn_fn: AttnFn) -> Tensor:  # type: ignore[override]
-        normed = self.hidden_norm(hidden)
+    def forward(self, embeds: Tensor, hidden: Tensor, cos: Tensor, sin: Tensor, attn_fn: AttnFn) -> Tensor:  # type: ignore[override]
+        """embeds, hidden [T, d]; cos, sin [T, 1, D] -> [T, d]."""
+        ops = self.ops
+        normed = (self.serving_hidden_norm or self.hidden_norm)(hidden)
         residual = normed if self.norm_before_residual else hidden
-        x = torch.cat([self.input_layernorm(embeds), normed], dim=-1)
-        return self.mlp_block(residual + self.self_attn(x, positions, attn_fn))
+        x = torch.cat([ops.input_norm(embeds), normed], dim=-1)
+        return mlp_residual(ops, residual + ops.attention(x, cos, sin, attn_fn))
+
+    def to_serving_(self, pack: bool | None = None) -> "Eagle3MidLayer":
+        super().to_serving_(pack)
+        self.serving_hidden_norm = self.hidden_norm.serving()
+        return self
 
 
 class Eagle3Draft(nn.Module):
@@ -136,6 +140,10 @@ class Eagle3Draft(nn.Module):
         self.midlayer = Eagle3MidLayer(cfg.decoder, cfg.norm_before_residual)
         self.norm = RMSNorm(d, cfg.decoder.rms_norm_eps)
         self.lm_head = nn.Linear(d, cfg.draft_vocab_size, bias=False)
+        self.rotary = RotaryEmbedding(cfg.decoder)
+        self.serving_fc: Linear | None = None  # serving forms (to_serving_)
+        self.serving_head: Linear | None = None
+        self.serving_norm = None
         self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))
         t2d = torch.zeros(cfg.vocab_size, dtype=torch.bool)
         t2d[: cfg.draft_vocab_size] = True  # identity map until set_vocab_map
@@ -177,16 +185,28 @@ class Eagle3Draft(nn.Module):
 
     def fuse(self, aux_hidden: Tensor) -> Tensor:
         """aux_hidden [..., 3*d_t] (target layers concatenated in aux_layers order) -> [..., d]."""
-        return self.fc(aux_hidden.to(self.fc.weight.dtype))
+        return (self.serving_fc or self.fc)(aux_hidden.to(self.fc.weight.dtype))
 
     def forward(self, input_ids: Tensor, hidden_in: Tensor, positions: Tensor, attn_fn: AttnFn) -> Tensor:
         """input_ids [T] (x_{i+1}), hidden_in [T, d] (``fuse(aux)`` at step 0, the draft's own output after),
         positions [T] -> hidden_out [T, d] (pre-norm; feed back as next hidden_in)."""
-        return self.midlayer(self.embed_tokens(input_ids), hidden_in, positions, attn_fn)
+        embeds = self.embed_tokens(input_ids)
+        cos, sin = self.rotary(positions, embeds.dtype)
+        return run_layer(self.midlayer, embeds, hidden_in, cos, sin, attn_fn)
 
     def compute_logits(self, hidden_out: Tensor) -> Tensor:
         """-> logits over the DRAFT vocabulary [..., draft_vocab_size]."""
+        if self.serving_head is not None:
+            return self.serving_head(self.serving_norm(hidden_out))
         return self.lm_head(self.norm(hidden_out))
+
+    def to_serving_(self, pack: bool | None = None) -> "Eagle3Draft":
+        """Serving form (inference only): the engine's fused, packed projections (kernels.layers)."""
+        self.serving_fc = Linear.fuse([self.fc], pack)
+        self.midlayer.to_serving_(pack)
+        self.serving_norm = self.norm.serving()
+        self.serving_head = Linear.fuse([self.lm_head], pack)
+        return self
 
     def draft_to_target_ids(self, draft_ids: Tensor) -> Tensor:
         return draft_ids + self.d2t.to(draft_ids.device)[draft_ids]

@@ -35,13 +35,14 @@ from typing import Collection, Sequence
 
 from torch import Tensor, nn
 
-from drafts.common import DecoderConfig, decoder_config_from_dict, load_target_embed_and_head
 from drafts.eagle import EagleConfig, EagleDraft
 from drafts.eagle3 import Eagle3Config, Eagle3Draft
 from drafts.files import write_json
-from drafts.io import draft_state_dict, load_draft, read_safetensors, write_safetensors
+from drafts.io import draft_state_dict, load_draft, write_safetensors
 from drafts.medusa import MedusaConfig, MedusaDraft
 from drafts.standalone import StandaloneDraft
+from kernels.layers.checkpoint import load_target_embed_and_head, read_file, tensor_names
+from kernels.layers.config import DecoderConfig
 
 FORMATS = {"vllm": ("eagle",), "speculators": ("eagle3",), "sglang": ("eagle3",), "medusa": ("medusa",), "hf": ("standalone",)}
 EXPORT_META = "draftsmith_export.json"
@@ -220,15 +221,6 @@ def detect_format(config: dict, weight_names: Collection[str] = ()) -> str:
     raise ValueError(f"config.json: cannot tell the export format (architectures={archs})")
 
 
-def _weight_names(path: Path) -> set[str]:
-    from safetensors import safe_open
-
-    if not path.is_file():
-        return set()
-    with safe_open(str(path), framework="pt") as handle:
-        return set(handle.keys())
-
-
 def _strict_load(model: nn.Module, state: dict[str, Tensor], source: Path, allow_missing: Sequence[str] = ()) -> nn.Module:
     missing, unexpected = model.load_state_dict(state, strict=False)
     missing = [k for k in missing if k not in allow_missing]
@@ -239,7 +231,7 @@ def _strict_load(model: nn.Module, state: dict[str, Tensor], source: Path, allow
 
 def _decoder(layer: dict) -> DecoderConfig:
     bias = layer.get("attention_bias", False)  # Llama's one flag for q/k/v and o
-    return decoder_config_from_dict({**layer, "qkv_bias": bias, "o_bias": bias})
+    return DecoderConfig.from_dict({**layer, "qkv_bias": bias, "o_bias": bias})
 
 
 def load_exported(
@@ -251,7 +243,7 @@ def load_exported(
     (``target_embed_and_head``, ``target_dir``, or the verifier recorded in the export when it is a local dir)."""
     path = Path(path)
     config = json.loads((path / "config.json").read_text())
-    fmt = detect_format(config, _weight_names(path / "model.safetensors"))
+    fmt = detect_format(config, tensor_names(path / "model.safetensors"))
     if fmt == "hf":
         return StandaloneDraft.from_hf(path)
     if fmt == "medusa":
@@ -266,7 +258,7 @@ def load_exported(
 
 def _load_eagle_vllm(path: Path, config: dict, target_embed_and_head: tuple[Tensor, Tensor] | None,
                      target_dir: str | Path | None) -> EagleDraft:
-    state = read_safetensors(path / "model.safetensors")
+    state = read_file(path / "model.safetensors")
     source = target_dir or _local_dir(config.get("base_model_name_or_path"))
     if target_embed_and_head is None and source is None:
         raise ValueError(f"{path}: a vLLM EAGLE-1 dir has no LM head (vLLM uses the verifier's) and its verifier "
@@ -279,7 +271,7 @@ def _load_eagle_vllm(path: Path, config: dict, target_embed_and_head: tuple[Tens
 
 
 def _load_eagle3(path: Path, config: dict, fmt: str) -> Eagle3Draft:
-    state = read_safetensors(path / "model.safetensors")
+    state = read_file(path / "model.safetensors")
     layer = config["transformer_layer_config"] if fmt == "speculators" else config
     if fmt == "speculators":
         aux = config.get("eagle_aux_hidden_state_layer_ids")
@@ -308,7 +300,7 @@ def _load_medusa(path: Path, config: dict) -> MedusaDraft:
         raise ValueError(f"{path}: no Medusa safetensors weights")
     state: dict[str, Tensor] = {}
     for f in files:
-        state.update(read_safetensors(f))
+        state.update(read_file(f))
     num_heads, num_layers = int(config["medusa_num_heads"]), int(config["medusa_num_layers"])
     shared = bool(config.get("draftsmith_shared_lm_head", False))
     head0 = state[f"medusa_head.0.{num_layers}.weight"]

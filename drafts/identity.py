@@ -13,6 +13,8 @@ import json
 import struct
 from pathlib import Path
 
+from kernels.layers.checkpoint import weight_files
+
 # config.json keys that record who/where wrote the file, not what the model computes.
 _VOLATILE_CONFIG_KEYS = frozenset({"transformers_version", "_name_or_path", "_commit_hash"})
 _CHUNK_BYTES = 8 << 20
@@ -49,13 +51,11 @@ def target_fingerprint(model_dir: str | Path) -> str:
         raise ValueError(f"{model_dir}: not a directory (target checkpoint expected)")
     digest = hashlib.sha256()
     digest.update(_canonical_config(model_dir / "config.json"))
-    weight_files = sorted(model_dir.glob("*.safetensors"))
-    if not weight_files:
-        raise ValueError(f"{model_dir}: no *.safetensors weights (only safetensors checkpoints are accepted)")
+    files = weight_files(model_dir)  # the shards the engine loads (kernels.layers.checkpoint)
     tensors: dict[str, tuple[Path, dict, int]] = {}
-    for path in weight_files:
+    for path in files:
         tensors.update(_tensor_index(path))
-    handles = {path: path.open("rb") for path in weight_files}
+    handles = {path: path.open("rb") for path in files}
     try:
         for name in sorted(tensors):
             path, info, data_start = tensors[name]

@@ -20,12 +20,13 @@ import torch
 from torch import Tensor, nn
 
 from drafts.artifacts import Artifacts
-from drafts.common import hf_config_dict
 from drafts.files import atomic_write, write_json
 from drafts.eagle import EagleConfig, EagleDraft
 from drafts.eagle3 import Eagle3Config, Eagle3Draft
 from drafts.medusa import MedusaConfig, MedusaDraft
 from drafts.standalone import StandaloneConfig, StandaloneDraft
+from kernels.layers.checkpoint import read_file
+from kernels.layers.config import hf_config_dict
 
 META_FILE = "draftsmith.json"
 CONFIG_FILE = "config.json"
@@ -101,14 +102,6 @@ def write_safetensors(path: Path, tensors: dict[str, Tensor], metadata: dict[str
 
     flat = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
     atomic_write(path, lambda tmp: save_file(flat, tmp, metadata=metadata or {"format": "pt"}))
-
-
-def read_safetensors(path: Path) -> dict[str, Tensor]:
-    from safetensors.torch import load_file
-
-    if not path.is_file():
-        raise ValueError(f"{path}: missing weights file")
-    return load_file(str(path))
 
 
 def draft_state_dict(model: nn.Module) -> dict[str, Tensor]:
@@ -222,7 +215,7 @@ def load_draft(
         model = StandaloneDraft.from_hf(draft_dir)
     else:
         model = build_from_config(meta.kind, cfg_dict)
-        state = read_safetensors(draft_dir / WEIGHTS_FILE)
+        state = read_file(draft_dir / WEIGHTS_FILE)
         missing, unexpected = model.load_state_dict(state, strict=False)
         if missing or unexpected:
             raise ValueError(f"{draft_dir / WEIGHTS_FILE}: missing weights {missing[:5]}, unexpected {unexpected[:5]}")

@@ -11,13 +11,17 @@ Heads are stateless, so the training (batch) and serving (step) APIs are the sam
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from drafts.common import count_parameters, hf_config_dict
+from drafts.common import count_parameters
+from kernels.layers.config import hf_config_dict
+from kernels.layers.decoder import Op
+from kernels.layers.linear import Linear
 
 
 @dataclass
@@ -39,6 +43,17 @@ class MedusaConfig:
         return cls(hidden_size=int(t["hidden_size"]), vocab_size=int(t["vocab_size"]), **opts)
 
 
+def res_step(linear: Op, x: Tensor) -> Tensor:
+    """x + SiLU(linear(x)), [..., d] -> [..., d]."""
+    return x + F.silu(linear(x))
+
+
+def run_blocks(blocks: list[Op], x: Tensor) -> Tensor:
+    for block in blocks:
+        x = block(x)
+    return x
+
+
 class ResBlock(nn.Module):
     def __init__(self, size: int) -> None:
         super().__init__()
@@ -47,7 +62,19 @@ class ResBlock(nn.Module):
         nn.init.zeros_(self.linear.bias)
 
     def forward(self, x: Tensor) -> Tensor:
-        return x + F.silu(self.linear(x))
+        return res_step(self.linear, x)
+
+    def serving(self, pack: bool | None = None) -> Op:
+        return partial(res_step, Linear.fuse([self.linear], pack))
+
+
+@dataclass(frozen=True)
+class MedusaOps:
+    """What the heads call: the modules (training) or their packed serving forms (to_serving_)."""
+
+    features: list[Op]  # per head: hidden [..., d] -> its residual blocks' output [..., d]
+    shared_head: Op | None  # one LM head over all heads' features (shared_lm_head), else per_head
+    per_head: list[Op] | None
 
 
 class MedusaHead(nn.Module):
@@ -57,9 +84,10 @@ class MedusaHead(nn.Module):
         self.lm_head = None if cfg.shared_lm_head else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
-        for block in self.blocks:
-            x = block(x)
-        return x
+        return run_blocks(list(self.blocks), x)
+
+    def serving(self, pack: bool | None = None) -> Op:
+        return partial(run_blocks, [block.serving(pack) for block in self.blocks])
 
 
 class MedusaDraft(nn.Module):
@@ -76,6 +104,7 @@ class MedusaDraft(nn.Module):
         for head in self.heads:
             if head.lm_head is not None:
                 nn.init.normal_(head.lm_head.weight, std=0.02)
+        self.serving_ops: MedusaOps | None = None
 
     @classmethod
     def from_target_config(cls, target_cfg: Any, **opts: Any) -> "MedusaDraft":
@@ -95,9 +124,29 @@ class MedusaDraft(nn.Module):
         head = self.heads[k].lm_head if self.lm_head is None else self.lm_head
         return head.weight
 
+    @property
+    def ops(self) -> MedusaOps:
+        if self.serving_ops is not None:
+            return self.serving_ops
+        per_head = None if self.lm_head is not None else [head.lm_head for head in self.heads]
+        return MedusaOps(list(self.heads), self.lm_head, per_head)
+
     def forward(self, hidden: Tensor) -> Tensor:
         """hidden [..., d] (target final-norm output at t) -> logits [..., K, V]; [..., k, :] predicts token t+k+2."""
-        return torch.stack([F.linear(head(hidden), self.head_lm_weight(k)) for k, head in enumerate(self.heads)], dim=-2)
+        ops = self.ops
+        stacked = torch.stack([head(hidden) for head in ops.features], dim=-2)  # [..., K, d]
+        if ops.shared_head is not None:  # one GEMM over every head's features
+            return ops.shared_head(stacked)
+        return torch.stack([head(stacked[..., k, :]) for k, head in enumerate(ops.per_head)], dim=-2)
+
+    def to_serving_(self, pack: bool | None = None) -> "MedusaDraft":
+        """Serving form (inference only): packed residual blocks and heads (kernels.layers.linear)."""
+        features = [head.serving(pack) for head in self.heads]
+        if self.lm_head is not None:
+            self.serving_ops = MedusaOps(features, Linear.fuse([self.lm_head], pack), None)
+        else:
+            self.serving_ops = MedusaOps(features, None, [Linear.fuse([head.lm_head], pack) for head in self.heads])
+        return self
 
     def num_parameters(self, trainable_only: bool = False) -> int:
         return count_parameters(self, trainable_only)

@@ -15,17 +15,10 @@ from typing import Any, Sequence
 import torch
 from torch import Tensor, nn
 
-from drafts.common import (
-    AttnFn,
-    DecoderConfig,
-    LlamaDecoderLayer,
-    RMSNorm,
-    causal_attn_fn,
-    count_parameters,
-    hf_config_dict,
-    layer_attn,
-    load_hf_tensors,
-)
+from drafts.common import causal_attn_fn, count_parameters
+from kernels.layers.causal_lm import CausalLM, LMShape
+from kernels.layers.checkpoint import read_state_dict
+from kernels.layers.config import DecoderConfig, hf_config_dict
 
 
 @dataclass
@@ -123,26 +116,15 @@ class StandaloneConfig:
         }
 
 
-class _Backbone(nn.Module):
-    def __init__(self, cfg: StandaloneConfig) -> None:
-        super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList([LlamaDecoderLayer(cfg.decoder) for _ in range(cfg.num_hidden_layers)])
-        self.norm = RMSNorm(cfg.hidden_size, cfg.decoder.rms_norm_eps)
-
-
-class StandaloneDraft(nn.Module):
-    """Llama causal LM over flattened tokens; state_dict keys == HF LlamaForCausalLM keys."""
+class StandaloneDraft(CausalLM):
+    """kernels.layers.CausalLM (the engine's own model) with a draft's config, init and HF interop;
+    state_dict keys == HF LlamaForCausalLM keys."""
 
     kind = "standalone"
 
     def __init__(self, cfg: StandaloneConfig) -> None:
-        super().__init__()
+        super().__init__(LMShape(cfg.vocab_size, cfg.num_hidden_layers, cfg.decoder, cfg.tie_word_embeddings))
         self.config = cfg
-        self.model = _Backbone(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        if cfg.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
         self.reset_parameters()
 
     def reset_parameters(self, std: float = 0.02) -> None:
@@ -151,20 +133,6 @@ class StandaloneDraft(nn.Module):
                 nn.init.normal_(module.weight, std=std)
                 if getattr(module, "bias", None) is not None:
                     nn.init.zeros_(module.bias)
-
-    @property
-    def num_layers(self) -> int:
-        return self.config.num_hidden_layers
-
-    def forward(self, input_ids: Tensor, positions: Tensor, attn_fn: AttnFn | Sequence[AttnFn]) -> Tensor:
-        """input_ids [T], positions [T] -> final-norm hidden [T, d]. attn_fn: one for all layers or one per layer."""
-        hidden = self.model.embed_tokens(input_ids)
-        for i, layer in enumerate(self.model.layers):
-            hidden = layer(hidden, positions, layer_attn(attn_fn, i))
-        return self.model.norm(hidden)
-
-    def compute_logits(self, hidden: Tensor) -> Tensor:
-        return self.lm_head(hidden)
 
     def forward_batch(self, input_ids: Tensor) -> Tensor:
         """Training API: input_ids [B, S] (causal, positions 0..S-1) -> logits [B, S, V]."""
@@ -191,7 +159,7 @@ class StandaloneDraft(nn.Module):
         """From a transformers LlamaForCausalLM object or an HF checkpoint dir (safetensors only)."""
         if isinstance(hf_model_or_dir, (str, Path)):
             cfg = StandaloneConfig.from_hf(hf_model_or_dir)
-            state = load_hf_tensors(hf_model_or_dir)
+            state = read_state_dict(hf_model_or_dir)
         else:
             cfg = StandaloneConfig.from_hf(hf_model_or_dir.config)
             state = hf_model_or_dir.state_dict()
@@ -214,7 +182,7 @@ def init_from_target(draft: StandaloneDraft, target_state: dict[str, Tensor] | s
     ``layer_ids`` (default: the first ``draft.num_layers``). Needs the same hidden size and layer shape;
     otherwise a ValueError names both sides' values.
     """
-    state = load_hf_tensors(target_state) if isinstance(target_state, (str, Path)) else target_state
+    state = read_state_dict(target_state) if isinstance(target_state, (str, Path)) else target_state
     layer_ids = list(layer_ids) if layer_ids is not None else list(range(draft.num_layers))
     if len(layer_ids) != draft.num_layers:
         raise ValueError(f"init_from_target: {len(layer_ids)} layer_ids for a draft of {draft.num_layers} layers")

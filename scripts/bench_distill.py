@@ -95,7 +95,7 @@ def untrained(args, kind: str, reference: Path) -> Path:
     model = type(loaded.model)(loaded.model.config)
     for name in ("init_from_target",):
         if kind in ("medusa", "eagle", "eagle3") and hasattr(model, name):
-            from drafts.common import load_target_embed_and_head
+            from kernels.layers.checkpoint import load_target_embed_and_head
 
             embed, head = load_target_embed_and_head(args.model_dir)
             model.init_from_target(head) if kind == "medusa" else model.init_from_target(embed, head)

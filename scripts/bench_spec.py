@@ -74,7 +74,7 @@ def find_drafts(artifacts: Path, target: Path, root: Path) -> tuple[dict[str, Pa
 
 
 def untrained_draft(kind: str, target: Path, fp: str, root: Path) -> Path:
-    from drafts.common import hf_config_dict
+    from kernels.layers.config import hf_config_dict
     from drafts.io import save_draft
 
     torch.manual_seed(1)

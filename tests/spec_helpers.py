@@ -44,7 +44,7 @@ def feature_draft(kind: str, target_dir: Path, out_dir: Path, seed: int = 0, ini
     torch.manual_seed(seed)
     opts = {}
     if kind == "eagle3":  # default [2, L//2, L-3] needs L >= 5; tiny targets name distinct layers
-        from drafts.common import hf_config_dict
+        from kernels.layers.config import hf_config_dict
 
         num_layers = int(hf_config_dict(target_dir)["num_hidden_layers"])
         opts["aux_layers"] = [1, num_layers // 2, num_layers - 1] if num_layers >= 3 else [0, 1, num_layers]

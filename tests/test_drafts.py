@@ -7,11 +7,12 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from drafts.common import DecoderConfig, DenseKVCache
+from drafts.common import DenseKVCache
 from drafts.eagle import EagleDraft
 from drafts.eagle3 import Eagle3Config, Eagle3Draft, build_reduced_vocab, default_aux_layers
 from drafts.medusa import MedusaDraft
 from drafts.standalone import StandaloneConfig, StandaloneDraft, init_from_target
+from kernels.layers.config import DecoderConfig
 
 V, D, L = 128, 64, 4
 

@@ -10,11 +10,12 @@ import torch
 from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from drafts.common import DenseKVCache, load_target_embed_and_head
+from drafts.common import DenseKVCache
 from drafts.eagle import EagleDraft
 from drafts.eagle3 import Eagle3Draft, build_reduced_vocab
 from drafts.identity import target_fingerprint
 from drafts.io import save_draft
+from kernels.layers.checkpoint import load_target_embed_and_head
 from kernels.sampling import logits_to_probs, sample
 from serve_eval.engine.model_executor import ModelExecutor
 from serve_eval.spec.config import SpecConfig

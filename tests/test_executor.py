@@ -110,7 +110,7 @@ def test_logits_match_transformers_over_mixed_steps(tmp_path, kind, kv_heads, ti
     model = tiny_model(kind, kv_heads=kv_heads, tied=tied)
     model.save_pretrained(tmp_path)
     executor = ModelExecutor(tmp_path)
-    assert executor.weights.tied == tied
+    assert executor.model.tied == tied
     assert run_schedule_and_compare(model, executor) < TOL
 
 
@@ -118,9 +118,10 @@ def test_logits_match_transformers_over_mixed_steps(tmp_path, kind, kv_heads, ti
     {"rope_type": "linear", "factor": 2.0},
     {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
      "original_max_position_embeddings": 16},
+    {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8},
 ])
 def test_rope_scaling_matches_transformers(tmp_path, rope_scaling):
-    """Linear and llama3 rope scaling read from the saved config reproduce HF logits."""
+    """Linear, llama3 and yarn rope scaling read from the saved config reproduce HF logits."""
     model = tiny_model(rope_scaling=rope_scaling)
     model.save_pretrained(tmp_path)
     assert run_schedule_and_compare(model, ModelExecutor(tmp_path)) < TOL

@@ -100,7 +100,7 @@ VLLM_EAGLE_WEIGHTS = {"embed_tokens.weight", "fc.weight"} | {
 
 
 def eagle1(target_dir, fc_bias=False) -> EagleDraft:
-    from drafts.common import load_target_embed_and_head
+    from kernels.layers.checkpoint import load_target_embed_and_head
 
     torch.manual_seed(2)
     draft = EagleDraft.from_target_config(TARGET, fc_bias=fc_bias).eval()

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from drafts.common import load_target_embed_and_head
+from kernels.layers.checkpoint import load_target_embed_and_head
 from drafts.identity import target_fingerprint
 from drafts.io import save_draft
 from drafts.medusa import MedusaDraft

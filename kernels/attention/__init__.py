@@ -161,6 +161,19 @@ def get_attention_backend(name: str) -> AttentionFn:
     return paged_attention
 
 
+def paged_attn_fn(backend: AttentionFn, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata,
+                  scale: float) -> Callable[[Tensor, Tensor, Tensor], Tensor]:
+    """The ``attn_fn`` a kernels.layers forward calls, over one layer's paged cache: write the new tokens'
+    K/V into their slots, then attend. q [T,H,D], k/v [T,KVH,D] -> [T,H,D]. The engine's target and the
+    EAGLE drafts both attend through this."""
+
+    def attn(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        return backend(q, k_cache, v_cache, meta, scale)
+
+    return attn
+
+
 def attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata, scale: float) -> Tensor:
     """Reference paged attention (torch backend). q: [T, H, D] -> [T, H, D]."""
     from kernels.attention.torch_paged import paged_attention
@@ -173,6 +186,7 @@ __all__ = [
     "BACKENDS",
     "attention",
     "get_attention_backend",
+    "paged_attn_fn",
     "select_backend",
     "write_kv",
 ]

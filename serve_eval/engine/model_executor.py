@@ -12,20 +12,12 @@ from pathlib import Path
 from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
-from kernels.attention import AttentionMetadata, get_attention_backend, select_backend, write_kv
-from serve_eval.engine.layers import Linear, RotaryEmbedding, apply_rope, rms_norm
-from serve_eval.engine.weights import (
-    LayerWeights,
-    ModelWeights,
-    check_config,
-    fuse_weights,
-    load_config,
-    read_state_dict,
-    weight_bytes,
-)
+from kernels.attention import AttentionMetadata, get_attention_backend, paged_attn_fn, select_backend
+from kernels.layers.causal_lm import CausalLM, causal_lm_from_state_dict
+from kernels.layers.checkpoint import load_config, read_state_dict
+from kernels.layers.linear import should_pack
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
            "float16": torch.float16, "fp16": torch.float16}
@@ -59,7 +51,6 @@ class ModelExecutor:
     def from_state_dict(cls, config, state_dict: dict[str, Tensor], dtype: torch.dtype | str = torch.float32,
                         device: str = "cpu", attn_backend: str = "auto") -> "ModelExecutor":
         """Build from an in-memory HF config + state dict (tests, standalone drafts)."""
-        check_config(config)
         executor = cls.__new__(cls)
         executor._setup(config, state_dict, dtype, device, attn_backend, source="state dict")
         return executor
@@ -74,23 +65,20 @@ class ModelExecutor:
         self.config = config
         self.dtype = resolve_dtype(dtype)
         self.device = torch.device(device)
+        self.model: CausalLM = causal_lm_from_state_dict(config, state_dict, self.dtype, self.device, source)
+        self.model.to_serving_(should_pack(self.dtype, self.device))
+        decoder = self.model.shape.decoder
         self.num_layers: int = config.num_hidden_layers
-        self.num_heads: int = config.num_attention_heads
-        self.num_kv_heads: int = config.num_key_value_heads
-        self.head_dim: int = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.num_heads: int = decoder.num_attention_heads
+        self.num_kv_heads: int = decoder.num_key_value_heads
+        self.head_dim: int = decoder.head_dim
         self.hidden_size: int = config.hidden_size
         self.vocab_size: int = config.vocab_size
-        self.eps: float = config.rms_norm_eps
         self.scale: float = self.head_dim ** -0.5
         self.sliding_window: int | None = self._sliding_window(config)
-        self.weights: ModelWeights = fuse_weights(config, state_dict, self.dtype, self.device, source)
-        self.rope = RotaryEmbedding(config, self.head_dim, self.dtype, self.device)
-        self._pack_linears(Linear.should_pack(self.dtype, self.device))
         self.attn_backend_name = attn_backend
         self.attn_backend = select_backend(attn_backend, self.device)
         self._attention = get_attention_backend(self.attn_backend)
-        self._q_width = self.num_heads * self.head_dim
-        self._qk_width = (self.num_heads + self.num_kv_heads) * self.head_dim
         self.k_cache: Tensor | None = None  # [L, num_blocks, block_size, KVH, D]
         self.v_cache: Tensor | None = None
         self.cpu_k_cache: Tensor | None = None  # swap space, same layout, on the CPU
@@ -98,22 +86,13 @@ class ModelExecutor:
         self.block_size: int | None = None
         self._compiled_run = None
 
-    def _pack_linears(self, pack: bool) -> None:
-        """Per-layer projection callables (qkv, o, gate_up, down) and the lm_head, packed when it pays."""
-        self._linears = [
-            (Linear(w.qkv, w.qkv_bias, pack), Linear(w.o_proj, w.o_bias, pack), Linear(w.gate_up, None, pack),
-             Linear(w.down, None, pack))
-            for w in self.weights.layers
-        ]
-        self._lm_head = Linear(self.weights.lm_head, None, pack)
-
     def enable_compile(self) -> None:
         """torch.compile the all-decode forward (one graph for every layer; dynamic batch and context sizes).
 
         Only pure-decode steps use it (the batch-1 latency path); prefill and mixed steps stay eager. The first
         decode step pays the compile (tens of seconds on a small CPU).
         """
-        self._pack_linears(False)  # inductor traces plain matmuls; oneDNN-packed weights are opaque to it
+        self.model.repack(False)  # inductor traces plain matmuls; oneDNN-packed weights are opaque to it
         # Measured on the shared 2-CPU dev box (scripts/bench_roofline.py --threads 1 --compile): 15-20% faster
         # than the plain-weight eager path, but ~2x slower than eager with packed bf16 weights. Opt-in only.
         self._compiled_run = torch.compile(self._run, dynamic=True)
@@ -202,23 +181,6 @@ class ModelExecutor:
             flat[:, dst] = flat[:, src]
 
     # ------------------------------------------------------------------ forward
-    def _layer(self, index: int, w: LayerWeights, h: Tensor, cos: Tensor, sin: Tensor,
-               meta: AttentionMetadata) -> Tensor:
-        """One decoder layer over the flattened tokens. h: [T, d] residual stream -> [T, d]."""
-        num_tokens = h.shape[0]
-        qkv_proj, o_proj, gate_up_proj, down_proj = self._linears[index]
-        qkv = qkv_proj(rms_norm(h, w.input_norm, self.eps))
-        # Rotate q and k heads together: one rope pass over [T, H + KVH, D].
-        qk = apply_rope(qkv[:, :self._qk_width].view(num_tokens, -1, self.head_dim), cos, sin)
-        q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
-        v = qkv[:, self._qk_width:].view(num_tokens, self.num_kv_heads, self.head_dim)
-        k_cache, v_cache = self._layer_caches[index]
-        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        attn = self._attention(q, k_cache, v_cache, meta, self.scale)
-        h = h + o_proj(attn.reshape(num_tokens, self._q_width))
-        gate, up = gate_up_proj(rms_norm(h, w.post_norm, self.eps)).chunk(2, dim=-1)
-        return h + down_proj(F.silu(gate).mul_(up))
-
     @torch.no_grad()
     def forward(self, input_ids: Tensor, positions: Tensor, meta: AttentionMetadata,
                 logits_indices: Tensor | None = None, aux_hidden_layers: tuple[int, ...] = ()) -> ForwardOutput:
@@ -236,37 +198,27 @@ class ModelExecutor:
         bad = [i for i in aux_layers if not 0 <= i <= self.num_layers]
         if bad:
             raise ValueError(f"aux_hidden_layers {bad} outside [0, {self.num_layers}]")
-        # Positions never exceed max_seqlen_k - 1 (new tokens sit inside the context), so no device sync here.
-        cos, sin = self.rope(positions, meta.max_seqlen_k - 1)
         body = self._run
         if meta.is_pure_decode and self._compiled_run is not None and self.attn_backend == "torch":
             body = self._compiled_run
-        logits, hidden, aux = body(input_ids, cos, sin, meta, logits_indices, aux_layers)
+        logits, hidden, aux = body(input_ids, positions, meta, logits_indices, aux_layers)
         return ForwardOutput(logits=logits, hidden=hidden, aux_hidden=aux)
 
-    def _run(self, input_ids: Tensor, cos: Tensor, sin: Tensor, meta: AttentionMetadata,
-             logits_indices: Tensor | None, aux_layers: tuple[int, ...]) -> tuple[Tensor, Tensor, dict[int, Tensor]]:
-        """The model proper: embeddings -> layers -> final norm -> lm_head rows (compilable as one graph)."""
-        aux: dict[int, Tensor] = {}
-        h = F.embedding(input_ids, self.weights.embed)
-        if 0 in aux_layers:
-            aux[0] = h
-        for index, layer in enumerate(self.weights.layers):
-            h = self._layer(index, layer, h, cos, sin, meta)
-            if index + 1 in aux_layers and index + 1 < self.num_layers:
-                aux[index + 1] = h
-        hidden = rms_norm(h, self.weights.norm, self.eps)
-        if self.num_layers in aux_layers:
-            aux[self.num_layers] = hidden  # HF's last hidden_states entry is the final-norm output
+    def _run(self, input_ids: Tensor, positions: Tensor, meta: AttentionMetadata, logits_indices: Tensor | None,
+             aux_layers: tuple[int, ...]) -> tuple[Tensor, Tensor, dict[int, Tensor]]:
+        """The model proper over the paged cache -> (lm_head rows fp32, hidden, aux) (compilable as one graph)."""
+        attn_fns = [paged_attn_fn(self._attention, k, v, meta, self.scale) for k, v in self._layer_caches]
+        # Positions never exceed max_seqlen_k - 1 (new tokens sit inside the context), so no device sync here.
+        hidden, aux = self.model.run(input_ids, positions, attn_fns, aux_layers, meta.max_seqlen_k - 1)
         rows = hidden if logits_indices is None else hidden.index_select(0, logits_indices)
-        return self._lm_head(rows).float(), hidden, aux
+        return self.model.compute_logits(rows).float(), hidden, aux
 
     __call__ = forward
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
         """lm_head over final-norm hidden rows [N, d] -> fp32 [N, V] (drafts that reuse the target's head)."""
-        return self._lm_head(hidden.to(self.dtype)).float()
+        return self.model.compute_logits(hidden).float()
 
     def weight_bytes(self) -> int:
         """Bytes of weights a decode step reads (roofline numerator)."""
-        return weight_bytes(self.weights)
+        return self.model.weight_bytes()

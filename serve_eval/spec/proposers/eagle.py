@@ -36,8 +36,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from drafts.common import AttnFn
-from kernels.attention import AttentionMetadata, get_attention_backend, select_backend, write_kv
+from kernels.attention import AttentionMetadata, get_attention_backend, paged_attn_fn, select_backend
+from kernels.layers.decoder import AttnFn
 from kernels.sampling import logits_to_probs
 from serve_eval.engine.kv_cache_manager import KVCacheManager, cdiv
 from serve_eval.spec.proposers.base import (
@@ -55,7 +55,7 @@ from serve_eval.spec.proposers.medusa import (
     engine_build_args,
     feed_features,
     load_feature_draft,
-    pack_linears,
+    serving_form,
 )
 from serve_eval.spec.tree import DynamicTreeBuilder
 from serve_eval.spec.verify import VerifyResult
@@ -107,12 +107,8 @@ class DraftKVCache:
     def block_table(self, record: _CacheRecord) -> list[int]:
         return self.manager.get_block_ids(record)
 
-    def attn_fn(self, meta: AttentionMetadata) -> AttnFn:
-        def attn(q: Tensor, k: Tensor, v: Tensor) -> Tensor:  # [T,h,hd], [T,kv,hd], [T,kv,hd] -> [T,h,hd]
-            write_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
-            return self.attention(q, self.k_cache, self.v_cache, meta, q.shape[-1] ** -0.5)
-
-        return attn
+    def attn_fn(self, meta: AttentionMetadata, head_dim: int) -> AttnFn:
+        return paged_attn_fn(self.attention, self.k_cache, self.v_cache, meta, head_dim ** -0.5)
 
 
 @dataclass
@@ -177,7 +173,7 @@ class EagleProposer(Proposer):
         tree: (top_k, depth, max_nodes) of the EAGLE-2 dynamic tree, or None for chains."""
         if getattr(draft, "kind", None) != self.kind:
             raise ValueError(f"{type(self).__name__} needs a {self.kind!r} draft, got {getattr(draft, 'kind', None)!r}")
-        self.draft = pack_linears(draft)
+        self.draft = serving_form(draft)  # the engine's fused, packed layers (kernels.layers)
         weight = draft.fc.weight
         self.device, self.dtype = weight.device, weight.dtype
         self.block_size, self.attn_backend = block_size, attn_backend
@@ -326,7 +322,7 @@ class EagleProposer(Proposer):
             hidden_in = self._ingest_input(hidden_in)
         input_ids = torch.tensor([t for q in queries for t in q.token_ids], dtype=torch.int64, device=self.device)
         positions = torch.tensor([p for q in queries for p in q.positions], dtype=torch.int64, device=self.device)
-        return self.draft(input_ids, hidden_in, positions, self.cache.attn_fn(meta))
+        return self.draft(input_ids, hidden_in, positions, self.cache.attn_fn(meta, self.draft.config.decoder.head_dim))
 
     # -- chains --------------------------------------------------------------------------------
     def _chains(self, seqs, num_tokens, states, root_positions, feats: Tensor) -> list[Proposal]:

@@ -10,7 +10,7 @@ and the last fed hidden is at t = L - 2, so head k predicts draft token k (posit
   allows: each row is still the exact distribution its token was drawn from.
 * tree: a static Medusa tree (TreeShape); depth d's rank-c node is head d-1's c-th best token, a point mass.
 
-The helpers shared with the EAGLE proposers (draft loading with target checks, tree options, the
+The helpers shared with the EAGLE proposers (draft loading with target checks, the serving form, the
 features-argument adapter) live here too, so each idea is written once.
 """
 
@@ -35,7 +35,6 @@ from serve_eval.spec.proposers.base import (
     empty_proposal,
     sampling_arrays,
 )
-from serve_eval.engine.layers import Linear
 from serve_eval.engine.model_executor import resolve_dtype
 from serve_eval.spec.tree import TreeShape
 from serve_eval.spec.verify import VerifyResult
@@ -105,35 +104,13 @@ def draw_rows(probs: Tensor, generators: Sequence[torch.Generator | None], greed
     return tokens
 
 
-class _PackedLinear(torch.nn.Module):
-    """Inference-only stand-in for an nn.Linear whose weight is pre-packed for oneDNN (serve_eval.engine.layers).
+def serving_form(draft: torch.nn.Module, copy_first: bool = True) -> torch.nn.Module:
+    """The draft in its serving form (kernels.layers: fused q/k/v and gate/up, oneDNN-packed bf16 weights on
+    CPU), so a draft step runs the engine's own fast path and costs what its weights weigh.
 
-    Keeps .weight / .bias (callers read the dtype and device from them); forward takes any leading shape."""
-
-    def __init__(self, linear: torch.nn.Linear) -> None:
-        super().__init__()
-        self.weight, self.bias = linear.weight, linear.bias
-        self._packed = Linear(linear.weight.detach(), None if linear.bias is None else linear.bias.detach(), pack=True)
-
-    def forward(self, x: Tensor) -> Tensor:  # [..., in] -> [..., out]
-        return self._packed(x.reshape(-1, x.shape[-1]).contiguous()).view(*x.shape[:-1], -1)
-
-
-def pack_linears(draft: torch.nn.Module) -> torch.nn.Module:
-    """A copy of draft whose nn.Linear layers run pre-packed oneDNN GEMMs, when that is the fast CPU path.
-
-    Only bf16 on CPU (Linear.should_pack): there torch's plain GEMV re-lays the weight out on every call, which
-    made a batch-1 draft step cost 2-3x its arithmetic; fp32 (the exactness tests) and CUDA get draft back as is.
-    The copy leaves the caller's module untouched (training code may still hold it)."""
-    weight = next(draft.parameters())
-    if not Linear.should_pack(weight.dtype, weight.device):
-        return draft
-    packed = copy.deepcopy(draft)
-    for parent in list(packed.modules()):
-        for name, child in list(parent.named_children()):
-            if type(child) is torch.nn.Linear:
-                setattr(parent, name, _PackedLinear(child))
-    return packed
+    copy_first leaves the caller's module untouched (training code and tests may still hold it); a draft
+    loaded for this proposer alone is converted in place."""
+    return (copy.deepcopy(draft) if copy_first else draft).eval().to_serving_()
 
 
 # ------------------------------------------------------------------------------------------------ proposer
@@ -150,7 +127,7 @@ class MedusaProposer(Proposer):
         if mode not in ("none", "static"):
             raise ValueError(f"Medusa proposes chains or static trees (tree='static'), got tree={mode!r}")
         loaded = load_feature_draft(spec_config, target_executor, device, dtype, ("medusa",), target_model_dir)
-        self._setup(loaded.model, spec_config.tree_shape() if mode == "static" else None)
+        self._setup(serving_form(loaded.model, copy_first=False), spec_config.tree_shape() if mode == "static" else None)
 
     @classmethod
     def from_spec_config(cls, spec_config: Any, engine: Any) -> "MedusaProposer":
@@ -161,7 +138,7 @@ class MedusaProposer(Proposer):
     def from_draft(cls, draft: torch.nn.Module, tree_shape: TreeShape | None = None) -> "MedusaProposer":
         """Wrap an in-memory MedusaDraft (no target checks; tests and notebooks)."""
         proposer = cls.__new__(cls)
-        proposer._setup(draft.eval(), tree_shape)
+        proposer._setup(serving_form(draft), tree_shape)
         return proposer
 
     def _setup(self, draft: torch.nn.Module, tree_shape: TreeShape | None) -> None:

@@ -23,7 +23,7 @@ def make_objective(kind: str, dcfg: Any, teacher: Any, target_dir: Path, draft: 
 
         return EagleObjective(dcfg, teacher)
     if kind == "eagle3":
-        from drafts.common import load_target_embed_and_head
+        from kernels.layers.checkpoint import load_target_embed_and_head
         from train.distill.objectives.eagle3 import Eagle3Objective
 
         _, lm_head = load_target_embed_and_head(target_dir)

@@ -1,0 +1,161 @@
+"""The Llama decoder layer over flattened tokens: attention projections + RoPE, SwiGLU MLP, pre-norm residuals.
+
+The math is written once, in ``attend``, ``swiglu`` and ``decoder_block``, over callables (``LayerOps``).
+Training passes the nn.Modules themselves (autograd, FSDP/ZeRO hooks fire on each module call); the serving
+form (``DecoderLayer.to_serving_``) passes plain objects: one packed q/k/v matrix, one packed gate/up matrix and
+functional norms, which cost no nn.Module dispatch in the engine's hot loop.
+
+Parameter names follow HF Llama (``self_attn.q_proj``, ``mlp.gate_proj``, ``input_layernorm``...), so weights
+map onto HF checkpoints and standard draft layouts by prefix only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from kernels.layers.config import DecoderConfig
+from kernels.layers.linear import Linear
+from kernels.layers.norm import RMSNorm
+from kernels.layers.rope import apply_rope
+
+AttnFn = Callable[[Tensor, Tensor, Tensor], Tensor]  # (q [T,h,hd], k [T,kv,hd], v [T,kv,hd]) -> [T,h,hd]
+Op = Callable[[Tensor], Tensor]
+
+
+@dataclass(frozen=True)
+class HeadShape:
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+
+    @property
+    def q_width(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def qk_width(self) -> int:
+        return (self.num_heads + self.num_kv_heads) * self.head_dim
+
+
+def attend(shape: HeadShape, qkv: Op, o_proj: Op, x: Tensor, cos: Tensor, sin: Tensor, attn_fn: AttnFn) -> Tensor:
+    """x [T, in] -> [T, d]: q/k/v from one [T, (H + 2 KVH) * D] projection, rope on q and k heads together."""
+    num_tokens = x.shape[0]
+    qkv_out = qkv(x)
+    if cos.dtype != qkv_out.dtype:  # autocast: projections ran in a lower precision than the rope table
+        cos, sin = cos.to(qkv_out.dtype), sin.to(qkv_out.dtype)
+    qk = apply_rope(qkv_out[:, :shape.qk_width].view(num_tokens, -1, shape.head_dim), cos, sin)
+    q, k = qk[:, :shape.num_heads], qk[:, shape.num_heads:]
+    v = qkv_out[:, shape.qk_width:].view(num_tokens, shape.num_kv_heads, shape.head_dim)
+    return o_proj(attn_fn(q, k, v).reshape(num_tokens, shape.q_width))
+
+
+def swiglu(gate_up: Op, down: Op, x: Tensor) -> Tensor:
+    """x [T, d] -> [T, d]: down(silu(gate) * up) with gate | up from one [T, 2 I] projection."""
+    gate, up = gate_up(x).chunk(2, dim=-1)
+    act = F.silu(gate)
+    # In place only without autograd: silu's output is a fresh buffer nobody else reads.
+    return down(act.mul_(up) if not torch.is_grad_enabled() else act * up)
+
+
+class Attention(nn.Module):
+    """q/k/v/o projections (HF names) around the caller's ``attn_fn``."""
+
+    def __init__(self, cfg: DecoderConfig, input_size: int | None = None) -> None:
+        super().__init__()
+        in_size = input_size or cfg.hidden_size  # EAGLE-3 feeds [emb ; hidden] (2d) into q/k/v
+        self.shape = HeadShape(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
+        kv_width = cfg.num_key_value_heads * cfg.head_dim
+        self.q_proj = nn.Linear(in_size, self.shape.q_width, bias=cfg.qkv_bias)
+        self.k_proj = nn.Linear(in_size, kv_width, bias=cfg.qkv_bias)
+        self.v_proj = nn.Linear(in_size, kv_width, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(self.shape.q_width, cfg.hidden_size, bias=cfg.o_bias)
+
+    def qkv(self, x: Tensor) -> Tensor:  # [T, in] -> [T, (H + 2 KVH) * D]
+        return torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attn_fn: AttnFn) -> Tensor:
+        return attend(self.shape, self.qkv, self.o_proj, x, cos, sin, attn_fn)
+
+    def serving(self, pack: bool | None = None) -> Callable[[Tensor, Tensor, Tensor, AttnFn], Tensor]:
+        qkv = Linear.fuse([self.q_proj, self.k_proj, self.v_proj], pack)
+        return partial(attend, self.shape, qkv, Linear.fuse([self.o_proj], pack))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: DecoderConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+
+    def gate_up(self, x: Tensor) -> Tensor:  # [T, d] -> [T, 2 I]
+        return torch.cat([self.gate_proj(x), self.up_proj(x)], dim=-1)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return swiglu(self.gate_up, self.down_proj, x)
+
+    def serving(self, pack: bool | None = None) -> Op:
+        return partial(swiglu, Linear.fuse([self.gate_proj, self.up_proj], pack), Linear.fuse([self.down_proj], pack))
+
+
+@dataclass(frozen=True)
+class LayerOps:
+    """What one decoder layer calls: the modules themselves (training) or their fused serving forms."""
+
+    input_norm: Op | None  # None: EAGLE-1's layer, whose input is the fc output as is
+    attention: Callable[[Tensor, Tensor, Tensor, AttnFn], Tensor]
+    post_norm: Op
+    mlp: Op
+
+
+def mlp_residual(ops: LayerOps, hidden: Tensor) -> Tensor:
+    """hidden + mlp(post_norm(hidden)): the second half of every block (EAGLE-3's midlayer too). [T, d]."""
+    return hidden + ops.mlp(ops.post_norm(hidden))
+
+
+def decoder_block(ops: LayerOps, hidden: Tensor, cos: Tensor, sin: Tensor, attn_fn: AttnFn) -> Tensor:
+    """Pre-norm Llama block. hidden [T, d] residual stream; cos, sin [T, 1, D] -> [T, d]."""
+    x = hidden if ops.input_norm is None else ops.input_norm(hidden)
+    return mlp_residual(ops, hidden + ops.attention(x, cos, sin, attn_fn))
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm Llama block over flattened tokens. ``input_norm=False`` drops input_layernorm (EAGLE-1's layer)."""
+
+    def __init__(self, cfg: DecoderConfig, attn_input_size: int | None = None, input_norm: bool = True) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if input_norm else None
+        self.self_attn = Attention(cfg, attn_input_size)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+        self.serving_ops: LayerOps | None = None  # set by to_serving_(); a plain attribute, not a submodule
+
+    @property
+    def ops(self) -> LayerOps:
+        if self.serving_ops is not None:
+            return self.serving_ops
+        return LayerOps(self.input_layernorm, self.self_attn, self.post_attention_layernorm, self.mlp)
+
+    def forward(self, hidden: Tensor, cos: Tensor, sin: Tensor, attn_fn: AttnFn) -> Tensor:
+        return decoder_block(self.ops, hidden, cos, sin, attn_fn)
+
+    def to_serving_(self, pack: bool | None = None) -> "DecoderLayer":
+        """Serving form (inference only): fused, possibly packed projections and functional norms."""
+        norm = self.input_layernorm
+        self.serving_ops = LayerOps(None if norm is None else norm.serving(), self.self_attn.serving(pack),
+                                    self.post_attention_layernorm.serving(), self.mlp.serving(pack))
+        return self
+
+
+def run_layer(layer: nn.Module, *args: Tensor | AttnFn) -> Tensor:
+    """Call a decoder layer: its serving form straight through forward (no nn.Module dispatch in the hot
+    loop), its training form as a module call (autograd and FSDP/ZeRO hooks fire)."""
+    if getattr(layer, "serving_ops", None) is not None:
+        return layer.forward(*args)
+    return layer(*args)
