@@ -83,6 +83,21 @@ def tensor_names(path: str | Path) -> set[str]:
         return set(f.keys())
 
 
+def parameter_counts(model_dir: str | Path) -> dict[str, int]:
+    """Elements per tensor of a checkpoint dir, from the headers alone (no tensor is read)."""
+    from safetensors import safe_open
+
+    counts: dict[str, int] = {}
+    for path in weight_files(model_dir):
+        with safe_open(str(path), framework="pt") as f:
+            for key in f.keys():
+                n = 1
+                for dim in f.get_slice(key).get_shape():
+                    n *= int(dim)
+                counts[key] = n
+    return counts
+
+
 def read_state_dict(model_dir: str | Path, names: Iterable[str] | None = None) -> dict[str, Tensor]:
     """Tensors of a checkpoint dir (all shards) by name: all of them, or only ``names``."""
     state: dict[str, Tensor] = {}

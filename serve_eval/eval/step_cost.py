@@ -128,16 +128,9 @@ def cost_ratios(rows: dict[str, dict[str, tuple[float, float]]], k: int) -> dict
 def weights_read(model_dir: Path) -> int:
     """Parameters a forward reads per token: all but the input embedding (one row is read), which counts
     only when tied to the output head (no separate lm_head tensor)."""
-    from safetensors import safe_open
+    from kernels.layers.checkpoint import parameter_counts
 
-    sizes: dict[str, int] = {}
-    for f in Path(model_dir).glob("*.safetensors"):
-        with safe_open(str(f), "pt") as st:
-            for key in st.keys():
-                n = 1
-                for dim in st.get_slice(key).get_shape():
-                    n *= int(dim)
-                sizes[key] = n
+    sizes = parameter_counts(model_dir)
     tied = not any("lm_head" in k for k in sizes)
     return sum(n for k, n in sizes.items() if tied or "embed_tokens" not in k)
 
