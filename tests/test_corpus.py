@@ -45,6 +45,16 @@ def test_code_is_stdlib_source_and_math_is_worked(records):
     assert all(re.search(r"Answer: -?\d+\n$", r["reference"]) for r in math)
 
 
+def test_code_prompts_end_before_the_line_break_the_reference_starts_with(records):
+    """A prompt ending in a bare newline is answered with EOS by the target (in the packed pretraining
+    stream a lone newline token mostly ends a document): code prompts end at the signature's ':' or the
+    docstring's closing quotes, and the reference carries the newline and the body's indentation."""
+    code = [r for r in records if r["domain"] == "code"]
+    assert code
+    assert all(not r["prompt"].endswith("\n") and r["prompt"].rstrip()[-1] in ":\"'" for r in code)
+    assert all(r["reference"].startswith("\n") and r["reference"][1:2] in (" ", "\t", "\n") for r in code)
+
+
 def test_splits_disjoint_and_deterministic(records):
     """Eval prompts never appear in distill or pretraining; the split depends only on the seed."""
     cfg = small_data()

@@ -52,6 +52,16 @@ def test_smoke_pipeline_report_registry_and_cached_rerun(tmp_path):
     for name in ["generate", *[f"distill_{k}" for k in KINDS], "eval"]:
         assert "cached=False" in done[name], done[name]
 
+    # The embedded recipes, tiny: mixed greedy/T=1 answers with top-16, standalone token KD on them, EAGLE-3's
+    # vocabulary sized by coverage (logged), each draft's measured cost ratio c (cost stage, printed).
+    assert "topk=16" in done["generate"] and "final_hidden=True" in done["generate"]
+    log = first.stdout + first.stderr
+    assert "kind=eagle3 draft_vocab=" in log and "vocab_coverage=" in log
+    assert all(f"c_{k}=" in done["cost"] for k in KINDS), done["cost"]
+    assert "draft cost ratio c" in first.stdout
+    assert all(any(line.strip().startswith(f"{k} ") and " c=" in line for line in first.stdout.splitlines())
+               for k in KINDS)
+
     report_path = Path(printed_report(first))
     report = json.loads(report_path.read_text())
     cells = {(r["domain"], r["method"]) for r in report["results"]}
@@ -72,7 +82,7 @@ def test_smoke_pipeline_report_registry_and_cached_rerun(tmp_path):
     again = run_pipeline(f"artifacts_root={tmp_path}", "wandb.mode=disabled")
     assert again.returncode == 0, again.stderr[-4000:]
     redone = stage_lines(again)
-    for name in ["corpus", "tokenizer", "target", "generate", *[f"distill_{k}" for k in KINDS], "eval"]:
+    for name in ["corpus", "tokenizer", "target", "generate", *[f"distill_{k}" for k in KINDS], "cost", "eval"]:
         assert "cached=True" in redone[name], redone[name]
     assert all(f"{k}=cached" in redone["register"] for k in KINDS)
     assert printed_report(again) == str(report_path)

@@ -121,6 +121,8 @@ def _code_and_docstrings(cfg: DictConfig) -> tuple[list[tuple[str, str]], list[s
             text = textwrap.dedent("\n".join(block))
             text_lines = text.split("\n")
             head, body = text_lines[:head_end], text_lines[head_end:]
+            while len(head) > 1 and head[-1].lstrip().startswith("#"):  # comments after the signature: body
+                body.insert(0, head.pop())
             if head and body and "".join(body).strip():
                 functions.append((f"# {rel}\n" + "\n".join(head), "\n" + "\n".join(body) + "\n"))
     return functions, docstrings
