@@ -117,7 +117,45 @@ def test_speedup_is_against_the_same_runs_no_spec_per_domain_and_temperature():
     assert by[("a", "no-spec", 0.0)].ms_per_token == pytest.approx(10.0)  # slow warm-up excluded
     assert all(r.repetitions == 2 for r in rows)
     # per cell: one warm-up call with `warmup` prompts, then `repetitions` full passes
-    assert runners["ngram"].calls[:3] == [("a", 0.0, 1), ("a", 0.0, 2), ("a", 0.0, 2)]
+    assert [c for c in runners["ngram"].calls if c[:2] == ("a", 0.0)] == [("a", 0.0, 1), ("a", 0.0, 2), ("a", 0.0, 2)]
+
+
+def test_repetitions_are_interleaved_with_the_method_order_rotated():
+    """Repetition r runs every method of a (domain, T) before repetition r + 1 starts, and begins with
+    method r mod M, so a slow spell of the machine is shared by all methods."""
+    log: list[tuple[str, int]] = []
+
+    class Logged(ScriptedRunner):
+        def run(self, prompts, spec, domain):
+            log.append((self.method, len(prompts)))
+            return super().run(prompts, spec, domain)
+
+    def factory(plan: MethodPlan):
+        return Logged(plan.method, plan.K, {("a", 0.0): 10.0}, None if plan.K == 0 else (2, 1))
+
+    plans = [MethodPlan("no-spec", 0), MethodPlan("ngram", 2, "ngram"), MethodPlan("ngram4", 4, "ngram")]
+    run_cells(_cfg(temperatures=[0.0], repetitions=3, warmup=0), plans, {"a": ["p1", "p2"]}, factory, [])
+    assert [m for m, _ in log] == ["no-spec", "ngram", "ngram4", "ngram", "ngram4", "no-spec",
+                                   "ngram4", "no-spec", "ngram"]
+
+
+def test_rows_carry_bootstrap_intervals_that_contain_their_figure():
+    """alpha, tau and speed-up intervals over prompts: ordered, around the point figure, and a
+    speed-up interval only where a paired baseline exists."""
+    base = {("a", 0.0): 10.0}
+
+    def factory(plan: MethodPlan):
+        return ScriptedRunner(plan.method, plan.K, base if plan.K == 0 else {("a", 0.0): 5.0},
+                              None if plan.K == 0 else (2, 1))
+
+    plans = [MethodPlan("no-spec", 0), MethodPlan("ngram", 2, "ngram")]
+    rows = run_cells(_cfg(temperatures=[0.0]), plans, {"a": ["p1", "p2", "p3", "p4"]}, factory, [])
+    by = {r.method: r for r in rows}
+    spec = by["ngram"]
+    assert spec.num_prompts == 4
+    for value, ci in ((spec.alpha, spec.alpha_ci), (spec.tau, spec.tau_ci), (spec.speedup, spec.speedup_ci)):
+        assert ci[0] <= value + 1e-9 and value <= ci[1] + 1e-9
+    assert by["no-spec"].alpha_ci is None and by["no-spec"].speedup_ci is None   # exactly 1: no interval
 
 
 def _tiny_standalone(target: dict, path: Path) -> Path:
@@ -188,7 +226,8 @@ def test_report_files_are_valid_and_recommend_from_measured_rows(tmp_path):
     assert files.markdown.read_text().startswith("# draftsmith eval report")
     assert files.plots and all(p.stat().st_size > 0 for p in files.plots.values())
     recs = load_recommendations(tmp_path / "out" / "recommendations.yaml")
-    assert recs.domains["a"].speculate and (recs.domains["a"].method, recs.domains["a"].K) == ("ngram", 2)
+    choice = recs.choose("a", 0.0)
+    assert choice.speculate and (choice.method, choice.K) == ("ngram", 2)
     assert yaml.safe_load((tmp_path / "out" / "recommendations.yaml").read_text())["target_fingerprint"] == "fp123"
 
 

@@ -1,21 +1,23 @@
-"""Per-domain recommendations (method, K, or speculation off) on scripted results, and the YAML snippet."""
+"""Recommendations per (domain, temperature) (method, K, or speculation off) on scripted results, judged on
+the intervals' lower ends, and the YAML the server loads."""
 from __future__ import annotations
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from serve_eval.eval.recommend import (Recommendations, Thresholds, choose_for_domain, load_recommendations,
+from serve_eval.eval.recommend import (Recommendations, Thresholds, choose_for_cell, load_recommendations,
                                        policy_for_method, recommend, to_yaml, write_recommendations)
 from serve_eval.eval.report import ResultRow
 
 
-def r(domain, method, K, alpha, speedup, T=0.0) -> ResultRow:
+def r(domain, method, K, alpha, speedup, T=0.0, alpha_ci=None, speedup_ci=None) -> ResultRow:
     spec = method != "no-spec"
     return ResultRow(domain=domain, method=method, K=K, temperature=T, alpha=alpha if spec else None,
                      tau=None, a_k=[], ms_per_token=10.0, tokens_per_s=100.0, speedup=speedup,
                      predicted_speedup=None, ttft_p50=None, ttft_p99=None, itl_p50=None, itl_p99=None,
-                     draft_time_share=None, target_time_share=None, repetitions=1, spread=0.0)
+                     draft_time_share=None, target_time_share=None, repetitions=1, spread=0.0,
+                     alpha_ci=alpha_ci, speedup_ci=speedup_ci)
 
 
 SCRIPTED = [
@@ -29,29 +31,46 @@ SCRIPTED = [
 def test_best_passing_method_and_k_per_domain():
     """code -> eagle K=3 (best speed-up; the non-servable 'assisted' reference is ignored); math -> eagle K=3
     because the faster ngram has alpha < 0.5; chat -> off (alpha 0.45 < 0.5, ngram's speed-up 0.9 < 1)."""
-    recs = recommend(SCRIPTED, target_fingerprint="fp")
-    code, chat, math = recs.domains["code"], recs.domains["chat"], recs.domains["math"]
+    recs = recommend(SCRIPTED, target_fingerprint="fp", drafts={"eagle": "/d/eagle"})
+    [code], [chat], [math] = recs.domains["code"], recs.domains["chat"], recs.domains["math"]
     assert (code.speculate, code.method, code.K, code.speedup, code.alpha) == (True, "eagle", 3, 1.8, 0.70)
     assert (math.speculate, math.method, math.K) == (True, "eagle", 3)
     assert (chat.speculate, chat.method, chat.K) == (False, "no-spec", 0)
     assert "alpha 0.450 < 0.5" in chat.reason
     assert code.fallback == "no-spec" and code.fallback_below_alpha == 0.5
+    assert code.draft_path == "/d/eagle" and recs.draft_paths() == {"eagle": "/d/eagle"}
 
 
 def test_speedup_below_one_disables():
     """A candidate with good alpha but speed-up < 1 does not enable speculation."""
-    choice = choose_for_domain([r("d", "ngram", 2, 0.9, 0.95)], Thresholds())
+    choice = choose_for_cell([r("d", "ngram", 2, 0.9, 0.95)], 0.0, Thresholds())
     assert not choice.speculate and "speed-up 0.950 < 1" in choice.reason
-    assert not choose_for_domain([r("d", "no-spec", 0, None, 1.0)], Thresholds()).speculate
+    assert not choose_for_cell([r("d", "no-spec", 0, None, 1.0)], 0.0, Thresholds()).speculate
 
 
-def test_every_temperature_must_pass():
-    """A (method, K) fine at T=0 but with alpha < 0.5 at T=1 loses to one that passes at both."""
+def test_each_temperature_is_decided_on_its_own():
+    """A domain can speculate greedily and decode plainly when sampling: each (domain, T) gets its choice,
+    and a request is served by the choice at the nearest measured temperature on its side of 0."""
     rows = [r("d", "eagle", 4, 0.8, 2.5, T=0.0), r("d", "eagle", 4, 0.4, 1.2, T=1.0),
-            r("d", "eagle", 2, 0.7, 1.5, T=0.0), r("d", "eagle", 2, 0.6, 1.3, T=1.0)]
-    choice = choose_for_domain(rows, Thresholds())
-    assert (choice.method, choice.K, choice.temperatures) == ("eagle", 2, [0.0, 1.0])
-    assert choice.speedup == pytest.approx(1.4)
+            r("d", "eagle", 2, 0.7, 1.5, T=0.0), r("d", "eagle", 2, 0.45, 0.9, T=1.0)]
+    recs = recommend(rows)
+    greedy, sampled = recs.domains["d"]
+    assert (greedy.temperature, greedy.speculate, greedy.method, greedy.K) == (0.0, True, "eagle", 4)
+    assert (sampled.temperature, sampled.speculate) == (1.0, False)
+    assert recs.choose("d", 0.0) is greedy and recs.choose("d", 0.7) is sampled and recs.choose("d", 1.3) is sampled
+    assert recommend([rows[0]]).choose("d", 1.0) is None   # nothing measured when sampling
+
+
+def test_the_lower_end_of_the_interval_decides():
+    """alpha 0.55 whose interval reaches down to 0.45 does not pass min_alpha 0.5; a speed-up of 1.3 whose
+    interval reaches 0.95 does not pass 1.0; between two passing candidates the higher lower bound wins."""
+    assert not choose_for_cell([r("d", "eagle", 4, 0.55, 1.5, alpha_ci=[0.45, 0.65])], 0.0, Thresholds()).speculate
+    off = choose_for_cell([r("d", "eagle", 4, 0.7, 1.3, speedup_ci=[0.95, 1.6])], 0.0, Thresholds())
+    assert not off.speculate and "95% CI low 0.950" in off.reason
+    rows = [r("d", "eagle", 4, 0.7, 2.0, speedup_ci=[1.05, 2.9]), r("d", "standalone", 2, 0.7, 1.8,
+                                                                    speedup_ci=[1.6, 2.0])]
+    choice = choose_for_cell(rows, 0.0, Thresholds())
+    assert (choice.method, choice.speedup_low) == ("standalone", 1.6)
 
 
 def test_default_for_unseen_domains():
@@ -59,9 +78,10 @@ def test_default_for_unseen_domains():
     rows = [r("a", "eagle", 3, 0.7, 2.0), r("a", "medusa", 3, 0.6, 3.0),
             r("b", "eagle", 3, 0.7, 1.5), r("b", "medusa", 3, 0.6, 1.2)]
     recs = recommend(rows)
-    assert (recs.default.speculate, recs.default.method, recs.default.K) == (True, "eagle", 3)
-    assert recs.for_domain("unseen") is recs.default and recs.for_domain("a").method == "medusa"
-    off = recommend(SCRIPTED).default  # chat passes nothing -> no safe default
+    [default] = recs.default
+    assert (default.speculate, default.method, default.K) == (True, "eagle", 3)
+    assert recs.choose("unseen", 0.0) is default and recs.choose("a", 0.0).method == "medusa"
+    [off] = recommend(SCRIPTED).default  # chat passes nothing -> no safe default
     assert not off.speculate
 
 
@@ -77,8 +97,8 @@ def test_yaml_snippet_round_trips(tmp_path):
     with pytest.raises(ValueError, match="schema_version"):
         Recommendations.from_dict(bad)
     bad = recs.to_dict()
-    bad["domains"]["code"]["K"] = 0
-    with pytest.raises(ValueError, match=r"domains\.code\.K"):
+    bad["domains"]["code"][0]["K"] = 0
+    with pytest.raises(ValueError, match=r"domains\.code\[0\]\.K"):
         Recommendations.from_dict(bad)
     with pytest.raises(ValueError, match="no file"):
         load_recommendations(tmp_path / "missing.yaml")
@@ -93,18 +113,16 @@ row_strategy = st.builds(
 @settings(max_examples=150, deadline=None)
 @given(rows=st.lists(row_strategy, min_size=1, max_size=12, unique_by=lambda x: (x.method, x.K, x.temperature)))
 def test_choice_passes_thresholds_and_is_best(rows):
-    """For any results: an enabled choice passes alpha >= 0.5 and speed-up >= 1 at every temperature it was
-    measured at, and no other passing (method, K) has a higher mean speed-up; off only if none passes."""
-    choice = choose_for_domain(rows, Thresholds())
-    groups = {}
-    for x in rows:
-        groups.setdefault((x.method, x.K), []).append(x)
-    passing = {k: sum(x.speedup for x in g) / len(g) for k, g in groups.items()
-               if all(x.alpha >= 0.5 and x.speedup >= 1.0 for x in g)}
-    assert choice.speculate == bool(passing)
-    if passing:
-        assert (choice.method, choice.K) in passing
-        assert passing[(choice.method, choice.K)] == pytest.approx(max(passing.values()))
+    """For any results, per temperature: an enabled choice passes alpha >= 0.5 and speed-up >= 1, and no
+    other passing (method, K) at that temperature has a higher speed-up; off only if none passes."""
+    recs = recommend(rows)
+    for choice in recs.domains["d"]:
+        here = [x for x in rows if x.temperature == choice.temperature]
+        passing = {(x.method, x.K): x.speedup for x in here if x.alpha >= 0.5 and x.speedup >= 1.0}
+        assert choice.speculate == bool(passing)
+        if passing:
+            assert (choice.method, choice.K) in passing
+            assert passing[(choice.method, choice.K)] == pytest.approx(max(passing.values()))
 
 
 def test_policy_for_one_method_fits_the_engine_policy_config():

@@ -153,7 +153,7 @@ def test_wandb_logging_tables_and_images(tmp_path):
     assert isinstance(table, wandb.Table) and len(table.data) == len(rep.results)
     assert table.columns[:4] == ["domain", "method", "K", "temperature"]
     assert len(payload["eval/skipped"].data) == 1
-    assert {r[0] for r in payload["eval/recommendations"].data} == {"code", "chat"}
+    assert {r[0] for r in payload["eval/recommendations"].data} == {"(default)", "code", "chat"}
     assert {k for k in payload if k.startswith("eval/plots/")} == {f"eval/plots/{n}" for n in files.plots}
 
 

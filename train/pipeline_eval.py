@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from drafts.files import stable_hash
+from serve_eval.eval.report_files import fmt_with_interval
 from train.pipeline_distill import DONE_MARKER, STAGE_PREFIX, as_dict, merge_checked, planned_kinds
 
 if TYPE_CHECKING:
@@ -106,8 +107,9 @@ def summary_rows(report: Any) -> list[list[str]]:
         if held is None or score > (held.speedup if held.speedup is not None else -math.inf):
             best[cell] = r
     order = sorted(best.values(), key=lambda r: (r.domain, r.temperature, r.method != "no-spec", r.method))
-    return [[r.domain, r.method, f"{r.temperature:g}", str(r.K), _fmt(r.alpha, ".3f"), _fmt(r.tau, ".2f"),
-             _fmt(r.ms_per_token, ".2f"), _fmt(r.speedup, ".2f")] for r in order]
+    return [[r.domain, r.method, f"{r.temperature:g}", str(r.K), fmt_with_interval(r.alpha, r.alpha_ci),
+             fmt_with_interval(r.tau, r.tau_ci, ".2f"), _fmt(r.ms_per_token, ".2f"),
+             fmt_with_interval(r.speedup, r.speedup_ci, ".2f")] for r in order]
 
 
 def render_table(header: list[str], rows: list[list[str]]) -> str:
@@ -124,7 +126,7 @@ def stage_report(ctx: PipelineContext) -> dict[str, Any]:
         raise ValueError("pipeline.stages: 'report' needs the 'eval' stage before it")
     out_dir = Path(ctx.results["eval"])
     report = load_report(out_dir / "report.json")
-    header = ["domain", "method", "T", "K", "alpha", "tau", "ms/token", "speedup"]
+    header = ["domain", "method", "T", "K", "alpha [95% CI]", "tau [95% CI]", "ms/token", "speedup [95% CI]"]
     table = render_table(header, summary_rows(report))
     skipped = [f"skipped: domain={s.domain} method={s.method}: {s.reason}" for s in report.skipped]
     skipped += [f"warning: {line}" for line in ctx.results.get("recipe_warnings", [])]

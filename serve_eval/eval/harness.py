@@ -3,7 +3,9 @@
 Methods: `no-spec` (the baseline, K=0), `ngram`, one label per draft (its kind, or the caller's
 name), and transformers' assisted generation as an external reference (`assisted`, K>0, with the
 standalone draft as assistant, and `hf`, K=0, transformers' plain generate, its own baseline).
-Each cell runs `warmup` unmeasured requests, then `repetitions` passes over the domain's prompts.
+Each cell runs `warmup` unmeasured requests, then `repetitions` passes over the domain's prompts,
+interleaved across methods with the order rotated each pass; ms/token is the median pass, and
+alpha, tau and speed-up carry 95% bootstrap intervals over prompts (serve_eval.eval.bootstrap).
 Every figure comes from serve_eval.spec.metrics; speed-ups divide by the no-spec ms/token of the
 same domain and temperature measured in this run (`assisted` by `hf`'s: same framework).
 A method, draft or domain that cannot run becomes a SkippedEntry with its reason; the rest still run.
@@ -20,7 +22,10 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from drafts.artifacts import Artifacts
+from serve_eval.eval import bootstrap as B
 from serve_eval.eval.recommend import Thresholds, recommend, write_recommendations
 from serve_eval.eval.report import BASELINE_METHOD, Report, ResultRow, SkippedEntry, TargetInfo
 from serve_eval.eval.report_files import ReportFiles, log_to_wandb, write_report
@@ -80,7 +85,7 @@ def build_row(domain: str, method: str, K: int, temperature: float, runs: list[R
     finite = [s for s in samples if math.isfinite(s)]
     if not finite:
         raise ValueError(f"({domain}, {method}, K={K}, T={temperature}): no request generated more than one token")
-    ms = statistics.fmean(finite)
+    ms = statistics.median(finite)   # one slow repetition (another job) must not move the figure
     tokens = sum(r.num_output_tokens for run in runs for r in run.records)
     wall = sum(run.wall_s for run in runs)
     ttfts = [r.ttft for run in runs for r in run.records if r.ttft is not None]
@@ -178,59 +183,128 @@ class _Cell:
     runs: list[RunResult] = field(default_factory=list)
 
 
-def _measure(runner: Runner, prompts: list[str], cfg: EvalConfig, temperature: float, domain: str) -> list[RunResult]:
-    spec = RunSpec(temperature, cfg.max_tokens, cfg.ignore_eos, cfg.seed, cfg.batch_size)
-    if cfg.warmup:
-        runner.run(prompts[:cfg.warmup], spec, domain)
-    return [runner.run(prompts, spec, domain) for _ in range(cfg.repetitions)]
+def _open_runners(plans: list[MethodPlan], factory: RunnerFactory,
+                  skipped: list[SkippedEntry]) -> list[tuple[MethodPlan, Runner]]:
+    opened = []
+    for plan in plans:
+        try:
+            opened.append((plan, factory(plan)))
+        except Exception as e:  # noqa: BLE001 - any failure to build one method must not stop the others
+            skipped.append(SkippedEntry("*", plan.method, f"K={plan.K}: cannot start: {type(e).__name__}: {e}"))
+    return opened
 
 
-def _baseline_of(cell: _Cell, rows_ms: dict[tuple[str, str, float], float]) -> float | None:
-    """The ms/token this cell's speed-up divides: no-spec's of its (domain, T); `assisted` uses `hf`'s.
+def _rotated(items: list, by: int) -> list:
+    by %= max(len(items), 1)
+    return items[by:] + items[:by]
+
+
+def _sweep(cfg: EvalConfig, opened: list[tuple[MethodPlan, Runner]], prompts: dict[str, list[str]],
+           skipped: list[SkippedEntry], progress: Callable[[str], None]) -> dict[tuple, _Cell]:
+    """Repetitions interleaved across methods, the method order rotated each repetition, so that a
+    drift of the machine's speed (another job, thermal state) is spread over every method alike."""
+    cells: dict[tuple[str, str, int, float], _Cell] = {}
+    failed: set[tuple[str, str, int, float]] = set()
+    for rep in range(cfg.repetitions):
+        for domain, domain_prompts in prompts.items():
+            for temperature in cfg.temperatures:
+                spec = RunSpec(temperature, cfg.max_tokens, cfg.ignore_eos, cfg.seed, cfg.batch_size)
+                for plan, runner in _rotated(opened, rep):
+                    key = (domain, plan.method, plan.K, float(temperature))
+                    if key in failed:
+                        continue
+                    if rep == 0:
+                        progress(f"eval domain={domain} method={plan.method} K={plan.K} T={temperature:g}")
+                    try:
+                        if rep == 0 and cfg.warmup:
+                            runner.run(domain_prompts[:cfg.warmup], spec, domain)
+                        run = runner.run(domain_prompts, spec, domain)
+                    except Exception as e:  # noqa: BLE001 - a failing cell is reported, the sweep goes on
+                        failed.add(key)
+                        cells.pop(key, None)
+                        skipped.append(SkippedEntry(domain, plan.method,
+                                                    f"K={plan.K} T={temperature:g}: {type(e).__name__}: {e}"))
+                        continue
+                    cells.setdefault(key, _Cell(plan, domain, temperature)).runs.append(run)
+    return cells
+
+
+def _baseline_of(cell: _Cell, baselines: dict[tuple[str, str, float], _Cell]) -> _Cell | None:
+    """The cell this cell's speed-up divides by: no-spec's of its (domain, T); `assisted` uses `hf`'s.
     no-spec itself gets None here and its own figure in build_row (speed-up exactly 1)."""
-    if cell.plan.method == ASSISTED:
-        return rows_ms.get((HF_BASELINE, cell.domain, cell.temperature))
-    return rows_ms.get((BASELINE_METHOD, cell.domain, cell.temperature))
+    method = HF_BASELINE if cell.plan.method == ASSISTED else BASELINE_METHOD
+    return baselines.get((method, cell.domain, cell.temperature))
 
 
 def run_cells(cfg: EvalConfig, plans: list[MethodPlan], prompts: dict[str, list[str]], factory: RunnerFactory,
               skipped: list[SkippedEntry], progress: Callable[[str], None] = log.info) -> list[ResultRow]:
-    """Measure every plan x domain x temperature; rows with speed-ups against this run's baselines."""
-    cells: dict[tuple[str, str, int, float], _Cell] = {}
-    for plan in plans:
-        try:
-            runner = factory(plan)
-        except Exception as e:  # noqa: BLE001 - any failure to build one method must not stop the others
-            skipped.append(SkippedEntry("*", plan.method, f"K={plan.K}: cannot start: {type(e).__name__}: {e}"))
-            continue
-        try:
-            for domain, domain_prompts in prompts.items():
-                for temperature in cfg.temperatures:
-                    progress(f"eval domain={domain} method={plan.method} K={plan.K} T={temperature:g}")
-                    try:
-                        runs = _measure(runner, domain_prompts, cfg, temperature, domain)
-                    except Exception as e:  # noqa: BLE001 - a failing cell is reported, the sweep goes on
-                        skipped.append(SkippedEntry(domain, plan.method,
-                                                    f"K={plan.K} T={temperature:g}: {type(e).__name__}: {e}"))
-                        continue
-                    cells[(domain, plan.method, plan.K, float(temperature))] = _Cell(plan, domain, temperature, runs)
-        finally:
+    """Measure every plan x domain x temperature; rows with speed-ups against this run's baselines,
+    and bootstrap intervals over prompts."""
+    opened = _open_runners(plans, factory, skipped)
+    try:
+        cells = _sweep(cfg, opened, prompts, skipped, progress)
+    finally:
+        for _, runner in opened:
             runner.close()
     rows: list[ResultRow] = []
+    baselines: dict[tuple[str, str, float], _Cell] = {}
     baseline_ms: dict[tuple[str, str, float], float] = {}
     # Baselines first (no-spec, then hf whose own baseline is no-spec), then everything else.
     order = sorted(cells.values(), key=lambda c: (c.plan.method != BASELINE_METHOD, c.plan.method != HF_BASELINE))
     for cell in order:
+        base = _baseline_of(cell, baselines)
+        base_ms = None if base is None else baseline_ms[(base.plan.method, base.domain, base.temperature)]
         try:
-            row = build_row(cell.domain, cell.plan.method, cell.plan.K, cell.temperature, cell.runs,
-                            _baseline_of(cell, baseline_ms))
+            row = build_row(cell.domain, cell.plan.method, cell.plan.K, cell.temperature, cell.runs, base_ms)
         except ValueError as e:
             skipped.append(SkippedEntry(cell.domain, cell.plan.method, str(e)))
             continue
+        add_intervals(row, cell.runs, None if base is None else base.runs, cfg.seed)
         if cell.plan.K == 0:
+            baselines[(cell.plan.method, cell.domain, cell.temperature)] = cell
             baseline_ms[(cell.plan.method, cell.domain, cell.temperature)] = row.ms_per_token
         rows.append(row)
     return rows
+
+
+def prompt_sums(runs: list[RunResult]) -> B.PromptSums | None:
+    """Per-prompt sums over repetitions (None when repetitions disagree on the prompt count)."""
+    counts = {len(run.records) for run in runs}
+    if len(counts) != 1:
+        return None
+    size = counts.pop()
+    proposed, accepted, rounds = np.zeros(size, np.int64), np.zeros(size, np.int64), np.zeros(size, np.int64)
+    decode_s, decode_tokens = np.zeros(size), np.zeros(size, np.int64)
+    for run in runs:
+        for i, record in enumerate(run.records):
+            if record.spec is not None:
+                proposed[i] += record.spec.num_proposed
+                accepted[i] += record.spec.num_accepted
+                rounds[i] += record.spec.num_rounds
+            if record.num_output_tokens > 1:
+                decode_s[i] += record.token_times[-1] - record.token_times[0]
+                decode_tokens[i] += record.num_output_tokens - 1
+    return B.PromptSums(proposed, accepted, rounds, decode_s, decode_tokens)
+
+
+def add_intervals(row: ResultRow, runs: list[RunResult], baseline_runs: list[RunResult] | None, seed: int) -> None:
+    """The row's 95% bootstrap intervals over prompts (alpha and tau from per-request counters, the
+    speed-up paired with the baseline cell's same prompts)."""
+    sums = prompt_sums(runs)
+    if sums is None or sums.num_prompts < 2:
+        return
+    row.num_prompts = sums.num_prompts
+    idx = B.resample_indices(sums.num_prompts, seed)
+    if row.alpha is not None and sums.proposed.sum() > 0:
+        row.alpha_ci = _as_list(B.alpha_interval(sums, idx))
+        row.tau_ci = _as_list(B.tau_interval(sums, idx))
+    base = prompt_sums(baseline_runs) if baseline_runs else None
+    if row.speedup is not None and base is not None and base.num_prompts == sums.num_prompts:
+        row.speedup_ci = _as_list(B.speedup_interval(sums, base, idx))
+
+
+def _as_list(interval: B.Interval | None) -> list[float] | None:
+    return None if interval is None else interval.as_list()
 
 
 def default_runner_factory(cfg: EvalConfig, target_dir: Path) -> RunnerFactory:
@@ -278,7 +352,7 @@ def threads_note() -> str:
 def assemble_report(cfg: EvalConfig, target_path: str, fingerprint: str, prompts: dict[str, list[str]],
                     rows: list[ResultRow], skipped: list[SkippedEntry], notes: list[str],
                     drafts: dict[str, str]) -> Report:
-    recs = recommend(rows, Thresholds(cfg.min_alpha, cfg.min_speedup), fingerprint)
+    recs = recommend(rows, Thresholds(cfg.min_alpha, cfg.min_speedup), fingerprint, drafts=drafts)
     config = {**asdict(cfg), "notes": notes, "prompts_per_domain": {d: len(p) for d, p in sorted(prompts.items())},
               "drafts": drafts}
     return Report(TargetInfo(target_path, fingerprint), config, rows, skipped, recs.to_dict())
@@ -297,7 +371,7 @@ def write_outputs(report: Report, out_dir: Path, plots: bool = True, wandb_run: 
     """report.json / report.md / PNGs, recommendations.yaml beside them, tables + plots to W&B."""
     files = write_report(report, out_dir, plots=plots)
     recs = recommend(report.results, Thresholds(**report.recommendations.get("thresholds", {})),
-                     report.target.fingerprint)
+                     report.target.fingerprint, drafts=report.config.get("drafts") or {})
     write_recommendations(recs, out_dir / RECOMMENDATIONS_FILE)
     log_to_wandb(report, files.plots, wandb_run)
     return files

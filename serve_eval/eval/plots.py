@@ -31,12 +31,22 @@ def _save(fig: Figure, path: Path) -> Path:
     return path
 
 
+def _error_bars(points: list[tuple[float, list[float] | None]]) -> list[list[float]] | None:
+    """matplotlib's asymmetric yerr [[below...], [above...]] from 95% intervals (None: no interval)."""
+    if not any(ci for _, ci in points):
+        return None
+    below = [max(value - ci[0], 0.0) if ci else 0.0 for value, ci in points]
+    above = [max(ci[1] - value, 0.0) if ci else 0.0 for value, ci in points]
+    return [below, above]
+
+
 def _label(r: ResultRow) -> str:
     return r.method if r.method == BASELINE_METHOD else f"{r.method} K={r.K}"
 
 
 def plot_speedup(results: list[ResultRow], path: Path) -> Path | None:
-    """Grouped bars per domain: measured speed-up of each method/K; dots: the seed formula's prediction."""
+    """Grouped bars per domain: measured speed-up of each method/K with its 95% interval over prompts;
+    dots: the seed formula's prediction."""
     rows = [r for r in results if r.method != BASELINE_METHOD and r.speedup is not None]
     if not rows:
         return None
@@ -52,7 +62,8 @@ def plot_speedup(results: list[ResultRow], path: Path) -> Path | None:
                        for i, d in enumerate(domains) if (d, label) in cell]
             if not present:  # this method/K was not run at this temperature
                 continue
-            bars = ax.bar([x for x, _ in present], [r.speedup for _, r in present], width, label=label)
+            bars = ax.bar([x for x, _ in present], [r.speedup for _, r in present], width, label=label,
+                          yerr=_error_bars([(r.speedup, r.speedup_ci) for _, r in present]), capsize=2)
             predicted = [(x, r.predicted_speedup) for x, r in present if r.predicted_speedup is not None]
             if predicted:
                 ax.plot([x for x, _ in predicted], [p for _, p in predicted], "o", mfc="none",
@@ -94,10 +105,11 @@ def plot_alpha_vs_k(results: list[ResultRow], path: Path) -> Path | None:
         lines: dict[tuple[str, float], list[tuple[int, float]]] = defaultdict(list)
         for r in rows:
             if r.domain == domain:
-                lines[(r.method, r.temperature)].append((r.K, r.alpha))
+                lines[(r.method, r.temperature)].append((r.K, r.alpha, r.alpha_ci))
         for (method, temp), pts in sorted(lines.items()):
-            pts.sort()
-            ax.plot([k for k, _ in pts], [a for _, a in pts], marker="o", label=f"{method} T={temp:g}")
+            pts.sort(key=lambda p: p[0])
+            ax.errorbar([k for k, _, _ in pts], [a for _, a, _ in pts], marker="o", capsize=2,
+                        yerr=_error_bars([(a, ci) for _, a, ci in pts]), label=f"{method} T={temp:g}")
         ax.axhline(0.5, color="red", lw=0.8, ls=":")
         ax.set_ylim(0, 1.05)
         ax.set_xlabel("K")

@@ -1,16 +1,19 @@
-"""Per-domain choice of draft method and K from measured results, as a YAML snippet the server loads.
+"""Per (domain, temperature) choice of draft method and K from measured results, as the YAML the server loads.
 
-Rule (seed, 18.1.1 / 18.1.2): pick the candidate with the best measured speed-up; disable
-speculation for a domain when even that candidate has alpha < min_alpha or speed-up < min_speedup
-(a candidate measured at several temperatures must pass at every one; its score is the mean).
-Each enabled domain also carries its fallback: the server drops to direct decoding for that
-domain when its live acceptance rate falls below `fallback_below_alpha`.
+Rule (seed, 18.1.1 / 18.1.2), judged on the 95% intervals, not on the point figures: a candidate
+(method, K) passes at one (domain, temperature) when the lower end of its alpha interval reaches
+min_alpha and the lower end of its speed-up interval reaches min_speedup (the point figure stands in
+where a row has no interval); the passing candidate with the best lower speed-up bound wins, and
+speculation is off where none passes. Each temperature is decided on its own, so a domain can
+speculate greedily and decode plainly when sampling. An enabled choice names its draft dir and
+carries its fallback: the server drops to direct decoding when live alpha falls below
+`fallback_below_alpha`.
 """
 from __future__ import annotations
 
 import math
 from collections import defaultdict
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +22,7 @@ import yaml
 from drafts.files import atomic_write_text
 from serve_eval.eval.report import BASELINE_METHOD, ResultRow
 
-RECOMMENDATIONS_SCHEMA_VERSION = 1
+RECOMMENDATIONS_SCHEMA_VERSION = 2
 # Reference methods the server cannot run itself (transformers' assisted generation).
 NOT_SERVABLE = frozenset({"assisted"})
 
@@ -41,30 +44,42 @@ class DomainChoice:
     speculate: bool
     method: str                      # BASELINE_METHOD when speculation is off
     K: int                           # 0 when speculation is off
+    temperature: float = 0.0         # the measured temperature this choice was made at
+    draft_path: str | None = None    # the draft dir of `method` (None: ngram, or speculation off)
     fallback: str = BASELINE_METHOD  # what the server runs when live alpha drops below the bar
     fallback_below_alpha: float = 0.5
-    alpha: float | None = None       # mean measured alpha of the chosen (or best rejected) candidate
-    speedup: float | None = None     # mean measured speed-up of that candidate
-    temperatures: list[float] = field(default_factory=list)
+    alpha: float | None = None       # measured alpha of the chosen (or best rejected) candidate
+    alpha_low: float | None = None   # the lower end of its 95% interval
+    speedup: float | None = None
+    speedup_low: float | None = None
     reason: str = ""
 
 
 @dataclass
 class Recommendations:
     thresholds: Thresholds
-    default: DomainChoice                       # for domains the eval never saw
-    domains: dict[str, DomainChoice]
+    default: list[DomainChoice]                 # per temperature, for domains the eval never saw
+    domains: dict[str, list[DomainChoice]]      # per domain, one choice per measured temperature
     target_fingerprint: str | None = None
     schema_version: int = RECOMMENDATIONS_SCHEMA_VERSION
 
-    def for_domain(self, domain: str | None) -> DomainChoice:
-        """What the server should run for a request labelled `domain` (None/unknown -> default)."""
-        return self.domains.get(domain, self.default) if domain is not None else self.default
+    def choose(self, domain: str | None, temperature: float) -> DomainChoice | None:
+        """What to run for a request of `domain` (None/unknown: the default) sampled at `temperature`:
+        the choice made at the nearest measured temperature, greedy (0) and sampled (> 0) kept apart
+        (their acceptance differs in kind). None when nothing was measured on that side."""
+        choices = self.domains.get(domain, self.default) if domain is not None else self.default
+        side = [c for c in choices if (c.temperature == 0) == (temperature == 0)]
+        return min(side, key=lambda c: abs(c.temperature - temperature), default=None)
+
+    def draft_paths(self) -> dict[str, str]:
+        """method -> draft dir of every draft some choice speculates with."""
+        every = [c for cs in [self.default, *self.domains.values()] for c in cs]
+        return {c.method: c.draft_path for c in every if c.speculate and c.draft_path}
 
     def to_dict(self) -> dict[str, Any]:
         return {"schema_version": self.schema_version, "target_fingerprint": self.target_fingerprint,
-                "thresholds": asdict(self.thresholds), "default": asdict(self.default),
-                "domains": {d: asdict(c) for d, c in sorted(self.domains.items())}}
+                "thresholds": asdict(self.thresholds), "default": [asdict(c) for c in self.default],
+                "domains": {d: [asdict(c) for c in cs] for d, cs in sorted(self.domains.items())}}
 
     @classmethod
     def from_dict(cls, d: Any, source: str = "recommendations") -> "Recommendations":
@@ -75,11 +90,17 @@ class Recommendations:
                              f"{RECOMMENDATIONS_SCHEMA_VERSION}")
         try:
             thresholds = Thresholds(**d["thresholds"])
-            default = _choice(d["default"], f"{source}: default")
-            domains = {name: _choice(c, f"{source}: domains.{name}") for name, c in (d.get("domains") or {}).items()}
+            default = _choices(d["default"], f"{source}: default")
+            domains = {name: _choices(cs, f"{source}: domains.{name}") for name, cs in (d.get("domains") or {}).items()}
         except (KeyError, TypeError) as e:
             raise ValueError(f"{source}: malformed ({e})") from e
         return cls(thresholds, default, domains, d.get("target_fingerprint"))
+
+
+def _choices(cs: Any, where: str) -> list[DomainChoice]:
+    if not isinstance(cs, list):
+        raise ValueError(f"{where}: expected a list of per-temperature choices")
+    return [_choice(c, f"{where}[{i}]") for i, c in enumerate(cs)]
 
 
 def _choice(c: Any, where: str) -> DomainChoice:
@@ -90,108 +111,123 @@ def _choice(c: Any, where: str) -> DomainChoice:
         raise ValueError(f"{where}.K must be an integer >= 1 when speculate is true (>= 0 otherwise), got {choice.K!r}")
     if not isinstance(choice.method, str) or not choice.method:
         raise ValueError(f"{where}.method must be a non-empty string")
+    if not isinstance(choice.temperature, (int, float)) or choice.temperature < 0:
+        raise ValueError(f"{where}.temperature must be a number >= 0, got {choice.temperature!r}")
     return choice
+
+
+def _low(value: float, ci: list[float] | None) -> float:
+    return value if ci is None else ci[0]
 
 
 @dataclass
 class _Candidate:
-    method: str
-    K: int
-    rows: list[ResultRow]
+    row: ResultRow                   # one (domain, temperature, method, K) cell
 
     @property
-    def mean_speedup(self) -> float:
-        return sum(r.speedup for r in self.rows) / len(self.rows)
+    def alpha_low(self) -> float:
+        return _low(self.row.alpha, self.row.alpha_ci)
 
     @property
-    def mean_alpha(self) -> float:
-        return sum(r.alpha for r in self.rows) / len(self.rows)
+    def speedup_low(self) -> float:
+        return _low(self.row.speedup, self.row.speedup_ci)
 
     def failure(self, t: Thresholds) -> str | None:
-        """Why this candidate may not be enabled, or None if it passes at every temperature."""
-        for r in sorted(self.rows, key=lambda r: r.temperature):
-            if r.alpha < t.min_alpha:
-                return f"{self.method} K={self.K}: alpha {r.alpha:.3f} < {t.min_alpha:g} at T={r.temperature:g}"
-            if r.speedup < t.min_speedup:
-                return f"{self.method} K={self.K}: speed-up {r.speedup:.3f} < {t.min_speedup:g} at T={r.temperature:g}"
+        """Why this candidate may not be enabled (judged on the interval's lower ends), or None."""
+        r = self.row
+        if self.alpha_low < t.min_alpha:
+            return f"{r.method} K={r.K}: alpha {_described(r.alpha, r.alpha_ci)} < {t.min_alpha:g}"
+        if self.speedup_low < t.min_speedup:
+            return f"{r.method} K={r.K}: speed-up {_described(r.speedup, r.speedup_ci)} < {t.min_speedup:g}"
         return None
 
     def sort_key(self) -> tuple:
-        # Best mean speed-up; ties -> higher alpha, then smaller K (less wasted draft work), then name.
-        return (-self.mean_speedup, -self.mean_alpha, self.K, self.method)
+        # Best lower speed-up bound; ties -> higher alpha, then smaller K (less wasted draft work), then name.
+        return (-self.speedup_low, -self.alpha_low, self.row.K, self.row.method)
+
+
+def _described(value: float, ci: list[float] | None) -> str:
+    return f"{value:.3f}" if ci is None else f"{value:.3f} (95% CI low {ci[0]:.3f})"
 
 
 def _candidates(rows: list[ResultRow], exclude: frozenset[str]) -> list[_Candidate]:
-    groups: dict[tuple[str, int], list[ResultRow]] = defaultdict(list)
-    for r in rows:
-        if r.method == BASELINE_METHOD or r.method in exclude or r.K < 1:
-            continue
-        if r.alpha is None or r.speedup is None:  # nothing to judge it by
-            continue
-        groups[(r.method, r.K)].append(r)
-    return sorted((_Candidate(m, k, rs) for (m, k), rs in groups.items()), key=_Candidate.sort_key)
+    usable = [r for r in rows if r.method != BASELINE_METHOD and r.method not in exclude and r.K >= 1
+              and r.alpha is not None and r.speedup is not None]
+    return sorted((_Candidate(r) for r in usable), key=_Candidate.sort_key)
 
 
-def _off(t: Thresholds, reason: str, best: _Candidate | None = None) -> DomainChoice:
-    return DomainChoice(False, BASELINE_METHOD, 0, BASELINE_METHOD, t.min_alpha,
-                        None if best is None else best.mean_alpha, None if best is None else best.mean_speedup,
-                        [] if best is None else sorted({r.temperature for r in best.rows}), reason)
+def _off(t: Thresholds, temperature: float, reason: str, best: _Candidate | None = None) -> DomainChoice:
+    r = None if best is None else best.row
+    return DomainChoice(False, BASELINE_METHOD, 0, temperature, None, BASELINE_METHOD, t.min_alpha,
+                        None if r is None else r.alpha, None if best is None else best.alpha_low,
+                        None if r is None else r.speedup, None if best is None else best.speedup_low, reason)
 
 
-def _on(t: Thresholds, c: _Candidate, reason: str) -> DomainChoice:
-    return DomainChoice(True, c.method, c.K, BASELINE_METHOD, t.min_alpha, c.mean_alpha, c.mean_speedup,
-                        sorted({r.temperature for r in c.rows}), reason)
+def _on(t: Thresholds, c: _Candidate, drafts: dict[str, str], reason: str) -> DomainChoice:
+    r = c.row
+    return DomainChoice(True, r.method, r.K, r.temperature, drafts.get(r.method), BASELINE_METHOD, t.min_alpha,
+                        r.alpha, c.alpha_low, r.speedup, c.speedup_low, reason)
 
 
-def choose_for_domain(rows: list[ResultRow], thresholds: Thresholds,
-                      exclude: frozenset[str] = NOT_SERVABLE) -> DomainChoice:
-    """Best passing (method, K) for one domain's rows, or speculation off with the reason."""
+def choose_for_cell(rows: list[ResultRow], temperature: float, thresholds: Thresholds,
+                    drafts: dict[str, str] | None = None, exclude: frozenset[str] = NOT_SERVABLE) -> DomainChoice:
+    """Best passing (method, K) among one (domain, temperature)'s rows, or speculation off with the reason."""
     candidates = _candidates(rows, exclude)
     if not candidates:
-        return _off(thresholds, "no speculative method was measured")
+        return _off(thresholds, temperature, "no speculative method was measured")
     for c in candidates:
         if c.failure(thresholds) is None:
-            return _on(thresholds, c, f"best measured speed-up {c.mean_speedup:.2f}x")
+            return _on(thresholds, c, drafts or {}, f"best speed-up lower bound {c.speedup_low:.2f}x "
+                                                    f"(measured {c.row.speedup:.2f}x)")
     best = candidates[0]
-    return _off(thresholds, f"disabled: best candidate {best.failure(thresholds)}", best)
+    return _off(thresholds, temperature, f"disabled: best candidate {best.failure(thresholds)}", best)
 
 
-def _default_choice(results: list[ResultRow], domains: list[str], thresholds: Thresholds,
-                    exclude: frozenset[str]) -> DomainChoice:
-    """For unseen domains: the (method, K) that passes in every measured domain with the best worst-case
-    speed-up, so the default never slows down a domain we know about; otherwise speculation off."""
-    per_domain = {d: {(c.method, c.K): c for c in _candidates([r for r in results if r.domain == d], exclude)}
-                  for d in domains}
+def _default_choice(results: list[ResultRow], domains: list[str], temperature: float, thresholds: Thresholds,
+                    drafts: dict[str, str], exclude: frozenset[str]) -> DomainChoice:
+    """For unseen domains at one temperature: the (method, K) that passes in every measured domain with
+    the best worst-case speed-up bound, so the default never slows down a domain we know about."""
+    per_domain = {d: {(c.row.method, c.row.K): c for c in _candidates(
+        [r for r in results if r.domain == d and r.temperature == temperature], exclude)} for d in domains}
     shared = set.intersection(*(set(c) for c in per_domain.values())) if per_domain else set()
     safe = []
     for key in shared:
         cs = [per_domain[d][key] for d in domains]
         if all(c.failure(thresholds) is None for c in cs):
-            safe.append((min(c.mean_speedup for c in cs), key, cs))
+            safe.append((min(c.speedup_low for c in cs), key, cs))
     if not safe:
-        return _off(thresholds, "no (method, K) passes the thresholds in every measured domain")
-    worst, (method, K), cs = max(safe, key=lambda s: (s[0], -s[1][1], s[1][0]))
-    pooled = _Candidate(method, K, [r for c in cs for r in c.rows])
-    return _on(thresholds, pooled, f"passes in all {len(domains)} domains; worst-case speed-up {worst:.2f}x")
+        return _off(thresholds, temperature, "no (method, K) passes the thresholds in every measured domain")
+    worst, _, cs = max(safe, key=lambda s: (s[0], -s[1][1], s[1][0]))
+    weakest = min(cs, key=lambda c: c.speedup_low)
+    return _on(thresholds, weakest, drafts, f"passes in all {len(domains)} domains; worst-case speed-up lower "
+                                            f"bound {worst:.2f}x")
 
 
 def recommend(results: list[ResultRow], thresholds: Thresholds | None = None,
-              target_fingerprint: str | None = None, exclude: frozenset[str] = NOT_SERVABLE) -> Recommendations:
-    thresholds = thresholds or Thresholds()
+              target_fingerprint: str | None = None, exclude: frozenset[str] = NOT_SERVABLE,
+              drafts: dict[str, str] | None = None) -> Recommendations:
+    """One choice per (domain, measured temperature); `drafts` (method -> draft dir) names what to load."""
+    thresholds, drafts = thresholds or Thresholds(), dict(drafts or {})
     for r in results:
         for name in ("alpha", "speedup"):
             v = getattr(r, name)
             if v is not None and not math.isfinite(v):
                 raise ValueError(f"result ({r.domain}, {r.method}, K={r.K}): {name} is not finite ({v})")
-    domains = sorted({r.domain for r in results})
-    chosen = {d: choose_for_domain([r for r in results if r.domain == d], thresholds, exclude) for d in domains}
-    default = _default_choice(results, domains, thresholds, exclude)
+    cells: dict[str, dict[float, list[ResultRow]]] = defaultdict(lambda: defaultdict(list))
+    for r in results:
+        cells[r.domain][float(r.temperature)].append(r)
+    domains = sorted(cells)
+    chosen = {d: [choose_for_cell(rows, t, thresholds, drafts, exclude) for t, rows in sorted(cells[d].items())]
+              for d in domains}
+    temperatures = sorted({float(r.temperature) for r in results})
+    default = [_default_choice(results, domains, t, thresholds, drafts, exclude) for t in temperatures]
     return Recommendations(thresholds, default, chosen, target_fingerprint)
 
 
 def to_yaml(recs: Recommendations) -> str:
-    header = ("# draftsmith speculative-decoding recommendations (server config snippet).\n"
-              "# Per domain: speculate, method and K; `fallback` runs when live alpha < fallback_below_alpha.\n")
+    header = ("# draftsmith speculative-decoding recommendations (`draftsmith serve serve.recommendations=FILE`).\n"
+              "# Per domain and measured temperature: speculate, method, K and draft dir; `fallback` runs when\n"
+              "# live alpha < fallback_below_alpha.\n")
     return header + yaml.safe_dump(recs.to_dict(), sort_keys=False)
 
 
@@ -222,15 +258,19 @@ class PolicySnippet:
 
 
 def policy_for_method(results: list[ResultRow], method: str, thresholds: Thresholds | None = None) -> PolicySnippet:
-    """Per-domain K for one servable method, by the same rule as `recommend` restricted to that method."""
+    """Per-domain K for one servable method at its lowest measured temperature, by the same rule as
+    `recommend` restricted to that method (the engine's single-draft policy has one K per domain)."""
     thresholds = thresholds or Thresholds()
     rows = [r for r in results if r.method == method]
     if not rows:
         raise ValueError(f"policy_for_method: no results for method {method!r}")
-    recs = recommend(rows, thresholds, exclude=frozenset())
-    k_by_domain = {d: c.K for d, c in recs.domains.items() if c.speculate}
-    default_k = recs.default.K if recs.default.speculate else min(k_by_domain.values(), default=1)
+    coldest = min(r.temperature for r in rows)
+    recs = recommend([r for r in rows if r.temperature == coldest], thresholds, exclude=frozenset())
+    picked = {d: cs[0] for d, cs in recs.domains.items()}
+    k_by_domain = {d: c.K for d, c in picked.items() if c.speculate}
+    default = recs.default[0]
+    default_k = default.K if default.speculate else min(k_by_domain.values(), default=1)
     return PolicySnippet(
         {"num_speculative_tokens": default_k, "k_by_domain": k_by_domain, "fallback": True,
          "min_alpha": thresholds.min_alpha},
-        sorted(d for d, c in recs.domains.items() if not c.speculate), recs.default.speculate)
+        sorted(d for d, c in picked.items() if not c.speculate), default.speculate)

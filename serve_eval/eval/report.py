@@ -45,6 +45,12 @@ class ResultRow:
     repetitions: int
     spread: float                       # std of ms/token over repetitions
     ms_per_token_samples: list[float] = field(default_factory=list)  # one per repetition (plots)
+    # 95% intervals [low, high] from a paired bootstrap over prompts (serve_eval.eval.bootstrap);
+    # None where the figure does not apply or too few prompts ran.
+    alpha_ci: list[float] | None = None
+    tau_ci: list[float] | None = None
+    speedup_ci: list[float] | None = None
+    num_prompts: int = 0
 
 
 @dataclass
@@ -124,6 +130,8 @@ def row_key(row: ResultRow) -> tuple[str, str, int, float]:
 _OPTIONAL_FLOATS = ("alpha", "tau", "speedup", "predicted_speedup", "ttft_p50", "ttft_p99", "itl_p50", "itl_p99",
                     "draft_time_share", "target_time_share")
 _UNIT_INTERVAL = ("alpha", "draft_time_share", "target_time_share")
+_INTERVALS = ("alpha_ci", "tau_ci", "speedup_ci")
+_OPTIONAL_FIELDS = {"ms_per_token_samples", *_INTERVALS, "num_prompts"}   # absent in older reports
 
 
 def _is_number(x: Any) -> bool:
@@ -134,7 +142,7 @@ def _row_from_dict(r: Any, where: str) -> ResultRow:
     if not isinstance(r, dict):
         raise ReportSchemaError(f"{where}: expected an object")
     names = {f.name for f in fields(ResultRow)}
-    missing = sorted(n for n in names - {"ms_per_token_samples"} if n not in r)
+    missing = sorted(n for n in names - _OPTIONAL_FIELDS if n not in r)
     if missing:
         raise ReportSchemaError(f"{where}: missing field(s) {', '.join(missing)}")
     for key in ("domain", "method"):
@@ -158,6 +166,11 @@ def _row_from_dict(r: Any, where: str) -> ResultRow:
             raise ReportSchemaError(f"{where}.{key} must be a list of finite numbers >= 0")
     if any(v > 1 for v in r["a_k"]):
         raise ReportSchemaError(f"{where}.a_k values must be in [0, 1]")
+    for key in _INTERVALS:
+        ci = r.get(key)
+        if ci is not None and (not isinstance(ci, list) or len(ci) != 2 or not all(_is_number(v) for v in ci)
+                               or ci[0] > ci[1]):
+            raise ReportSchemaError(f"{where}.{key} must be null or [low, high] with low <= high, got {ci!r}")
     return ResultRow(**{n: r[n] for n in names if n in r})
 
 

@@ -22,6 +22,13 @@ def _fmt(x: float | None, spec: str = ".3f") -> str:
     return "-" if x is None else format(x, spec)
 
 
+def fmt_with_interval(x: float | None, ci: list[float] | None, spec: str = ".3f") -> str:
+    """'0.612 [0.551, 0.668]': the figure and its 95% bootstrap interval over prompts."""
+    if x is None:
+        return "-"
+    return format(x, spec) if ci is None else f"{x:{spec}} [{ci[0]:{spec}}, {ci[1]:{spec}}]"
+
+
 def _ms(seconds: float | None) -> str:
     return "-" if seconds is None else f"{seconds * 1e3:.1f}"
 
@@ -39,15 +46,18 @@ def render_markdown(report: Report, plot_files: dict[str, Path] | None = None) -
              f"- target: `{report.target.path}` (fingerprint `{report.target.fingerprint}`)",
              f"- created: {report.created}", f"- schema_version: {report.schema_version}", ""]
     domains = sorted({r.domain for r in report.results})
-    header = ["method", "K", "T", "alpha", "tau", "ms/token", "± std", "tok/s", "speed-up", "predicted",
+    header = ["method", "K", "T", "alpha [95% CI]", "tau [95% CI]", "ms/token (median)", "± std", "tok/s",
+              "speed-up [95% CI]", "predicted",
               "TTFT p50/p99 ms", "ITL p50/p99 ms", "draft/target share", "reps"]
     for domain in domains:
         rows = sorted((r for r in report.results if r.domain == domain),
                       key=lambda r: (r.method != BASELINE_METHOD, r.method, r.K, r.temperature))
         lines += [f"## {domain}", ""]
         lines += _table(header, [[
-            r.method, str(r.K), f"{r.temperature:g}", _fmt(r.alpha), _fmt(r.tau, ".2f"), f"{r.ms_per_token:.2f}",
-            f"{r.spread:.2f}", f"{r.tokens_per_s:.1f}", _fmt(r.speedup, ".2f"), _fmt(r.predicted_speedup, ".2f"),
+            r.method, str(r.K), f"{r.temperature:g}", fmt_with_interval(r.alpha, r.alpha_ci),
+            fmt_with_interval(r.tau, r.tau_ci, ".2f"), f"{r.ms_per_token:.2f}",
+            f"{r.spread:.2f}", f"{r.tokens_per_s:.1f}", fmt_with_interval(r.speedup, r.speedup_ci, ".2f"),
+            _fmt(r.predicted_speedup, ".2f"),
             f"{_ms(r.ttft_p50)} / {_ms(r.ttft_p99)}", f"{_ms(r.itl_p50)} / {_ms(r.itl_p99)}",
             f"{_fmt(r.draft_time_share, '.2f')} / {_fmt(r.target_time_share, '.2f')}", str(r.repetitions),
         ] for r in rows])
@@ -76,14 +86,21 @@ def _recommendations_md(recs: dict[str, Any]) -> list[str]:
         return []
     thresholds = recs.get("thresholds", {})
     lines = ["## Recommendations", "",
-             f"Speculation is disabled where alpha < {thresholds.get('min_alpha', '?')} or "
-             f"speed-up < {thresholds.get('min_speedup', '?')}.", ""]
-    entries = [("(default)", recs["default"])] if recs.get("default") else []
-    entries += sorted(recs["domains"].items())
-    lines += _table(["domain", "speculate", "method", "K", "alpha", "speed-up", "reason"], [[
-        name, "yes" if e.get("speculate") else "no", str(e.get("method")), str(e.get("K")),
-        _fmt(e.get("alpha")), _fmt(e.get("speedup"), ".2f"), str(e.get("reason", ""))] for name, e in entries])
+             f"Per domain and temperature; speculation is disabled where the lower end of the 95% interval of "
+             f"alpha is < {thresholds.get('min_alpha', '?')} or of the speed-up < {thresholds.get('min_speedup', '?')}.",
+             ""]
+    lines += _table(["domain", "T", "speculate", "method", "K", "alpha (low)", "speed-up (low)", "reason"], [[
+        name, f"{e.get('temperature', 0):g}", "yes" if e.get("speculate") else "no", str(e.get("method")),
+        str(e.get("K")), f"{_fmt(e.get('alpha'))} ({_fmt(e.get('alpha_low'))})",
+        f"{_fmt(e.get('speedup'), '.2f')} ({_fmt(e.get('speedup_low'), '.2f')})", str(e.get("reason", ""))]
+        for name, e in recommendation_entries(recs)])
     return lines + [""]
+
+
+def recommendation_entries(recs: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    """(domain label, choice) for the default (one per temperature) and then every domain."""
+    entries = [("(default)", e) for e in recs.get("default") or []]
+    return entries + [(name, e) for name, choices in sorted(recs["domains"].items()) for e in choices]
 
 
 # ----------------------------------------------------------------------------- writing
@@ -134,9 +151,11 @@ def log_to_wandb(report: Report, plot_files: dict[str, Path] | None = None, run:
                                               data=[[s.domain, s.method, s.reason] for s in report.skipped])
     domains = report.recommendations.get("domains", {}) if report.recommendations else {}
     if domains:
-        rec_cols = ["domain", "speculate", "method", "K", "alpha", "speedup", "reason"]
+        rec_cols = ["domain", "temperature", "speculate", "method", "K", "alpha", "alpha_low", "speedup",
+                    "speedup_low", "reason"]
         payload["eval/recommendations"] = wandb.Table(
-            columns=rec_cols, data=[[name] + [e.get(c) for c in rec_cols[1:]] for name, e in sorted(domains.items())])
+            columns=rec_cols, data=[[name] + [e.get(c) for c in rec_cols[1:]]
+                                    for name, e in recommendation_entries(report.recommendations)])
     for name, path in (plot_files or {}).items():
         payload[f"eval/plots/{name}"] = wandb.Image(str(path))
     run.log(payload)
