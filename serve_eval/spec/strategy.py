@@ -240,15 +240,20 @@ class SpeculativeStrategy:
 
     def _feed_features(self, out, fwd, cu: list[int], drafts, results) -> None:
         """One gather of the kept rows for all sequences, then one add_features call per sequence."""
-        pieces, counts = [], []
+        rows: list[int] = []  # flat rows of fwd.hidden to keep, sequence after sequence
+        counts = []
         for i, (seq, n) in enumerate(zip(out.seqs, out.num_scheduled_tokens)):
-            if i in results:  # root + accepted nodes, in path order (= their compacted positions)
-                nodes = torch.tensor(results[i].accepted_node_ids, dtype=torch.int64)
-                pieces.append(torch.cat([torch.tensor([cu[i]]), cu[i] + 1 + nodes]))
+            start = len(rows)
+            if i in results and drafts[i].is_tree:  # root + the accepted path's node rows, in path order
+                rows.append(cu[i])
+                rows.extend(cu[i] + 1 + node for node in results[i].accepted_node_ids)
+            elif i in results:  # a chain's accepted nodes are 0..n-1: root and nodes are contiguous rows
+                rows.extend(range(cu[i], cu[i] + 1 + results[i].num_accepted_drafts))
             else:  # prefill chunk, or a plain decode root
-                pieces.append(torch.arange(cu[i], cu[i] + n))
-            counts.append(pieces[-1].numel())
-        index = torch.cat(pieces).to(fwd.hidden.device)
+                rows.extend(range(cu[i], cu[i] + n))
+            counts.append(len(rows) - start)
+        # One index tensor and one gather for the batch (a tensor per sequence costs more than the rows).
+        index = torch.tensor(rows, dtype=torch.int64, device=fwd.hidden.device)
         hidden = fwd.hidden.index_select(0, index).split(counts)
         aux = [None] * len(counts)
         if self.aux_layers:
