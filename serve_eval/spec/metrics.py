@@ -1,4 +1,4 @@
-"""THE definitions of the speculative-decoding metrics (../shared/DESIGN.md); nothing else computes them.
+"""The definitions of the speculative-decoding metrics; nothing else computes them.
 
 - Round: one target verification forward for one sequence.
 - alpha = accepted draft tokens / proposed draft tokens.
