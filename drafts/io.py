@@ -211,7 +211,11 @@ def load_draft(
     declared = cfg_dict.get("draftsmith_kind", "standalone")
     if declared != meta.kind:
         raise ValueError(f"{draft_dir}: {META_FILE} says kind={meta.kind!r} but {CONFIG_FILE} describes a {declared!r} draft")
-    if meta.kind == "standalone":
+    if (draft_dir / "quantization.json").is_file():  # weight-only int8/int4 (drafts.quant)
+        from drafts.quant import load_quantized_model
+
+        model = load_quantized_model(draft_dir, meta.kind, cfg_dict)
+    elif meta.kind == "standalone":
         model = StandaloneDraft.from_hf(draft_dir)
     else:
         model = build_from_config(meta.kind, cfg_dict)

@@ -21,6 +21,7 @@ JOBS: dict[str, tuple[str, str]] = {
     "eval": ("train.jobs:eval_main", "measure drafts per domain: alpha, tau, ms/token, speedup ('eval compare A B')"),
     "plan": ("serve_eval.eval.plan:main", "predict speedups and memory from a target config and the hardware"),
     "serve": ("train.jobs:serve_main", "OpenAI-compatible HTTP server with speculative decoding"),
+    "quantize": ("drafts.quantize_job:main", "weight-only INT8 / INT4 copy of a distilled draft (drafts.quant)"),
     "export": ("drafts.export:main", "export a draft to vLLM (EAGLE-1, speculators EAGLE-3) / SGLang / Medusa layouts"),
     "hook": ("train.hook.cli:main", "target changed? re-measure, re-distill on regression, promote if better"),
     "drafts": ("train.registry.cli:main", "list / show / promote / retire the drafts filed under each target"),

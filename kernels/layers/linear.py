@@ -33,6 +33,10 @@ class Linear:
     @classmethod
     def fuse(cls, linears: Sequence[nn.Linear], pack: bool | None = None) -> "Linear":
         """One matrix for several projections of the same input (q/k/v, gate/up): outputs concatenated."""
+        if any(getattr(m, "is_quantized", False) for m in linears):  # weight-only int8/int4 (kernels.quant)
+            from kernels.quant import fuse_quantized
+
+            return fuse_quantized(linears)
         weights = [m.weight.detach() for m in linears]
         biases = [m.bias for m in linears]
         if any(b is None for b in biases) and not all(b is None for b in biases):

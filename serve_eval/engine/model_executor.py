@@ -61,11 +61,22 @@ class ModelExecutor:
         """Build from a loaded transformers LlamaForCausalLM-like model (weights are copied)."""
         return cls.from_state_dict(model.config, model.state_dict(), dtype, device, attn_backend)
 
-    def _setup(self, config, state_dict, dtype, device, attn_backend: str, source: str) -> None:
+    @classmethod
+    def from_model(cls, config, model: CausalLM, dtype: torch.dtype | str = torch.float32, device: str = "cpu",
+                   attn_backend: str = "auto") -> "ModelExecutor":
+        """Run an already built CausalLM (e.g. a quantized standalone draft, drafts.quant); it is put in its
+        serving form here, with its weights as they are (no cast)."""
+        executor = cls.__new__(cls)
+        executor._setup(config, None, dtype, device, attn_backend, source="model", model=model)
+        return executor
+
+    def _setup(self, config, state_dict, dtype, device, attn_backend: str, source: str,
+               model: CausalLM | None = None) -> None:
         self.config = config
         self.dtype = resolve_dtype(dtype)
         self.device = torch.device(device)
-        self.model: CausalLM = causal_lm_from_state_dict(config, state_dict, self.dtype, self.device, source)
+        self.model: CausalLM = model if model is not None else causal_lm_from_state_dict(
+            config, state_dict, self.dtype, self.device, source)
         self.model.to_serving_(should_pack(self.dtype, self.device))
         decoder = self.model.shape.decoder
         self.num_layers: int = config.num_hidden_layers

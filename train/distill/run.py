@@ -152,6 +152,9 @@ def warm_start(draft: nn.Module, kind: str, init_from: str, target_dir: Path) ->
     source = Path(init_from).expanduser()
     if not source.is_dir():
         raise ValueError(f"draft.init_from: {source} is not a draft dir")
+    from drafts.quant import refuse_quantized
+
+    refuse_quantized(source, "draft.init_from")  # int weights are not trainable: warm-start from the source
     check_tokenizer_match(target_dir, source, "draft.init_from")
     loaded = load_draft(source, ExpectedTarget.from_config(target_dir, None))
     if loaded.kind != kind:

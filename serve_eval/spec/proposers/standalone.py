@@ -59,15 +59,23 @@ class StandaloneProposer(Proposer):
     @classmethod
     def from_spec_config(cls, config, engine) -> "StandaloneProposer":
         from drafts.io import load_draft
+        from drafts.quant import is_quantized
+        from kernels.layers.checkpoint import load_config
+        from serve_eval.engine.model_executor import resolve_dtype
         from serve_eval.spec.config import expected_target
 
         # Raises naming both sides on a vocabulary mismatch; warns on a foreign target fingerprint.
         loaded = load_draft(config.draft_path, expected_target(engine), strict_fingerprint=config.strict_fingerprint)
         if loaded.kind != "standalone":
             raise ValueError(f"{config.draft_path}: method 'standalone' needs a standalone draft, got a {loaded.kind!r} draft")
+        dtype = config.draft_dtype or engine.config.dtype
+        if is_quantized(loaded.model):  # int8/int4 weights (drafts.quant): run the loaded module as it is
+            model = loaded.model.to(device=engine.config.device, dtype=resolve_dtype(dtype))
+            executor = ModelExecutor.from_model(load_config(config.draft_path), model, dtype, engine.config.device,
+                                                engine.config.attn_backend)
+        else:
+            executor = ModelExecutor(config.draft_path, dtype, engine.config.device, engine.config.attn_backend)
         del loaded
-        executor = ModelExecutor(config.draft_path, config.draft_dtype or engine.config.dtype, engine.config.device,
-                                 engine.config.attn_backend)
         # Draft positions stay below max_model_len (the strategy clamps lookahead to the room left).
         if executor.config.max_position_embeddings < engine.max_model_len:
             raise ValueError(f"{config.draft_path}: draft max_position_embeddings="
