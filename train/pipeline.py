@@ -120,9 +120,7 @@ def print_target(ctx: PipelineContext) -> None:
     print(f"target shape: {s.get('model_type')} layers={s.get('num_hidden_layers')} hidden={s.get('hidden_size')} "
           f"heads={s.get('num_attention_heads')} kv_heads={s.get('num_key_value_heads')} "
           f"ffn={s.get('intermediate_size')} vocab={s.get('vocab_size')} cached={target.cached}")
-    from train.pipeline_cost import cost_lines
-
-    for line in cost_lines(ctx.results.get("cost")):
+    for line in ctx.results.get("cost_lines", []):
         print(line)
     print("held-out perplexity per domain:")
     for domain, ppl in target.perplexity.items():

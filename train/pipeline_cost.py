@@ -47,6 +47,7 @@ def stage_cost(ctx: PipelineContext) -> dict[str, Any]:
                          "weight_share": {n: weights_read(p) / target_weights for n, p in drafts.items()}})
     record = read_json(out)
     ctx.results["cost"] = record
+    ctx.results["cost_lines"] = cost_lines(record)  # printed with the target, kept in summary.md
     fields: dict[str, Any] = {"cached": cached, "K": k, "file": out}
     fields.update({f"c_{m['method']}": round(m["c"], 3) for m in record["methods"] if m["c"] is not None})
     return fields

@@ -130,9 +130,7 @@ def stage_report(ctx: PipelineContext) -> dict[str, Any]:
     table = render_table(header, summary_rows(report))
     skipped = [f"skipped: domain={s.domain} method={s.method}: {s.reason}" for s in report.skipped]
     skipped += [f"warning: {line}" for line in ctx.results.get("recipe_warnings", [])]
-    from train.pipeline_cost import cost_lines
-
-    cost = "\n".join(cost_lines(ctx.results.get("cost")))
+    cost = "\n".join(ctx.results.get("cost_lines", []))  # (the cost stage's lines, if it ran)
     (out_dir / SUMMARY_FILE).write_text(f"```\n{table}\n```\n" + "".join(f"\n- {s}" for s in skipped) + "\n"
                                         + (f"\n```\n{cost}\n```\n" if cost else ""))
     ctx.results["report"] = {"table": table, "skipped": skipped, "json": out_dir / "report.json",
