@@ -1,0 +1,81 @@
+"""The batch-size gate on scripted step costs: speculation where it pays, plain decoding where it does not."""
+from __future__ import annotations
+
+import pytest
+
+from serve_eval.spec.batch_gate import BatchGate, BatchGateConfig
+
+
+def run(gate: BatchGate, batch_size: int, steps: int, spec_ms_per_token: float, plain_ms_per_token: float) -> float:
+    """Drive the gate for `steps` steps with scripted costs; returns the share of speculative steps."""
+    speculative = 0
+    for _ in range(steps):
+        spec = gate.cap(batch_size) != 0
+        speculative += spec
+        ms = spec_ms_per_token if spec else plain_ms_per_token
+        gate.observe_step(batch_size, spec, ms * batch_size / 1000, batch_size)
+    return speculative / steps
+
+
+def test_measured_gate_speculates_at_batch_1_and_decodes_plainly_at_batch_16():
+    """Scripted: at batch 1 a speculative step costs 0.6 of plain per token, at batch 16 1.4x. The gate
+    settles on speculation at 1 and on plain decoding at 16, exploring the other arm 1 step in 16."""
+    gate = BatchGate()
+    assert run(gate, 1, 400, spec_ms_per_token=3.0, plain_ms_per_token=5.0) > 0.9
+    assert run(gate, 16, 400, spec_ms_per_token=1.4, plain_ms_per_token=1.0) < 0.1
+    assert gate.cap(1) is None and gate.cap(16) == 0
+    assert gate.to_dict()["16"]["speculate"] is False
+
+
+def test_the_measured_gate_follows_a_change_of_costs():
+    gate = BatchGate(BatchGateConfig(explore_every=8))
+    run(gate, 4, 200, spec_ms_per_token=2.0, plain_ms_per_token=3.0)
+    assert gate.cap(4) is None
+    assert run(gate, 4, 300, spec_ms_per_token=4.0, plain_ms_per_token=3.0) < 0.25   # the draft got slower
+    assert gate.cap(4) == 0
+
+
+def test_the_expected_cost_is_never_above_plain_decoding_by_more_than_exploration():
+    """Over any scripted cost pair, the gate's mean cost per token stays within the exploration share
+    of the better arm."""
+    for spec_ms, plain_ms in [(1.0, 2.0), (2.0, 1.0), (1.0, 1.05), (3.0, 1.0)]:
+        gate = BatchGate()
+        steps = 800
+        share = run(gate, 8, steps, spec_ms, plain_ms)
+        mean = share * spec_ms + (1 - share) * plain_ms
+        assert mean <= min(spec_ms, plain_ms) * 1.0 + abs(spec_ms - plain_ms) * (1 / 16 + 6 / steps) + 1e-9
+
+
+def test_table_mode_caps_k_by_batch_size_and_bad_settings_are_refused():
+    gate = BatchGate(BatchGateConfig(mode="table", k_by_batch_size={1: 4, 8: 2, 16: 0}))
+    assert [gate.cap(b) for b in (1, 2, 8, 9, 16, 64)] == [4, 2, 2, 0, 0, 0]
+    assert BatchGate(BatchGateConfig(mode="off")).cap(32) is None
+    with pytest.raises(ValueError, match="batch_gate.mode"):
+        BatchGateConfig(mode="sometimes")
+    with pytest.raises(ValueError, match="k_by_batch_size"):
+        BatchGateConfig(mode="table")
+
+
+def test_the_engine_applies_the_gate_and_greedy_output_is_unchanged(tmp_path):
+    """Inside the engine: a table that allows no speculation at batch <= 8 runs no round for 4 requests,
+    one allowing K <= 2 runs rounds of at most 2 draft tokens, and the greedy outputs equal plain
+    decoding's either way."""
+    from serve_eval.engine import EngineConfig, LLMEngine, SamplingParams
+    from serve_eval.spec.config import SpecConfig
+    from spec_helpers import greedy_reference, make_llama, run_engine, workload
+
+    target = make_llama(tmp_path / "target")
+    prompts, lengths = workload(4, seed=3)
+    reference = greedy_reference(target, prompts, lengths)
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lengths]
+    for table, max_k in (({8: 0}, 0), ({8: 2}, 2)):
+        spec = SpecConfig("ngram", num_speculative_tokens=4,
+                          batch_gate=BatchGateConfig(mode="table", k_by_batch_size=table))
+        engine = LLMEngine(EngineConfig(str(target)), speculative=spec)
+        outputs = run_engine(engine, prompts, params)
+        assert {rid: out.output_token_ids for rid, out in outputs.items()} == reference
+        total = engine.strategy.metrics.total
+        if max_k == 0:
+            assert total.num_rounds == 0
+        else:
+            assert total.num_rounds > 0 and len(total.proposed_by_position) <= max_k
