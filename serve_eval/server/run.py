@@ -94,8 +94,12 @@ def build_speculative(spec: str | None) -> Any:
     if not spec:
         return None
     from serve_eval.spec.config import SpecConfig
+    kwargs = parse_spec(spec)
+    # A server must never decode slower than without speculation at its batch sizes (batch_gate=off
+    # in the spec string turns the measured gate off).
+    kwargs.setdefault("batch_gate", "measured")
     try:
-        return SpecConfig(**parse_spec(spec))
+        return SpecConfig(**kwargs)
     except TypeError as exc:
         raise ValueError(f"spec: {exc}") from None
 

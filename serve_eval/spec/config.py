@@ -15,6 +15,7 @@ import importlib
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
+from serve_eval.spec.batch_gate import BatchGateConfig
 from serve_eval.spec.policy import SpecPolicyConfig
 from serve_eval.spec.tree import DynamicTreeBuilder, TreeShape, check_node_budget
 
@@ -49,6 +50,9 @@ class SpecConfig:
     ngram_min_n: int = 1
     ngram_max_lookback: int | None = None
     policy: SpecPolicyConfig | None = None  # its num_speculative_tokens is replaced by the K above
+    # K caps by batch size (serve_eval.spec.batch_gate): "off" (always speculate, the default here),
+    # "measured" (the server's default: speculate where the measured step cost pays), or a config.
+    batch_gate: BatchGateConfig | str | None = None
     proposer_kwargs: dict[str, Any] = field(default_factory=dict)  # extra, method-specific
     # Target-fingerprint rule when loading the draft (drafts.io.load_draft): None = error for feature
     # drafts (Medusa/EAGLE) made for another target, warning for standalone. The eval harness and the
@@ -78,6 +82,8 @@ class SpecConfig:
         if self.draft_num_blocks is not None and self.draft_num_blocks <= 0:
             raise ValueError(f"draft_num_blocks must be > 0, got {self.draft_num_blocks}")
         self.policy = replace(self.policy or SpecPolicyConfig(), num_speculative_tokens=self.num_speculative_tokens)
+        if not isinstance(self.batch_gate, BatchGateConfig):
+            self.batch_gate = BatchGateConfig(mode=self.batch_gate or "off")
 
     # -- trees ---------------------------------------------------------------------------
     @property

@@ -28,6 +28,7 @@ from torch import Tensor
 from serve_eval.engine.llm_engine import StepResult
 from serve_eval.engine.request import Sequence, SequenceStatus
 from serve_eval.engine.scheduler import SchedulerOutput
+from serve_eval.spec.batch_gate import BatchGate
 from serve_eval.spec.metrics import SpecMetrics
 from serve_eval.spec.policy import SpecPolicy
 from serve_eval.spec.proposers.base import Proposal, TargetFeatures
@@ -56,6 +57,9 @@ class SpeculativeStrategy:
         self.config = config
         self.proposer = proposer
         self.policy = SpecPolicy(config.policy)
+        self.batch_gate = BatchGate(config.batch_gate)
+        self._batch_size = 0                # decoding sequences this step (what the batch gate sees)
+        self._batch_cap: int | None = None  # the gate's K cap for this step
         self.metrics = SpecMetrics()
         self.max_lookahead_tokens = config.max_lookahead_tokens
         self.needs_hidden = bool(getattr(proposer, "needs_hidden", False))
@@ -87,6 +91,8 @@ class SpeculativeStrategy:
             self._attached = True
         for seq in [s for s in self._tracked.values() if s.is_finished]:  # aborted between steps
             self._release(seq)
+        self._batch_size = len(engine.scheduler.running)
+        self._batch_cap = self.batch_gate.cap(self._batch_size)
         for seq in (*engine.scheduler.running, *engine.scheduler.swapped):
             k = self._num_speculative_tokens(engine, seq)
             self._k[seq.request_id] = k
@@ -99,11 +105,14 @@ class SpeculativeStrategy:
 
     def _num_speculative_tokens(self, engine: "LLMEngine", seq: Sequence) -> int:
         k = self.policy.num_speculative_tokens(seq.domain)
+        if self._batch_cap is not None:
+            k = min(k, self._batch_cap)
         # Drafts past max_tokens could never be emitted (the bonus token covers the last one).
         return max(0, min(k, seq.params.max_tokens - seq.num_output_tokens - 1))
 
     # -- the step ------------------------------------------------------------------------
     def execute(self, engine: "LLMEngine", out: SchedulerOutput) -> StepResult:
+        t_step = time.perf_counter()
         for seq in out.preempted:
             # Recompute preemption drops the target KV, so the draft state goes too. A swapped
             # sequence keeps both (its target KV comes back as it was).
@@ -172,7 +181,15 @@ class SpeculativeStrategy:
         for i in spec_idx:
             rejected[i] = out.num_lookahead_tokens[i] - (results[i].num_accepted_drafts if i in results else 0)
         self._record(engine, out, drafts, results, draft_time, target_time)
+        self._observe_step(out, drafts, new_tokens, time.perf_counter() - t_step)
         return StepResult(new_tokens, rejected)
+
+    def _observe_step(self, out: SchedulerOutput, drafts: dict[int, SpecDraft], new_tokens: list[list[int]],
+                      step_s: float) -> None:
+        """Feed the batch gate a pure decode step (a prefill chunk in it would blur its cost per token)."""
+        if any(n > 1 and i not in drafts for i, n in enumerate(out.num_scheduled_tokens)):
+            return
+        self.batch_gate.observe_step(self._batch_size, bool(drafts), step_s, sum(map(len, new_tokens)))
 
     def _propose(self, engine: "LLMEngine", out: SchedulerOutput, spec_idx: list[int]) -> tuple[dict[int, SpecDraft], float]:
         """One proposer call for the sequences with lookahead slots -> their non-empty drafts, and its time."""
@@ -286,4 +303,5 @@ class SpeculativeStrategy:
     # -- stats -----------------------------------------------------------------------------
     def stats(self) -> dict:
         return {"method": self.config.method, **self.metrics.to_dict(), "policy": self.policy.to_dict(),
+                "batch_gate": self.batch_gate.to_dict(),
                 "draft_time_s": self.draft_time_s, "target_time_s": self.target_time_s}
