@@ -14,7 +14,7 @@ from torch import Tensor, nn
 
 from kernels.layers.checkpoint import EMBED, LM_HEAD, check_config
 from kernels.layers.config import DecoderConfig
-from kernels.layers.decoder import AttnFn, DecoderLayer, run_layer
+from kernels.layers.decoder import AttnFn, DecoderLayer, decoder_block
 from kernels.layers.linear import Linear
 from kernels.layers.norm import RMSNorm
 from kernels.layers.rope import RotaryEmbedding
@@ -70,7 +70,9 @@ class CausalLM(nn.Module):
         cos, sin = self.rotary(positions, h.dtype, max_position)
         aux: dict[int, Tensor] = {0: h} if 0 in aux_layers else {}
         for index, layer in enumerate(self.model.layers):
-            h = run_layer(layer, h, cos, sin, layer_attn(attn_fn, index))
+            ops = layer.serving_ops  # serving form: straight to the block, no nn.Module dispatch per layer
+            attn = layer_attn(attn_fn, index)
+            h = layer(h, cos, sin, attn) if ops is None else decoder_block(ops, h, cos, sin, attn)
             if index + 1 in aux_layers and index + 1 < self.num_layers:
                 aux[index + 1] = h
         hidden = self.model.norm(h)

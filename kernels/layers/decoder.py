@@ -11,7 +11,7 @@ map onto HF checkpoints and standard draft layouts by prefix only.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Callable
 
@@ -33,14 +33,13 @@ class HeadShape:
     num_heads: int
     num_kv_heads: int
     head_dim: int
+    # Widths in the [T, (H + 2 KVH) * D] projection, stored (not properties): attend reads them every layer.
+    q_width: int = field(init=False)
+    qk_width: int = field(init=False)
 
-    @property
-    def q_width(self) -> int:
-        return self.num_heads * self.head_dim
-
-    @property
-    def qk_width(self) -> int:
-        return (self.num_heads + self.num_kv_heads) * self.head_dim
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "q_width", self.num_heads * self.head_dim)
+        object.__setattr__(self, "qk_width", (self.num_heads + self.num_kv_heads) * self.head_dim)
 
 
 def attend(shape: HeadShape, qkv: Op, o_proj: Op, x: Tensor, cos: Tensor, sin: Tensor, attn_fn: AttnFn) -> Tensor:
