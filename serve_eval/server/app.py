@@ -138,12 +138,7 @@ def create_app(engine: Any, config: ServerConfig | None = None, tokenizer: Any =
     config = config or ServerConfig()
     model_dir = _model_dir(engine)
     model_name = config.model_name or (model_dir.name if model_dir else "draftsmith")
-    engine_max_len = getattr(engine, "max_model_len", None) or _checkpoint_max_len(model_dir)
-    max_model_len = config.max_model_len or engine_max_len
-    if not max_model_len or max_model_len <= 0:
-        raise ValueError("max_model_len: not given and the engine/checkpoint does not say it")
-    if engine_max_len and max_model_len > engine_max_len:
-        raise ValueError(f"max_model_len={max_model_len} exceeds the engine's {engine_max_len}")
+    max_model_len = _served_max_len(engine, config, model_dir)
     if tokenizer is None:
         # The front end tokenizes on the event loop while the engine thread detokenizes;
         # separate tokenizer objects keep the two threads off one Rust tokenizer.
@@ -174,7 +169,25 @@ def create_app(engine: Any, config: ServerConfig | None = None, tokenizer: Any =
     app.state.engine_loop = loop
     app.state.metrics = metrics
     app.state.serving = serving
+    _add_error_handlers(app, metrics)
+    _add_routes(app, serving, loop, metrics, model_name, max_model_len)
+    app.add_middleware(_Gatekeeper, api_key=config.api_key, metrics=metrics,
+                       max_body_bytes=config.max_request_body_bytes)
+    return app
 
+
+def _served_max_len(engine: Any, config: ServerConfig, model_dir: Path | None) -> int:
+    engine_max_len = getattr(engine, "max_model_len", None) or _checkpoint_max_len(model_dir)
+    max_model_len = config.max_model_len or engine_max_len
+    if not max_model_len or max_model_len <= 0:
+        raise ValueError("max_model_len: not given and the engine/checkpoint does not say it")
+    if engine_max_len and max_model_len > engine_max_len:
+        raise ValueError(f"max_model_len={max_model_len} exceeds the engine's {engine_max_len}")
+    return max_model_len
+
+
+def _add_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:
+    """Every refusal in OpenAI's error shape; a 500 only for a bug (logged with its stack)."""
     @app.exception_handler(P.ApiError)
     async def _api_error(_: Request, exc: P.ApiError) -> JSONResponse:
         if exc.status == 400:
@@ -196,6 +209,9 @@ def create_app(engine: Any, config: ServerConfig | None = None, tokenizer: Any =
         log.exception("unhandled error")   # a 500 is always a bug in this server
         return _error_response(500, f"internal server error: {type(exc).__name__}", type="server_error")
 
+
+def _add_routes(app: FastAPI, serving: OpenAIServing, loop: EngineLoop, metrics: ServerMetrics,
+                model_name: str, max_model_len: int) -> None:
     @app.post("/v1/completions", **route_docs(P.CompletionRequest, P.CompletionResponse))
     async def completions(request: Request) -> Response:
         return await serving.completions(request)
@@ -222,10 +238,6 @@ def create_app(engine: Any, config: ServerConfig | None = None, tokenizer: Any =
     @app.get("/metrics", response_class=PlainTextResponse)
     async def prometheus() -> PlainTextResponse:
         return PlainTextResponse(metrics.render(), media_type=CONTENT_TYPE)
-
-    app.add_middleware(_Gatekeeper, api_key=config.api_key, metrics=metrics,
-                       max_body_bytes=config.max_request_body_bytes)
-    return app
 
 
 def api_key_from_env(explicit: str | None) -> str | None:
