@@ -144,6 +144,7 @@ class DraftOptions:
     standalone_step_ms: float | None = None
     eagle_step_ms: float | None = None
     medusa_round_ms: float | None = None
+    draft_dtype_bytes: float | None = None  # bytes per draft weight (int8 1, int4 0.5); None = the target's
 
     def __post_init__(self) -> None:
         if self.K < 1:
@@ -244,6 +245,7 @@ def _strategy(name: str, K: int, alpha: float, target_ms: float, draft_ms: float
 def make_plan(target: TargetSpec, hw: Hardware, work: Workload, drafts: DraftOptions) -> PlanResult:
     """Price the memory budget and every draft strategy for one target on one hardware setup."""
     K, tp, b = drafts.K, hw.tp, target.dtype_bytes
+    db = drafts.draft_dtype_bytes or b  # the draft's own weights; a head shared with the target stays at b
     weights_total_gb = target.params * b / GB
     weights_gpu_gb = weights_total_gb / tp
     kv = _kv_plan(target, hw, work, weights_gpu_gb)
@@ -259,13 +261,13 @@ def make_plan(target: TargetSpec, hw: Hardware, work: Workload, drafts: DraftOpt
     lm_head_bytes = target.vocab_size * target.hidden_size * b
     rows = [StrategyRow("no-spec", 0.0, 0.0, 1.0, target_ms, 1.0, free_gb, free_gb >= 0)]
     if drafts.standalone_params > 0:
-        gb = drafts.standalone_params * b / GB / tp
+        gb = drafts.standalone_params * db / GB / tp
         ms = drafts.standalone_step_ms if drafts.standalone_step_ms is not None else hw.read_ms(gb * GB)
         rows.append(_strategy("standalone", K, drafts.alpha["standalone"], target_ms, K * ms, gb, free_gb,
                               "own KV cache not counted"))
     eagle_params = drafts.eagle_params if drafts.eagle_params is not None else \
         target.layer_params() + 2 * target.hidden_size * target.hidden_size
-    eagle_gb = eagle_params * b / GB / tp
+    eagle_gb = eagle_params * db / GB / tp
     # Each EAGLE step also reads the (shared) lm_head to pick its token.
     eagle_ms = drafts.eagle_step_ms if drafts.eagle_step_ms is not None else \
         hw.read_ms(eagle_gb * GB + lm_head_bytes / tp)
@@ -273,7 +275,7 @@ def make_plan(target: TargetSpec, hw: Hardware, work: Workload, drafts: DraftOpt
                           f"{eagle_params / 1e9:.2f}B params; step reads its layer + lm_head"))
     n_heads = drafts.medusa_heads or K
     d = target.hidden_size
-    medusa_gb = n_heads * (target.vocab_size * d + drafts.medusa_layers * (d * d + d)) * b / GB / tp
+    medusa_gb = n_heads * (target.vocab_size * d + drafts.medusa_layers * (d * d + d)) * db / GB / tp
     # All heads run once per round, in parallel, on the last hidden state: one read of their weights.
     medusa_ms = drafts.medusa_round_ms if drafts.medusa_round_ms is not None else hw.read_ms(medusa_gb * GB)
     rows.append(_strategy("medusa", n_heads, drafts.alpha["medusa"], target_ms, medusa_ms, medusa_gb, free_gb,
@@ -371,6 +373,10 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--medusa-layers", type=int, default=1, help="residual blocks per Medusa head")
     for name, a in SEED_ALPHA.items():
         d.add_argument(f"--alpha-{name}", type=float, default=a, help=f"assumed acceptance rate of {name}")
+    d.add_argument("--draft-dtype", default=None, choices=sorted(DTYPE_BYTES),
+                   help="the draft's weight dtype (int8 / int4: a quantized draft; default: the target's)")
+    d.add_argument("--alpha-cost-from", default=None, metavar="JSON",
+                   help="scripts/bench_quant.py --json figures: the measured alpha cost of that dtype")
     o = p.add_argument_group("step-cost overrides (measured or the seed's rounded figures)")
     o.add_argument("--target-step-ms", type=float)
     o.add_argument("--standalone-step-ms", type=float)
@@ -400,10 +406,16 @@ def main(argv: list[str] | None = None) -> int:
         hw = Hardware(args.gpu_mem_gb, args.bandwidth_tbs, args.tp, args.gpu_util)
         work = Workload(args.batch, args.context_len, args.block_size, args.avg_len, args.shared_prefix_tokens,
                         args.shared_prefix_seqs, args.kv_budget_gb)
+        from serve_eval.eval.plan_quant import quantized_alphas
+
+        alphas, quant_notes = quantized_alphas({n: getattr(args, f"alpha_{n}") for n in SEED_ALPHA},
+                                               args.draft_dtype, args.alpha_cost_from)
         drafts = DraftOptions(args.K, args.standalone_params, args.eagle_params, args.medusa_heads,
-                              args.medusa_layers, {n: getattr(args, f"alpha_{n}") for n in SEED_ALPHA},
-                              args.target_step_ms, args.standalone_step_ms, args.eagle_step_ms, args.medusa_round_ms)
+                              args.medusa_layers, alphas, args.target_step_ms, args.standalone_step_ms,
+                              args.eagle_step_ms, args.medusa_round_ms,
+                              DTYPE_BYTES[args.draft_dtype] if args.draft_dtype else None)
         plan = make_plan(target, hw, work, drafts)
+        plan.notes.extend(quant_notes)
     except ValueError as e:
         print(f"draftsmith plan: error: {e}", file=sys.stderr)
         return 2
