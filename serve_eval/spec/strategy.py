@@ -125,45 +125,11 @@ class SpeculativeStrategy:
         spec_idx = [i for i, la in enumerate(out.num_lookahead_tokens) if la > 0]
         drafts, draft_time = self._propose(engine, out, spec_idx)
 
-        # 2. one target forward over all scheduled tokens
+        # 2. one target forward over all scheduled tokens, then 3. sample / verify
         t_target = time.perf_counter()
-        extra = [drafts[i].tree.tokens.tolist() if i in drafts else [] for i in range(len(out.seqs))]
-        batch = engine.prepare_batch(out, extra)
-        cu = batch.meta.cu_seqlens_q.tolist()
-        positions = batch.positions
-        if any(d.is_tree for d in drafts.values()):
-            positions, batch.meta.tree_mask = self._tree_inputs(out, batch, drafts, cu)
-        rows: list[int] = []  # logits rows, per producing seq: its verify rows (or its last row)
-        producing: list[int] = []
-        for i, (seq, n) in enumerate(zip(out.seqs, out.num_scheduled_tokens)):
-            if seq.num_computed_tokens + n == seq.num_tokens:
-                producing.append(i)
-                rows.extend(range(cu[i], cu[i + 1]) if i in drafts else [cu[i + 1] - 1])
-        dev = engine.executor.device
-        fwd = engine.executor.forward(batch.input_ids, positions, batch.meta,
-                                      torch.tensor(rows, dtype=torch.int64, device=dev),
-                                      self.aux_layers if self.needs_hidden else ())
-        forward_time = time.perf_counter() - t_target
-        engine.forward_time_s += forward_time
-
-        # 3. sample / verify
-        new_tokens: list[list[int]] = [[] for _ in out.seqs]
-        results: dict[int, VerifyResult] = {}
-        offsets, row = {}, 0
-        for i in producing:
-            offsets[i] = row
-            row += 1 + (drafts[i].num_nodes if i in drafts else 0)
-        plain = [i for i in producing if i not in drafts]
-        if plain:
-            sel = torch.tensor([offsets[i] for i in plain], device=fwd.logits.device)
-            for i, tok in zip(plain, engine.sample([out.seqs[i] for i in plain], fwd.logits[sel])):
-                new_tokens[i] = [tok]
-        if drafts:
-            outcome = self._verify(engine, out, drafts, fwd.logits, offsets)
-            results = outcome.results
-            self._compact(engine, batch.meta.slot_mapping, outcome, cu)
-            for i, res in results.items():
-                new_tokens[i] = list(res.accepted_tokens)
+        fwd, cu, slot_mapping, producing = self._target_forward(engine, out, drafts)
+        engine.forward_time_s += time.perf_counter() - t_target
+        new_tokens, results = self._sample_and_verify(engine, out, drafts, fwd.logits, producing, slot_mapping, cu)
         target_time = time.perf_counter() - t_target
 
         # 4. proposer callbacks: accepted path, then the target features of the kept rows
@@ -183,6 +149,52 @@ class SpeculativeStrategy:
         self._record(engine, out, drafts, results, draft_time, target_time)
         self._observe_step(out, drafts, new_tokens, time.perf_counter() - t_step)
         return StepResult(new_tokens, rejected)
+
+    def _target_forward(self, engine: "LLMEngine", out: SchedulerOutput, drafts: dict[int, SpecDraft]):
+        """One flattened forward: prefill chunks, decode roots, and [root, drafts...] (tree rows with an
+        ancestor mask and positions by depth). Returns (forward output, cu_seqlens, slot_mapping, the
+        indices of the sequences that produce a token this step)."""
+        extra = [drafts[i].tree.tokens.tolist() if i in drafts else [] for i in range(len(out.seqs))]
+        batch = engine.prepare_batch(out, extra)
+        cu = batch.meta.cu_seqlens_q.tolist()
+        positions = batch.positions
+        if any(d.is_tree for d in drafts.values()):
+            positions, batch.meta.tree_mask = self._tree_inputs(out, batch, drafts, cu)
+        rows: list[int] = []  # logits rows, per producing seq: its verify rows (or its last row)
+        producing: list[int] = []
+        for i, (seq, n) in enumerate(zip(out.seqs, out.num_scheduled_tokens)):
+            if seq.num_computed_tokens + n == seq.num_tokens:
+                producing.append(i)
+                rows.extend(range(cu[i], cu[i + 1]) if i in drafts else [cu[i + 1] - 1])
+        dev = engine.executor.device
+        fwd = engine.executor.forward(batch.input_ids, positions, batch.meta,
+                                      torch.tensor(rows, dtype=torch.int64, device=dev),
+                                      self.aux_layers if self.needs_hidden else ())
+        return fwd, cu, batch.meta.slot_mapping, producing
+
+    def _sample_and_verify(self, engine: "LLMEngine", out: SchedulerOutput, drafts: dict[int, SpecDraft],
+                           logits: Tensor, producing: list[int], slot_mapping: Tensor,
+                           cu: list[int]) -> tuple[list[list[int]], dict[int, VerifyResult]]:
+        """Sequences without drafts sample exactly as the plain engine does; the rest are verified, and
+        their accepted tree paths compacted into the slots after the root."""
+        new_tokens: list[list[int]] = [[] for _ in out.seqs]
+        results: dict[int, VerifyResult] = {}
+        offsets, row = {}, 0
+        for i in producing:
+            offsets[i] = row
+            row += 1 + (drafts[i].num_nodes if i in drafts else 0)
+        plain = [i for i in producing if i not in drafts]
+        if plain:
+            sel = torch.tensor([offsets[i] for i in plain], device=logits.device)
+            for i, tok in zip(plain, engine.sample([out.seqs[i] for i in plain], logits[sel])):
+                new_tokens[i] = [tok]
+        if drafts:
+            outcome = self._verify(engine, out, drafts, logits, offsets)
+            results = outcome.results
+            self._compact(engine, slot_mapping, outcome, cu)
+            for i, res in results.items():
+                new_tokens[i] = list(res.accepted_tokens)
+        return new_tokens, results
 
     def _observe_step(self, out: SchedulerOutput, drafts: dict[int, SpecDraft], new_tokens: list[list[int]],
                       step_s: float) -> None:
