@@ -21,6 +21,7 @@ from torch import Tensor, nn
 
 from drafts.artifacts import Artifacts
 from drafts.files import atomic_write, write_json
+from drafts.block import BlockConfig, BlockDraft
 from drafts.eagle import EagleConfig, EagleDraft
 from drafts.eagle3 import Eagle3Config, Eagle3Draft
 from drafts.medusa import MedusaConfig, MedusaDraft
@@ -38,9 +39,10 @@ KINDS: dict[str, tuple[type, type]] = {
     "medusa": (MedusaDraft, MedusaConfig),
     "eagle": (EagleDraft, EagleConfig),
     "eagle3": (Eagle3Draft, Eagle3Config),
+    "block": (BlockDraft, BlockConfig),
 }
 # kinds that read the target's hidden states: a foreign target is an error, not a warning
-FEATURE_KINDS = ("medusa", "eagle", "eagle3")
+FEATURE_KINDS = ("medusa", "eagle", "eagle3", "block")
 
 
 def draftsmith_version() -> str:
@@ -168,7 +170,7 @@ def _target_sizes(model: nn.Module, kind: str) -> dict[str, int | None]:
     """The target sizes this draft was built for (None = does not depend on it)."""
     cfg = model.config
     hidden = {"standalone": None, "medusa": cfg.hidden_size, "eagle": cfg.hidden_size}.get(kind)
-    if kind == "eagle3":
+    if kind in ("eagle3", "block"):
         hidden = cfg.target_hidden_size
     return {"vocab_size": cfg.vocab_size, "hidden_size": hidden}
 
@@ -220,6 +222,8 @@ def load_draft(
     else:
         model = build_from_config(meta.kind, cfg_dict)
         state = read_file(draft_dir / WEIGHTS_FILE)
+        if hasattr(type(model), "check_state"):  # kind-specific stored-shape checks, one line each
+            type(model).check_state(model.config, state, str(draft_dir / WEIGHTS_FILE))
         missing, unexpected = model.load_state_dict(state, strict=False)
         if missing or unexpected:
             raise ValueError(f"{draft_dir / WEIGHTS_FILE}: missing weights {missing[:5]}, unexpected {unexpected[:5]}")

@@ -115,9 +115,28 @@ class Eagle3Schema:
     eval_steps: int = 4
 
 
+@dataclass
+class BlockSchema:
+    """Block-parallel (DFlash-style) draft: one non-causal forward proposes the whole block."""
+
+    kind: str = "block"
+    init_from: str | None = None
+    mode: str = "online"
+    data: DraftDataConfig = field(default_factory=DraftDataConfig)
+    aux_layers: list[int] | None = None  # None = EAGLE-3's [2, L//2, L-3]
+    num_layers: int = 2
+    block_size: int = 5  # query block length: 1 root + K_max masks (K_max = block_size - 1 >= the eval's K)
+    num_mask_tokens: int | None = None  # None = one learned mask per block offset; 1 = one shared mask
+    max_anchors: int = 16  # block roots sampled per answer per step
+    position_weight_decay: float = 0.8  # block offset j (1-based) loss weight = decay ** (j - 1)
+    teacher: str = "auto"  # auto (online: the forward's logits; offline: stored top-k if any, else cached hidden) | topk | hidden
+    eval_anchors: int = 16
+
+
 SCHEMAS = {
     "draft/schema_standalone": StandaloneSchema,
     "draft/schema_medusa": MedusaSchema,
     "draft/schema_eagle": EagleSchema,
     "draft/schema_eagle3": Eagle3Schema,
+    "draft/schema_block": BlockSchema,
 }

@@ -28,8 +28,9 @@ PROPOSERS: dict[str, str] = {
     "medusa": "serve_eval.spec.proposers.medusa:MedusaProposer",
     "eagle": "serve_eval.spec.proposers.eagle:EagleProposer",
     "eagle3": "serve_eval.spec.proposers.eagle3:Eagle3Proposer",
+    "block": "serve_eval.spec.proposers.block:BlockProposer",
 }
-DRAFT_METHODS = ("standalone", "medusa", "eagle", "eagle3")  # methods that load a draft dir
+DRAFT_METHODS = ("standalone", "medusa", "eagle", "eagle3", "block")  # methods that load a draft dir
 TREE_MODES = ("none", "static", "dynamic")
 
 
