@@ -28,6 +28,8 @@ class RotaryEmbedding:
         self.head_dim = cfg.head_dim
         self.rope_type = rope_type(cfg.rope_scaling)
         self.max_position_embeddings = cfg.max_position_embeddings
+        # Built once: dynamic scaling recomputes frequencies on long batches, and a config costs a millisecond.
+        self._hf_config = None if self.rope_type == "default" else cfg.rope_hf_config()
         self.inv_freq, self.attention_scaling = self._frequencies(None)
         if 2 * self.inv_freq.shape[0] != self.head_dim:
             raise ValueError(f"partial rotary embeddings are not supported (rope {cfg.rope_scaling}, "
@@ -50,7 +52,7 @@ class RotaryEmbedding:
         if self.rope_type not in ROPE_INIT_FUNCTIONS:
             raise ValueError(f"rope_type {self.rope_type!r} is not supported (transformers knows "
                              f"{sorted(ROPE_INIT_FUNCTIONS)})")
-        inv_freq, scaling = ROPE_INIT_FUNCTIONS[self.rope_type](self.cfg.rope_hf_config(), "cpu", seq_len=seq_len)
+        inv_freq, scaling = ROPE_INIT_FUNCTIONS[self.rope_type](self._hf_config, "cpu", seq_len=seq_len)
         return inv_freq.float(), float(scaling)
 
     @staticmethod
