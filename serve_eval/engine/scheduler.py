@@ -10,11 +10,29 @@ with prefix-cache hits and the free-block watermark. Preemption swaps long seque
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from serve_eval.engine.kv_cache_manager import KVCacheManager, cdiv
 from serve_eval.engine.request import Sequence, SequenceStatus
+
+
+@dataclass
+class _StepPlan:
+    """What one schedule() call has decided so far, and the token budget it has left."""
+    budget: int
+    seqs: list[Sequence] = field(default_factory=list)
+    num_tokens: list[int] = field(default_factory=list)
+    lookaheads: list[int] = field(default_factory=list)
+    swap_out: list[tuple[int, int]] = field(default_factory=list)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    def take(self, seq: Sequence, n: int, lookahead: int) -> None:
+        self.seqs.append(seq)
+        self.num_tokens.append(n)
+        self.lookaheads.append(lookahead)
+        self.budget -= n + lookahead
 
 
 @dataclass
@@ -138,24 +156,19 @@ class Scheduler:
 
     # -- the step --------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
-        budget = self.config.max_num_batched_tokens
-        seqs: list[Sequence] = []
-        num_tokens: list[int] = []
-        lookaheads: list[int] = []
-        swap_out: list[tuple[int, int]] = []
-        swap_in: list[tuple[int, int]] = []
-        preempted: list[Sequence] = []
+        plan = _StepPlan(self.config.max_num_batched_tokens)
+        self._priority_preemption(plan.swap_out, plan.preempted)
+        out_of_blocks = self._schedule_running(plan)
+        if not out_of_blocks:
+            self._schedule_swapped(plan)
+            self._schedule_waiting(plan)
+        return SchedulerOutput(plan.seqs, plan.num_tokens, plan.lookaheads,
+                               self.config.max_num_batched_tokens - plan.budget, plan.swap_out,
+                               self.kv.take_pending_copies(), plan.swap_in, plan.preempted)
 
-        def take(seq: Sequence, n: int, la: int) -> None:
-            nonlocal budget
-            seqs.append(seq)
-            num_tokens.append(n)
-            lookaheads.append(la)
-            budget -= n + la
-
-        self._priority_preemption(swap_out, preempted)
-
-        # (2) running sequences, highest tier / earliest arrival first.
+    def _schedule_running(self, plan: "_StepPlan") -> bool:
+        """(2) running sequences, highest tier / earliest arrival first; out of blocks, the lowest tier
+        and latest arrival is preempted. Returns whether blocks ran out (then nothing else is admitted)."""
         order = sorted(self.running, key=_order_key)
         still_running: list[Sequence] = []
         out_of_blocks = False
@@ -163,60 +176,57 @@ class Scheduler:
         while i < len(order):
             seq = order[i]
             i += 1
-            if budget <= 0:
+            if plan.budget <= 0:
                 still_running.append(seq)
                 continue
-            n, la = self._next_chunk(seq, budget)
+            n, la = self._next_chunk(seq, plan.budget)
             if n + la == 0:   # nothing to compute (e.g. waiting on a strategy); keep its blocks
                 still_running.append(seq)
                 continue
             while not self.kv.allocate_slots(seq, n, la):
                 out_of_blocks = True
                 victim = order.pop() if len(order) > i else seq   # lowest tier, latest arrival
-                self._preempt(victim, swap_out)
-                preempted.append(victim)
+                self._preempt(victim, plan.swap_out)
+                plan.preempted.append(victim)
                 if victim is seq:
                     break
             else:
-                take(seq, n, la)
+                plan.take(seq, n, la)
                 still_running.append(seq)
         self.running = still_running
+        return out_of_blocks
 
-        # (3) swapped sequences return before any new admission.
-        if not out_of_blocks:
-            for seq in sorted(self.swapped, key=_order_key):
-                if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
-                    break
-                n, la = self._next_chunk(seq, budget)
-                extra = cdiv(seq.num_computed_tokens + n + la, self.kv.block_size) - len(self.kv.cpu_tables[seq.seq_id])
-                if not self.kv.can_swap_in(seq, max(extra, 0)):
-                    break
-                swap_in.extend(self.kv.swap_in(seq))
-                self.swapped.remove(seq)
-                seq.status = SequenceStatus.RUNNING
-                self.running.append(seq)
-                ok = self.kv.allocate_slots(seq, n, la)
-                assert ok, "swap-in reserved room for the next chunk"
-                take(seq, n, la)
+    def _schedule_swapped(self, plan: "_StepPlan") -> None:
+        """(3) swapped sequences return before any new admission."""
+        for seq in sorted(self.swapped, key=_order_key):
+            if plan.budget <= 0 or len(self.running) >= self.config.max_num_seqs:
+                break
+            n, la = self._next_chunk(seq, plan.budget)
+            extra = cdiv(seq.num_computed_tokens + n + la, self.kv.block_size) - len(self.kv.cpu_tables[seq.seq_id])
+            if not self.kv.can_swap_in(seq, max(extra, 0)):
+                break
+            plan.swap_in.extend(self.kv.swap_in(seq))
+            self.swapped.remove(seq)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            ok = self.kv.allocate_slots(seq, n, la)
+            assert ok, "swap-in reserved room for the next chunk"
+            plan.take(seq, n, la)
 
-        # (4) waiting sequences, FCFS within a tier; a higher tier may pass swapped ones.
-        if not out_of_blocks:
-            top_swapped = max((s.priority for s in self.swapped), default=None)
-            while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-                seq = self.waiting[0]
-                if top_swapped is not None and seq.priority <= top_swapped:
-                    break
-                assert seq.num_computed_tokens == 0, "waiting sequences hold no KV"
-                hits = self.kv.lookup_prefix(seq)
-                remaining = seq.num_tokens - len(hits) * self.kv.block_size
-                n = min(remaining, self.config.prefill_chunk_size, budget)
-                if not self.kv.allocate_slots(seq, n, 0, computed_blocks=hits, admit=True):
-                    break
-                self.waiting.pop(0)
-                seq.status = SequenceStatus.RUNNING
-                self.running.append(seq)
-                take(seq, n, 0)
-
-        return SchedulerOutput(seqs, num_tokens, lookaheads,
-                               self.config.max_num_batched_tokens - budget,
-                               swap_out, self.kv.take_pending_copies(), swap_in, preempted)
+    def _schedule_waiting(self, plan: "_StepPlan") -> None:
+        """(4) waiting sequences, FCFS within a tier; a higher tier may pass swapped ones."""
+        top_swapped = max((s.priority for s in self.swapped), default=None)
+        while self.waiting and plan.budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            if top_swapped is not None and seq.priority <= top_swapped:
+                break
+            assert seq.num_computed_tokens == 0, "waiting sequences hold no KV"
+            hits = self.kv.lookup_prefix(seq)
+            remaining = seq.num_tokens - len(hits) * self.kv.block_size
+            n = min(remaining, self.config.prefill_chunk_size, plan.budget)
+            if not self.kv.allocate_slots(seq, n, 0, computed_blocks=hits, admit=True):
+                break
+            self.waiting.pop(0)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            plan.take(seq, n, 0)
