@@ -27,6 +27,7 @@ target never computed features for the cached prefix; the draft then simply star
 
 from __future__ import annotations
 
+import copy
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -164,7 +165,7 @@ class EagleProposer(Proposer):
     def from_draft(cls, draft: torch.nn.Module, **opts: Any) -> "EagleProposer":
         """Wrap an in-memory draft module (no target checks; tests). opts: see _setup."""
         proposer = cls.__new__(cls)
-        proposer._setup(draft.eval(), **opts)
+        proposer._setup(copy.deepcopy(draft), **opts)  # the caller keeps its (training-form) module
         return proposer
 
     def _setup(self, draft: torch.nn.Module, num_blocks: int | None = None, block_size: int = 16,
@@ -173,7 +174,7 @@ class EagleProposer(Proposer):
         tree: (top_k, depth, max_nodes) of the EAGLE-2 dynamic tree, or None for chains."""
         if getattr(draft, "kind", None) != self.kind:
             raise ValueError(f"{type(self).__name__} needs a {self.kind!r} draft, got {getattr(draft, 'kind', None)!r}")
-        self.draft = serving_form(draft)  # the engine's fused, packed layers (kernels.layers)
+        self.draft = serving_form(draft, copy_first=False)  # the engine's fused, packed layers (kernels.layers)
         weight = draft.fc.weight
         self.device, self.dtype = weight.device, weight.dtype
         self.block_size, self.attn_backend = block_size, attn_backend
