@@ -53,9 +53,9 @@ def extras_for(draft_cfg: Any, num_target_layers: int) -> StoredExtras:
     mode = draft_cfg.get("mode", "online") if draft_cfg is not None else "online"
     if mode not in MODES:
         raise ValueError(f"draft.mode: {mode!r} is not one of {MODES}")
-    store_hidden = data.store_hidden if data.store_hidden is not None else (mode == "offline" and kind in ("medusa", "eagle", "eagle3"))
+    store_hidden = data.store_hidden if data.store_hidden is not None else (mode == "offline" and kind in ("medusa", "eagle", "eagle3", "block"))
     aux: list[int] = []
-    if store_hidden and kind == "eagle3":
+    if store_hidden and kind in ("eagle3", "block"):  # the block draft reads EAGLE-3's aux layers
         from drafts.eagle3 import default_aux_layers
 
         aux = list(draft_cfg.get("aux_layers") or default_aux_layers(num_target_layers))

@@ -35,7 +35,7 @@ from train.config import hydra_app
 from train.distill.gendata import DistillDataset, Manifest, StoredExtras
 from train.logs import init_wandb, log_event
 
-KINDS = ("standalone", "medusa", "eagle", "eagle3")
+KINDS = ("standalone", "medusa", "eagle", "eagle3", "block")
 PREPARED_ENV = "DRAFTSMITH_DISTILL_PREPARED"
 DEFAULT_OUTPUT_DIR = "artifacts/distill/run"  # TrainerConfig's default: replaced by the keyed dir below
 
@@ -128,6 +128,14 @@ def build_draft(kind: str, dcfg: Any, target_dir: Path, train_set: DistillDatase
         draft = EagleDraft.from_target_config(target_cfg, fc_bias=dcfg.fc_bias)
         draft.init_from_target(embed, lm_head)
         return draft
+    if kind == "block":
+        from drafts.block import BlockDraft
+
+        draft = BlockDraft.from_target_config(target_cfg, aux_layers=list(dcfg.aux_layers) if dcfg.aux_layers is not None else None,
+                                              num_layers=dcfg.num_layers, block_size=dcfg.block_size,
+                                              num_mask_tokens=dcfg.num_mask_tokens)
+        draft.init_from_target(embed, lm_head)
+        return draft
     from drafts.eagle3 import Eagle3Draft, build_reduced_vocab
 
     from train.recipes import reduced_vocab_size
@@ -196,7 +204,7 @@ def prepare(cfg: DictConfig) -> Prepared:
 
     kind = cfg.draft.get("kind")
     if kind not in KINDS:
-        raise ValueError(f"draft: {kind!r} is not a trainable draft kind; pick draft=standalone|medusa|eagle|eagle3")
+        raise ValueError(f"draft: {kind!r} is not a trainable draft kind; pick draft=standalone|medusa|eagle|eagle3|block")
     from train.recipes import check_recipe, planned_target_vocab
 
     check_recipe(kind, cfg.draft, planned_target_vocab(cfg))  # before the target and the data
@@ -324,7 +332,7 @@ def run(cfg: DictConfig) -> Path | None:
     from train.distill.launch import LauncherConfig, relaunch_command
 
     if cfg.draft.get("kind") not in KINDS:
-        raise ValueError(f"draft: {cfg.draft.get('kind')!r} is not a trainable draft kind; pick draft=standalone|medusa|eagle|eagle3")
+        raise ValueError(f"draft: {cfg.draft.get('kind')!r} is not a trainable draft kind; pick draft=standalone|medusa|eagle|eagle3|block")
     prepared_env = os.environ.get(PREPARED_ENV)
     prepared = Prepared(**json.loads(prepared_env)) if prepared_env else prepare(cfg)
     launcher = LauncherConfig(**OmegaConf.to_container(cfg.launcher, resolve=True))

@@ -28,4 +28,8 @@ def make_objective(kind: str, dcfg: Any, teacher: Any, target_dir: Path, draft: 
 
         _, lm_head = load_target_embed_and_head(target_dir)
         return Eagle3Objective(dcfg, teacher, lm_head, list(draft.config.aux_layers))
-    raise ValueError(f"draft.kind: {kind!r} is not one of ('standalone', 'medusa', 'eagle', 'eagle3')")
+    if kind == "block":
+        from train.distill.objectives.block import BlockObjective
+
+        return BlockObjective(dcfg, teacher, list(draft.config.aux_layers), draft.config.block_size)
+    raise ValueError(f"draft.kind: {kind!r} is not one of ('standalone', 'medusa', 'eagle', 'eagle3', 'block')")
