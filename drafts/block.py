@@ -45,7 +45,7 @@ class BlockConfig:
     target_hidden_size: int
     aux_layers: list[int] = field(default_factory=list)
     num_layers: int = 2
-    block_size: int = 5  # query block length = 1 root + K_max masks
+    block_size: int = 9  # query block length = 1 root + K_max masks
     num_mask_tokens: int | None = None  # None = block_size - 1 (one per offset); 1 = one shared mask
     fc_bias: bool = False
 
@@ -74,7 +74,7 @@ class BlockConfig:
 
     @classmethod
     def from_target_config(cls, target_cfg: Any, aux_layers: list[int] | None = None, num_layers: int = 2,
-                           block_size: int = 5, num_mask_tokens: int | None = None, fc_bias: bool = False,
+                           block_size: int = 9, num_mask_tokens: int | None = None, fc_bias: bool = False,
                            **decoder_overrides: Any) -> "BlockConfig":
         t = hf_config_dict(target_cfg)
         num_target_layers = int(t["num_hidden_layers"])

@@ -10,7 +10,8 @@ Formats (weights always safetensors):
 * ``speculators`` (vLLM, speculators >= 0.9): EAGLE-3 -> ``Eagle3Speculator`` (``layers.0.*``, ``fc``, ``norm``,
   ``lm_head``, ``embed_tokens``, ``d2t``, ``t2d``). config.json carries ``speculators_config`` (algorithm,
   proposal methods, verifier), ``transformer_layer_config``, ``draft_vocab_size``, ``target_hidden_size``,
-  ``norm_before_residual``, ``eagle_aux_hidden_state_layer_ids``. speculators has no EAGLE-1 type (its types:
+  ``norm_before_residual``, ``eagle_aux_hidden_state_layer_ids``; the block draft -> DFlash
+  (``DFlashDraftModel``, drafts/export_block.py). speculators has no EAGLE-1 type (its types:
   dflash, dflash2, dspark, eagle3, mtp, peagle, xpress), hence ``vllm`` above for EAGLE-1.
 * ``sglang``: EAGLE-3 -> ``LlamaForCausalLMEagle3`` (a LlamaConfig with ``draft_vocab_size`` and
   ``eagle_config``; weights ``midlayer.*``, ``fc.weight``, ``norm.weight``, ``lm_head.weight``, ``d2t``, ``t2d``).
@@ -44,7 +45,7 @@ from drafts.standalone import StandaloneDraft
 from kernels.layers.checkpoint import load_target_embed_and_head, read_file, tensor_names
 from kernels.layers.config import DecoderConfig
 
-FORMATS = {"vllm": ("eagle",), "speculators": ("eagle3",), "sglang": ("eagle3",), "medusa": ("medusa",), "hf": ("standalone",)}
+FORMATS = {"vllm": ("eagle",), "speculators": ("eagle3", "block"), "sglang": ("eagle3",), "medusa": ("medusa",), "hf": ("standalone",)}
 EXPORT_META = "draftsmith_export.json"
 SPECULATORS_VERSION = "0.9.0"  # the speculators config schema we write against (tests/test_export_schemas.py)
 MEDUSA_WEIGHTS = "medusa_lm_head.safetensors"
@@ -171,7 +172,14 @@ def _export_medusa(model: MedusaDraft, verifier: str | None, k: int) -> tuple[di
     return config, state
 
 
+def _export_block_speculators(model, verifier: str | None, k: int) -> tuple[dict, dict]:
+    from drafts.export_block import export_block_speculators  # the DFlash layout lives beside its draft
+
+    return export_block_speculators(model, verifier, k, _layer_config, _speculators_config, SPECULATORS_VERSION)
+
+
 WRITERS = {
+    ("speculators", "block"): _export_block_speculators,
     ("vllm", "eagle"): _export_eagle_vllm,
     ("speculators", "eagle3"): _export_eagle3_speculators,
     ("sglang", "eagle3"): _export_eagle3_sglang,
@@ -250,6 +258,10 @@ def load_exported(
         return _load_medusa(path, config)
     if fmt == "vllm":
         return _load_eagle_vllm(path, config, target_embed_and_head, target_dir)
+    if fmt == "speculators" and config.get("speculators_model_type") == "dflash":
+        from drafts.export_block import load_block_speculators
+
+        return load_block_speculators(path, config, _decoder)
     if config.get("speculators_model_type") != "eagle3" and fmt == "speculators":
         raise ValueError(f"{path}: speculators_model_type {config.get('speculators_model_type')!r} is not read here "
                          "(EAGLE-1 exports as format='vllm'; speculators has no EAGLE-1 type)")

@@ -125,7 +125,7 @@ class BlockSchema:
     data: DraftDataConfig = field(default_factory=DraftDataConfig)
     aux_layers: list[int] | None = None  # None = EAGLE-3's [2, L//2, L-3]
     num_layers: int = 2
-    block_size: int = 5  # query block length: 1 root + K_max masks (K_max = block_size - 1 >= the eval's K)
+    block_size: int = 9  # query block length: 1 root + K_max masks (K_max = block_size - 1 >= the eval's K)
     num_mask_tokens: int | None = None  # None = one learned mask per block offset; 1 = one shared mask
     max_anchors: int = 16  # block roots sampled per answer per step
     position_weight_decay: float = 0.8  # block offset j (1-based) loss weight = decay ** (j - 1)

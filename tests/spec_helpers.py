@@ -32,18 +32,18 @@ def make_llama(path: Path, vocab: int = VOCAB, hidden: int = 64, layers: int = 2
     return Path(path)
 
 
-def feature_draft(kind: str, target_dir: Path, out_dir: Path, seed: int = 0, init=None) -> Path:
-    """An untrained Medusa / EAGLE / EAGLE-3 draft for target_dir, saved with its fingerprint.
-    init: optional callable(draft module) that sets weights before saving."""
+def feature_draft(kind: str, target_dir: Path, out_dir: Path, seed: int = 0, init=None, block_opts=None) -> Path:
+    """An untrained Medusa / EAGLE / EAGLE-3 / block draft for target_dir, saved with its fingerprint.
+    init: optional callable(draft module) that sets weights before saving; block_opts: BlockConfig options."""
     from drafts.identity import target_fingerprint
     from drafts.io import save_draft
 
     module = importlib.import_module(f"drafts.{kind}")
     cls = {"medusa": module.__dict__.get("MedusaDraft"), "eagle": module.__dict__.get("EagleDraft"),
-           "eagle3": module.__dict__.get("Eagle3Draft")}[kind]
+           "eagle3": module.__dict__.get("Eagle3Draft"), "block": module.__dict__.get("BlockDraft")}[kind]
     torch.manual_seed(seed)
-    opts = {}
-    if kind == "eagle3":  # default [2, L//2, L-3] needs L >= 5; tiny targets name distinct layers
+    opts = dict(block_opts or {}) if kind == "block" else {}
+    if kind in ("eagle3", "block"):  # default [2, L//2, L-3] needs L >= 5; tiny targets name distinct layers
         from kernels.layers.config import hf_config_dict
 
         num_layers = int(hf_config_dict(target_dir)["num_hidden_layers"])

@@ -1,5 +1,5 @@
 """Greedy exactness of speculative decoding inside the engine: for every proposer (n-gram, standalone,
-scripted chain/tree oracles, and Medusa / EAGLE / EAGLE-3 with untrained drafts when their proposers
+scripted chain/tree oracles, and Medusa / EAGLE / EAGLE-3 / block with untrained drafts when their proposers
 are installed), batch 1 and 8, with preemption (recompute and swap, tiny block budget) and prefix
 caching on, the output equals non-speculative greedy decoding token for token (fp32)."""
 from __future__ import annotations
@@ -30,6 +30,11 @@ def models(tmp_path_factory):
     for kind in ("medusa", "eagle", "eagle3"):
         if proposer_available(kind):
             out[kind] = feature_draft(kind, target, root / kind)
+    if proposer_available("block"):  # the target's embedding and head: its blocks are not pure noise
+        from kernels.layers.checkpoint import load_target_embed_and_head
+
+        out["block"] = feature_draft("block", target, root / "block", block_opts={"block_size": 5},
+                                     init=lambda d: d.init_from_target(*load_target_embed_and_head(target)))
     return out
 
 
@@ -58,7 +63,9 @@ CASES = [
     ("eagle", {"tree": "dynamic", "tree_top_k": 2, "tree_depth": 3, "max_draft_nodes": 8}),
     ("eagle3", {}),
     ("eagle3", {"tree": "dynamic", "tree_top_k": 2, "tree_depth": 3, "max_draft_nodes": 8}),
+    ("block", {}),
 ]
+FEATURE_METHODS = ("medusa", "eagle", "eagle3", "block")
 
 
 def build_engine(models, method, extra, pool, references=None, prompts=None):
@@ -69,7 +76,7 @@ def build_engine(models, method, extra, pool, references=None, prompts=None):
                           **({"tree": "static", "tree_branching": [3, 3], "max_draft_nodes": 12}
                              if method.endswith("tree") else {}))
         return LLMEngine(cfg, strategy=SpeculativeStrategy(spec, proposer))
-    if method in ("medusa", "eagle", "eagle3") and method not in models:
+    if method in FEATURE_METHODS and method not in models:
         pytest.skip(f"{method} proposer not installed yet")
     draft = None if method == "ngram" else str(models[method])
     real = "standalone" if method == "self" else method
@@ -77,7 +84,7 @@ def build_engine(models, method, extra, pool, references=None, prompts=None):
 
 
 @pytest.mark.parametrize("batch", [1, 8])
-@pytest.mark.parametrize("method,extra", CASES, ids=[f"{m}-{e.get('tree', 'chain')}" if m in ("medusa", "eagle", "eagle3") else m for m, e in CASES])
+@pytest.mark.parametrize("method,extra", CASES, ids=[f"{m}-{e.get('tree', 'chain')}" if m in FEATURE_METHODS else m for m, e in CASES])
 def test_greedy_equals_non_speculative(models, reference, method, extra, batch):
     """Speculative greedy output == plain greedy output for every request; no block leaks; the pool
     stays consistent after every step (target and, for the standalone draft, the draft pool)."""

@@ -16,6 +16,8 @@ Configurations, one engine run per proposer, every request with its own seed:
 - chain: the standalone proposer (a noisy copy of the target; drafts SAMPLED from its rows);
 - tree: the Medusa proposer with a static [3, 2] tree (9 nodes, point masses: three candidates at
   depth 1, two below each);
+- block: the block-parallel proposer (an untrained block draft with the target's embedding and head; both
+  drafts come from one forward, each SAMPLED from its own offset's row);
 each at T = 1.0 and T = 0.7, both with top-p 0.8, with the policy's fallback off (every round
 speculates). Both drafts accept often but not always (measured fractions of rounds accepting >= 1 /
 2 drafts: chain 0.40 / 0.29, tree 0.68 / 0.32), so every path above is taken thousands of times.
@@ -75,7 +77,11 @@ def models(tmp_path_factory):
     target = make_llama(root / "target", vocab=V, hidden=16, layers=1, seed=0, init=0.6)
     draft = noisy_copy(target, root / "draft", noise=0.06, seed=3)
     medusa = feature_draft("medusa", target, root / "medusa", seed=7)
-    return target, draft, medusa
+    from kernels.layers.checkpoint import load_target_embed_and_head
+
+    block = feature_draft("block", target, root / "block", seed=5, block_opts={"block_size": K + 1},
+                          init=lambda d: d.init_from_target(*load_target_embed_and_head(target)))
+    return target, draft, medusa, block
 
 
 def exact_pair_joint(target_dir, temperature: float, top_p: float) -> np.ndarray:
@@ -139,12 +145,14 @@ def sample_pairs(engine: LLMEngine, groups: dict[str, tuple[float, float, int]])
 
 def run_mode(models, mode: str) -> tuple[dict[str, np.ndarray], dict]:
     """One engine run over every setting's requests (chains: plus the negative-control group)."""
-    target, draft, medusa = models
+    target, draft, medusa, block = models
     groups = dict(SETTINGS)
     policy = SpecPolicyConfig(fallback=False)  # every request speculates, whatever the running alpha
     if mode == "chain":
         spec = SpecConfig("standalone", draft_path=str(draft), num_speculative_tokens=K, policy=policy)
         groups[BAD] = BAD_GROUP
+    elif mode == "block":  # one non-causal forward drafts both tokens, each from its own row
+        spec = SpecConfig("block", draft_path=str(block), num_speculative_tokens=K, policy=policy)
     else:
         spec = SpecConfig("medusa", draft_path=str(medusa), num_speculative_tokens=K, tree="static",
                           tree_branching=TREE_BRANCHING, max_draft_nodes=TREE_NODES, policy=policy)
@@ -180,7 +188,7 @@ def pair_counts(pairs: np.ndarray) -> np.ndarray:  # [n, 2] -> [V, V]
 
 
 @pytest.mark.parametrize("setting", list(SETTINGS))
-@pytest.mark.parametrize("mode", ["chain", "tree"])
+@pytest.mark.parametrize("mode", ["chain", "tree", "block"])
 def test_first_two_speculated_tokens_follow_the_target_joint(runs, exact, mode, setting):
     """(x2, x3) under speculation, chain and tree, T 1.0 / 0.7 with top-p 0.8, match the target's exact
     joint: chi-square at alpha 0.001 with power >= 0.9 against any TV-0.02 error (see the module
