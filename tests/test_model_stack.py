@@ -1,6 +1,7 @@
 """One model stack (kernels.layers) for targets and drafts: a yarn-scaled target is served, every draft kind is
 built for it and runs (training form and serving form agree), and greedy speculative decoding with each kind
-equals plain greedy decoding token for token (fp32), with positions past the original context."""
+equals plain greedy decoding token for token (fp32), with positions past the original context. The engine's
+target is the same CausalLM class as the standalone draft, fused without a second copy of its weights."""
 from __future__ import annotations
 
 import copy
@@ -16,7 +17,9 @@ from drafts.identity import target_fingerprint
 from drafts.io import save_draft
 from drafts.medusa import MedusaDraft
 from drafts.standalone import StandaloneDraft
+from kernels.layers.causal_lm import CausalLM
 from serve_eval.engine import EngineConfig, LLMEngine, SamplingParams
+from serve_eval.engine.model_executor import ModelExecutor
 from serve_eval.spec.config import SpecConfig
 from tests.spec_helpers import feature_draft, greedy_reference, run_engine, workload
 
@@ -136,3 +139,19 @@ def test_greedy_speculation_is_exact_for_a_yarn_target(target, drafts, kind):
     for rid, tokens in ref.items():
         assert outs[rid].output_token_ids == tokens, f"{kind}: request {rid} diverged"
     assert engine.stats().spec["total"]["rounds"] > 0
+
+
+def test_engine_target_is_the_shared_causal_lm_fused_in_place(target):
+    """The executor runs a kernels.layers CausalLM (the standalone draft's class); its fused q/k/v and gate/up
+    matrices hold the module's parameters as views (one copy of the weights), and its logits equal the
+    training-form forward of the same weights."""
+    model, target_dir = target
+    executor = ModelExecutor(target_dir)
+    assert isinstance(executor.model, CausalLM) and issubclass(StandaloneDraft, CausalLM)
+    layer = executor.model.model.layers[0]
+    qkv = layer.serving_ops.attention.args[1].weight  # partial(attend, shape, qkv, o)
+    assert layer.self_attn.q_proj.weight.untyped_storage().data_ptr() == qkv.untyped_storage().data_ptr()
+    ids = torch.randint(0, V, (1, 40), generator=torch.Generator().manual_seed(8))
+    with torch.no_grad():
+        hidden = executor.model(ids[0], torch.arange(40), causal_attn_fn(1, 40))
+        torch.testing.assert_close(executor.model.compute_logits(hidden), model(ids).logits[0], atol=1e-4, rtol=1e-4)
