@@ -26,7 +26,7 @@ from kernels.quant import INT4_GROUP_SIZES, QuantizedLinear, QuantScheme
 
 QUANT_FILE = "quantization.json"
 # heads that are copies of the target's: never quantized (the draft shares what the target serves)
-TARGET_HEADS: dict[str, tuple[str, ...]] = {"eagle": (r"lm_head",), "medusa": (r"lm_head",)}
+TARGET_HEADS: dict[str, tuple[str, ...]] = {"eagle": (r"lm_head",), "medusa": (r"lm_head",), "block": (r"lm_head",)}
 # the draft's own heads: quantized only with quantize_head
 OWN_HEADS: dict[str, tuple[str, ...]] = {"standalone": (r"lm_head",), "eagle3": (r"lm_head",),
                                          "medusa": (r"heads\.\d+\.lm_head",)}
@@ -95,11 +95,18 @@ def _matches(name: str, patterns: tuple[str, ...]) -> bool:
     return any(re.fullmatch(p, name) for p in patterns)
 
 
+def _is_target_head(name: str, module: nn.Linear, kind: str) -> bool:
+    """A head the draft shares with the target: listed for its kind, or (a kind not listed) a frozen *lm_head."""
+    if kind in TARGET_HEADS or kind in OWN_HEADS:
+        return _matches(name, TARGET_HEADS.get(kind, ()))
+    return name.split(".")[-1] == "lm_head" and not module.weight.requires_grad
+
+
 def linears_to_quantize(model: nn.Module, kind: str, config: QuantConfig) -> list[str]:
     """Names of the nn.Linear modules quantization replaces (heads per the rule in the module docstring)."""
     names = []
     for name, module in model.named_modules():
-        if not isinstance(module, nn.Linear) or _matches(name, TARGET_HEADS.get(kind, ())):
+        if not isinstance(module, nn.Linear) or _is_target_head(name, module, kind):
             continue
         if _matches(name, OWN_HEADS.get(kind, ())) and not config.quantize_head:
             continue

@@ -9,7 +9,8 @@ here (drafts.quantize_job; into a temporary dir unless ``--keep DIR``), so the v
 Speed: one engine per variant plus plain decoding, all bf16 (the int kernels take bf16 activations), batch 1,
 T = 0, every step speculating; repetitions interleaved over all variants (serve_eval.eval.step_cost), median
 and spread (max - min). draft step ms = draft ms per round / K; c = draft ms per round / (K x plain step ms).
-Memory: the draft's parameters and buffers as the proposer holds them (bf16 floats, int weights).
+linears ms: one batch-1 pass over every serving linear of the draft, timed alone (what quantization can speed
+up; the rest of a draft step is attention, norms, sampling and Python). Memory: the draft's parameters and buffers as the proposer holds them (bf16 floats, int weights).
 Acceptance: greedy, K tokens, ``--prompts`` held-out prompts per domain (the corpus's eval split), alpha and
 tau per domain from the engine's spec stats.
 
@@ -116,17 +117,19 @@ def build(target: Path, name: str, draft: Path | None, k: int, kv_gb: float) -> 
     return LLMEngine(cfg, speculative=spec)
 
 
-def kernel_modes(engine: LLMEngine) -> str:
-    """How the draft's quantized linears run: int kernels, or dequantized (the fallback), or '-' (none)."""
-    found: set[str] = set()
+def serving_linears(engine: LLMEngine) -> list:
+    """The proposer's serving linears (kernels.layers Linear / kernels.quant QuantServingLinear), each once."""
+    from kernels.layers.linear import Linear
+
+    found: dict[int, object] = {}
     seen: set[int] = set()
 
     def walk(obj, depth: int = 0) -> None:
         if id(obj) in seen or depth > 8:
             return
         seen.add(id(obj))
-        if isinstance(obj, QuantServingLinear):
-            found.add(obj.mode)
+        if isinstance(obj, (QuantServingLinear, Linear)):
+            found[id(obj)] = obj
             return
         children = list(getattr(obj, "args", ()))  # functools.partial
         if isinstance(obj, (list, tuple)):
@@ -139,19 +142,45 @@ def kernel_modes(engine: LLMEngine) -> str:
             walk(child, depth + 1)
 
     walk(engine.strategy.proposer)
-    return ",".join(sorted(found)) or "-"
+    return list(found.values())
+
+
+def kernel_modes(engine: LLMEngine) -> str:
+    """How the draft's quantized linears run: int kernels, or dequantized (the fallback), or '-' (none)."""
+    modes = {lin.mode for lin in serving_linears(engine) if isinstance(lin, QuantServingLinear)}
+    return ",".join(sorted(modes)) or "-"
+
+
+def linears_ms(engine: LLMEngine, repeats: int, calls: int = 200) -> float:
+    """ms of one batch-1 pass over every serving linear of the draft (median of repeats): the part of a
+    draft step that weight quantization can speed up. A target-shared head counts like the others."""
+    import statistics
+    import time
+
+    linears = serving_linears(engine)
+    inputs = [torch.randn(1, lin.weight.shape[1], dtype=torch.bfloat16) for lin in linears]
+    times = []
+    with torch.no_grad():
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                for lin, x in zip(linears, inputs):
+                    lin(x)
+            times.append((time.perf_counter() - t0) * 1000 / calls)
+    return statistics.median(times)
 
 
 def measure_speed(target: Path, variants: dict[str, Path], k: int, steps: int, repeats: int) -> dict:
     engines = {PLAIN: build(target, PLAIN, None, k, 0.05)}
     engines.update({name: build(target, name, path, k, 0.05) for name, path in variants.items()})
     modes = {name: kernel_modes(e) for name, e in engines.items() if name != PLAIN}
+    gemv = {name: linears_ms(e, repeats) for name, e in engines.items() if name != PLAIN}
     timers = {m: instrument(e) for m, e in engines.items()}
     vocab = int(engines[PLAIN].executor.vocab_size)
     prompt = [(7 * i + 3) % (vocab - 2) + 1 for i in range(64)]
     with torch.no_grad():
         rows = interleaved(engines, timers, prompt, steps, repeats)
-    return {"rows": rows, "modes": modes}
+    return {"rows": rows, "modes": modes, "linears_ms": gemv}
 
 
 def measure_acceptance(target: Path, name: str, draft: Path, prompts: dict[str, list], k: int,
@@ -178,14 +207,15 @@ def memory_bytes(draft: Path) -> int:
 def table(variants: dict[str, Path], speed: dict, accept: dict, memory: dict, k: int) -> str:
     rows, plain = speed["rows"], speed["rows"][PLAIN]["step"]
     domains = sorted({d for a in accept.values() for d in a})
-    head = ["draft", "variant", "runs on", "draft step ms", "c", "memory MiB"] + [f"{d} alpha/tau" for d in domains]
+    head = ["draft", "variant", "runs on", "draft step ms", "linears ms", "c", "memory MiB"] + [f"{d} alpha/tau" for d in domains]
     lines = [" | ".join(head), " | ".join("---" for _ in head)]
     lines.insert(0, f"plain decode step (bf16 target): {plain[0]:.3f} ms (spread {plain[1]:.3f}); K = {k}\n")
     for name in variants:
         kind, variant = name.split("/")
         draft_ms, spread = rows[name]["draft"]
         c = draft_ms / (k * plain[0])
-        cells = [kind, variant, speed["modes"][name], f"{draft_ms / k:.3f} ± {spread / k:.3f}", f"{c:.3f}",
+        cells = [kind, variant, speed["modes"][name], f"{draft_ms / k:.3f} ± {spread / k:.3f}",
+                 f"{speed['linears_ms'][name]:.3f}", f"{c:.3f}",
                  f"{memory[name] / 2**20:.3f}"]
         cells += [("%.3f / %.2f" % accept[name][d]) if d in accept.get(name, {}) else "-" for d in domains]
         lines.append(" | ".join(cells))

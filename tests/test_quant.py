@@ -151,3 +151,28 @@ def test_quantized_draft_speculates_with_greedy_output_identical_to_no_spec(draf
     got = run_engine(engine, prompts, params)
     assert {r: o.output_token_ids for r, o in got.items()} == {r: o.output_token_ids for r, o in plain.items()}
     assert engine.stats().spec["total"]["rounds"] > 0
+    if kind == "standalone":  # the draft executor's weight accounting is the quantized size
+        dense = LLMEngine(EngineConfig(str(target), num_gpu_blocks=64), speculative=SpecConfig(
+            kind, draft_path=str(dirs[kind]), num_speculative_tokens=3, draft_dtype="bfloat16"))
+        quantized_bytes = engine.strategy.proposer.executor.weight_bytes()
+        assert quantized_bytes < 0.6 * dense.strategy.proposer.executor.weight_bytes()
+
+
+def test_quantized_block_draft_keeps_the_target_head_and_greedy_output(tmp_path):
+    """The block-parallel draft (a kind added later): its frozen head is the target's and stays dense."""
+    from kernels.layers.checkpoint import load_target_embed_and_head
+
+    target = make_llama(tmp_path / "target", layers=4, seed=0)
+    init = lambda d: (_spread(d), d.init_from_target(*load_target_embed_and_head(target)))  # noqa: E731
+    draft = feature_draft("block", target, tmp_path / "block", init=init, block_opts={"block_size": 9})
+    out, _ = quantize_dir(draft, QuantConfig(4, 32, quantize_head=True), tmp_path / "block-int4")
+    model = load_draft(out).model
+    assert not isinstance(model.lm_head, QuantizedLinear) and isinstance(model.fc, QuantizedLinear)
+    prompts, lengths = workload(3, seed=2, max_out=16)
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lengths]
+    engine_cfg = dict(block_size=4, max_model_len=96, prefill_chunk_size=16, max_num_batched_tokens=96,
+                      num_gpu_blocks=200)
+    plain = run_engine(LLMEngine(EngineConfig(str(target), **engine_cfg)), prompts, params)
+    spec = SpecConfig("block", draft_path=str(out), num_speculative_tokens=4, draft_dtype="bfloat16")
+    got = run_engine(LLMEngine(EngineConfig(str(target), **engine_cfg), speculative=spec), prompts, params)
+    assert {r: o.output_token_ids for r, o in got.items()} == {r: o.output_token_ids for r, o in plain.items()}
