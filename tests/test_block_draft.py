@@ -89,3 +89,15 @@ def test_one_draft_forward_per_round_whatever_k(world, k):
     assert set(calls) == {proposer.draft.config.block_size}  # the same block whatever K
     assert len(total["acceptance_by_position"]) <= k
     assert proposer.cache.manager.pool.num_used_blocks == 0
+
+
+def test_plan_prices_the_block_draft_as_one_forward_per_round():
+    """`draftsmith plan`: EAGLE's draft cost grows with K (K steps), the block draft's does not (one forward)."""
+    from serve_eval.eval.plan import DraftOptions, Hardware, TargetSpec, Workload, make_plan
+
+    target = TargetSpec(params=8e9, num_layers=32, num_kv_heads=8, head_dim=128, hidden_size=4096, vocab_size=128256)
+    rows = {k: {r.strategy: r for r in make_plan(target, Hardware(80.0, 3.35), Workload(), DraftOptions(K=k)).strategies}
+            for k in (4, 8)}
+    assert rows[8]["block"].draft_cost_ms == pytest.approx(rows[4]["block"].draft_cost_ms)
+    assert rows[8]["eagle"].draft_cost_ms == pytest.approx(2 * rows[4]["eagle"].draft_cost_ms)
+    assert rows[4]["block"].tokens_per_call == pytest.approx(1 + 4 * 0.72)

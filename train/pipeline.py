@@ -47,6 +47,7 @@ STAGES: dict[str, str] = {
     "distill_medusa": "train.pipeline_distill:stage_distill_medusa",
     "distill_eagle": "train.pipeline_distill:stage_distill_eagle",
     "distill_eagle3": "train.pipeline_distill:stage_distill_eagle3",
+    "distill_block": "train.pipeline_distill:stage_distill_block",
     "cost": "train.pipeline_cost:stage_cost",
     "eval": "train.pipeline_eval:stage_eval",
     "report": "train.pipeline_eval:stage_report",

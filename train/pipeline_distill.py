@@ -33,7 +33,7 @@ from drafts.files import stable_hash
 if TYPE_CHECKING:
     from train.pipeline import PipelineContext
 
-KINDS = ("standalone", "medusa", "eagle", "eagle3")
+KINDS = ("standalone", "medusa", "eagle", "eagle3", "block")
 STAGE_PREFIX = "distill_"
 DONE_MARKER = ".complete"  # written after a draft dir is fully exported
 
@@ -211,3 +211,7 @@ def stage_distill_eagle(ctx: PipelineContext) -> dict[str, Any]:
 
 def stage_distill_eagle3(ctx: PipelineContext) -> dict[str, Any]:
     return distill(ctx, "eagle3")
+
+
+def stage_distill_block(ctx: PipelineContext) -> dict[str, Any]:
+    return distill(ctx, "block")

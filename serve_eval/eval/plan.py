@@ -17,6 +17,7 @@ import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from serve_eval.eval.plan_block import BLOCK_ALPHA, add_block_args, block_row
 from serve_eval.spec.metrics import predicted_speedup
 
 GB = 1e9
@@ -138,13 +139,15 @@ class DraftOptions:
     eagle_params: float | None = None   # None -> one target decoder layer + the 2d->d fusion fc
     medusa_heads: int | None = None     # None -> K heads
     medusa_layers: int = 1              # residual blocks per Medusa head
-    alpha: dict[str, float] = field(default_factory=lambda: dict(SEED_ALPHA))
+    alpha: dict[str, float] = field(default_factory=lambda: {**SEED_ALPHA, "block": BLOCK_ALPHA})
     # Measured or assumed step costs override the bandwidth model (the seed's tables use rounded ones).
     target_step_ms: float | None = None
     standalone_step_ms: float | None = None
     eagle_step_ms: float | None = None
     medusa_round_ms: float | None = None
     draft_dtype_bytes: float | None = None  # bytes per draft weight (int8 1, int4 0.5); None = the target's
+    block_layers: int = 2               # the block-parallel draft (serve_eval.eval.plan_block)
+    block_round_ms: float | None = None  # measured cost of its one forward per round (None: bandwidth model)
 
     def __post_init__(self) -> None:
         if self.K < 1:
@@ -280,6 +283,8 @@ def make_plan(target: TargetSpec, hw: Hardware, work: Workload, drafts: DraftOpt
     medusa_ms = drafts.medusa_round_ms if drafts.medusa_round_ms is not None else hw.read_ms(medusa_gb * GB)
     rows.append(_strategy("medusa", n_heads, drafts.alpha["medusa"], target_ms, medusa_ms, medusa_gb, free_gb,
                           f"{n_heads} heads, one parallel pass per round"))
+    if "block" in drafts.alpha:
+        rows.append(block_row(_strategy, target, hw, drafts, target_ms, free_gb, db, lm_head_bytes, GB))
     return PlanResult(target.params, tp, weights_total_gb, weights_gpu_gb, target_ms, kv, rows, notes)
 
 
@@ -373,6 +378,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--medusa-layers", type=int, default=1, help="residual blocks per Medusa head")
     for name, a in SEED_ALPHA.items():
         d.add_argument(f"--alpha-{name}", type=float, default=a, help=f"assumed acceptance rate of {name}")
+    add_block_args(d)
     d.add_argument("--draft-dtype", default=None, choices=sorted(DTYPE_BYTES),
                    help="the draft's weight dtype (int8 / int4: a quantized draft; default: the target's)")
     d.add_argument("--alpha-cost-from", default=None, metavar="JSON",
@@ -408,12 +414,13 @@ def main(argv: list[str] | None = None) -> int:
                         args.shared_prefix_seqs, args.kv_budget_gb)
         from serve_eval.eval.plan_quant import quantized_alphas
 
-        alphas, quant_notes = quantized_alphas({n: getattr(args, f"alpha_{n}") for n in SEED_ALPHA},
+        alphas, quant_notes = quantized_alphas({n: getattr(args, f"alpha_{n}") for n in [*SEED_ALPHA, "block"]},
                                                args.draft_dtype, args.alpha_cost_from)
         drafts = DraftOptions(args.K, args.standalone_params, args.eagle_params, args.medusa_heads,
                               args.medusa_layers, alphas, args.target_step_ms, args.standalone_step_ms,
                               args.eagle_step_ms, args.medusa_round_ms,
-                              DTYPE_BYTES[args.draft_dtype] if args.draft_dtype else None)
+                              DTYPE_BYTES[args.draft_dtype] if args.draft_dtype else None,
+                              block_layers=args.block_layers, block_round_ms=args.block_round_ms)
         plan = make_plan(target, hw, work, drafts)
         plan.notes.extend(quant_notes)
     except ValueError as e:
