@@ -47,6 +47,7 @@ class EngineFigures:
     prefix_cache_hit_rate: float = 0.0
     num_preemptions: int = 0
     spec_by_domain: dict[str, SpecCounts] = field(default_factory=dict)
+    rounds_by_draft: dict[tuple[str, str], int] = field(default_factory=dict)   # (domain, method), routed
 
     @property
     def kv_blocks_total(self) -> int:
@@ -96,7 +97,14 @@ def read_engine_stats(stats: Any) -> EngineFigures:
         kv_blocks_free=int(_first(stats, ("kv_blocks_free", "num_free_blocks", "free_blocks"))),
         prefix_cache_hit_rate=float(_first(stats, ("prefix_cache_hit_rate", "prefix_hit_rate"), 0.0)),
         num_preemptions=int(_first(stats, ("num_preemptions", "preemptions"))),
-        spec_by_domain=spec)
+        spec_by_domain=spec,
+        rounds_by_draft=_rounds_by_draft(_first(stats, ("spec",), None)))
+
+
+def _rounds_by_draft(spec: Any) -> dict[tuple[str, str], int]:
+    """The strategy's {"domain/method": rounds} of a server holding several drafts."""
+    raw = spec.get("rounds_by_draft", {}) if isinstance(spec, dict) else {}
+    return {tuple(key.split("/", 1)): int(n) for key, n in raw.items()}
 
 
 class TokenRateWindow:
@@ -157,6 +165,9 @@ class ServerMetrics:
         self.spec_accepted_per_pos = r.counter(
             p + "spec_decode_num_accepted_tokens_per_pos",
             "Draft tokens accepted at each draft position (0-based).", ("domain", "position"))
+        self.spec_drafts_by_draft = r.counter(
+            p + "spec_decode_num_drafts_by_draft", "Speculative rounds by domain and the draft that proposed "
+            "them (servers holding several drafts).", ("domain", "method"))
         self.spec_alpha_drift = r.gauge(
             p + "spec_alpha_drift", "Eval alpha minus the rolling served alpha, per domain (positive: worse).",
             ("domain",))
@@ -189,6 +200,8 @@ class ServerMetrics:
                 self.spec_accepted_per_pos.set_total(accepted, domain=domain, position=position)
             if self.drift is not None:
                 self.drift.observe(domain, counts.num_draft_tokens, counts.num_accepted_tokens)
+        for (domain, method), rounds in figures.rounds_by_draft.items():
+            self.spec_drafts_by_draft.set_total(rounds, domain=domain, method=method)
         if self.drift is not None:
             for domain in self.drift.domains():
                 gap = self.drift.drift(domain)

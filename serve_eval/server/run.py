@@ -57,6 +57,11 @@ class ServeConfig:
     seed: int = 0
     # speculation: None = off; else "key=value,..." handed to the spec package's SpecConfig
     spec: str | None = None
+    # an eval's recommendations.yaml: several drafts, each request served by the one recommended for its
+    # domain and temperature (instead of `spec`)
+    recommendations: str | None = None
+    # speculate at a batch size only where it pays (serve_eval.spec.batch_gate): measured | off
+    batch_gate: str = "measured"
 
 
 SCHEMAS = {"serve/schema_server": ServeConfig}
@@ -89,7 +94,7 @@ def _literal(value: str) -> Any:
     return {"true": True, "false": False, "none": None}.get(value.lower(), value)
 
 
-def build_speculative(spec: str | None) -> Any:
+def build_speculative(spec: str | None, batch_gate: str = "measured") -> Any:
     """The SpecConfig for `spec` ("key=value,..." over SpecConfig's fields), or None when off."""
     if not spec:
         return None
@@ -97,7 +102,7 @@ def build_speculative(spec: str | None) -> Any:
     kwargs = parse_spec(spec)
     # A server must never decode slower than without speculation at its batch sizes (batch_gate=off
     # in the spec string turns the measured gate off).
-    kwargs.setdefault("batch_gate", "measured")
+    kwargs.setdefault("batch_gate", batch_gate)
     try:
         return SpecConfig(**kwargs)
     except TypeError as exc:
@@ -107,8 +112,11 @@ def build_speculative(spec: str | None) -> Any:
 def build_engine(model_dir: str, cfg: ServeConfig) -> Any:
     from serve_eval.engine.llm_engine import EngineConfig, LLMEngine
     engine_kwargs = {name: getattr(cfg, name) for name in _ENGINE_FIELDS}
+    if cfg.spec and cfg.recommendations:
+        raise ValueError("serve: set spec or recommendations, not both (recommendations name their drafts)")
+    spec = f"method=routed,routes={cfg.recommendations}" if cfg.recommendations else cfg.spec
     return LLMEngine(EngineConfig(model=str(model_dir), **engine_kwargs),
-                     speculative=build_speculative(cfg.spec))
+                     speculative=build_speculative(spec, cfg.batch_gate))
 
 
 def build_app(model_dir: str, cfg: ServeConfig, engine: Any = None) -> Any:

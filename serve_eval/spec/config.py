@@ -28,6 +28,7 @@ PROPOSERS: dict[str, str] = {
     "medusa": "serve_eval.spec.proposers.medusa:MedusaProposer",
     "eagle": "serve_eval.spec.proposers.eagle:EagleProposer",
     "eagle3": "serve_eval.spec.proposers.eagle3:Eagle3Proposer",
+    "routed": "serve_eval.spec.proposers.routed:RoutedProposer",
     "block": "serve_eval.spec.proposers.block:BlockProposer",
 }
 DRAFT_METHODS = ("standalone", "medusa", "eagle", "eagle3", "block")  # methods that load a draft dir
@@ -54,6 +55,9 @@ class SpecConfig:
     # K caps by batch size (serve_eval.spec.batch_gate): "off" (always speculate, the default here),
     # "measured" (the server's default: speculate where the measured step cost pays), or a config.
     batch_gate: BatchGateConfig | str | None = None
+    # method="routed": an eval's recommendations.yaml; each request gets the draft and K recommended
+    # for its domain and temperature (serve_eval.spec.proposers.routed), several drafts in one engine.
+    routes: str | None = None
     proposer_kwargs: dict[str, Any] = field(default_factory=dict)  # extra, method-specific
     # Target-fingerprint rule when loading the draft (drafts.io.load_draft): None = error for feature
     # drafts (Medusa/EAGLE) made for another target, warning for standalone. The eval harness and the
@@ -66,6 +70,13 @@ class SpecConfig:
         if isinstance(self.num_speculative_tokens, bool) or not isinstance(self.num_speculative_tokens, int) \
                 or self.num_speculative_tokens <= 0:
             raise ValueError(f"num_speculative_tokens (K) must be an int > 0, got {self.num_speculative_tokens!r}")
+        if (self.method == "routed") != bool(self.routes):
+            raise ValueError("routes: method='routed' needs routes=RECOMMENDATIONS.yaml, and routes needs "
+                             f"method='routed' (got method={self.method!r})")
+        if self.method == "routed":
+            from serve_eval.eval.recommend import load_recommendations
+            from serve_eval.spec.proposers.routed import recommended_k
+            self.num_speculative_tokens = recommended_k(load_recommendations(self.routes))
         if self.method in DRAFT_METHODS and not self.draft_path:
             raise ValueError(f"speculative method {self.method!r} needs draft_path (a draft dir)")
         if self.tree not in TREE_MODES:

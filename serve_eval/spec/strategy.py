@@ -107,6 +107,9 @@ class SpeculativeStrategy:
         k = self.policy.num_speculative_tokens(seq.domain)
         if self._batch_cap is not None:
             k = min(k, self._batch_cap)
+        cap = self.proposer.max_tokens_for(seq)   # a routed proposer's per-request K (0: plain)
+        if cap is not None:
+            k = min(k, cap)
         # Drafts past max_tokens could never be emitted (the bonus token covers the last one).
         return max(0, min(k, seq.params.max_tokens - seq.num_output_tokens - 1))
 
@@ -316,4 +319,6 @@ class SpeculativeStrategy:
     def stats(self) -> dict:
         return {"method": self.config.method, **self.metrics.to_dict(), "policy": self.policy.to_dict(),
                 "batch_gate": self.batch_gate.to_dict(),
+                "rounds_by_draft": {f"{domain}/{method}": n
+                                    for (domain, method), n in self.proposer.rounds_by_draft().items()},
                 "draft_time_s": self.draft_time_s, "target_time_s": self.target_time_s}

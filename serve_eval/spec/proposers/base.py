@@ -34,6 +34,7 @@ class SequenceView(Protocol):
     """What a proposer may read of a running sequence (engine.request.Sequence satisfies it)."""
 
     request_id: str
+    domain: str | None    # the request's traffic slice (per-domain policy, routing to a draft)
     token_ids: list[int]  # prompt + generated; the last one is the root of the next draft
     params: SamplingView
     generator: torch.Generator | None  # the request's generator: draw draft samples from it
@@ -119,6 +120,14 @@ class Proposer(Protocol):
         features: Sequence[object] | None = None,  # per sequence, proposer-specific target outputs
     ) -> list[Proposal]:  # (EAGLE: target hidden states of the tokens verified last step)
         ...
+
+    def max_tokens_for(self, seq: SequenceView) -> int | None:
+        """A cap on this request's K (0: decode it plainly), or None for no cap (most proposers)."""
+        return None
+
+    def rounds_by_draft(self) -> dict[tuple[str, str], int]:
+        """(domain, method) -> proposals made, for proposers that hold several drafts (else empty)."""
+        return {}
 
     def on_accepted(self, request_id: str, result: VerifyResult) -> None:
         """Verification outcome of the last proposal: keep state for result.accepted_node_ids only."""

@@ -1,0 +1,74 @@
+"""Several drafts in one engine: each request speculates with the draft recommended for its domain and
+temperature (method="routed"), greedy output stays identical, and the server shows the choice."""
+from __future__ import annotations
+
+import httpx
+
+from serve_eval.engine import EngineConfig, LLMEngine, SamplingParams
+from serve_eval.eval.recommend import DomainChoice, Recommendations, Thresholds, write_recommendations
+from serve_eval.spec.config import SpecConfig
+from spec_helpers import feature_draft, greedy_reference, make_llama, run_engine, workload
+
+
+def routes(tmp_path, eagle_dir) -> str:
+    on = lambda method, K, path=None, T=0.0: DomainChoice(True, method, K, T, path)  # noqa: E731
+    off = lambda T: DomainChoice(False, "no-spec", 0, T)  # noqa: E731
+    recs = Recommendations(Thresholds(), [on("ngram", 2)],
+                           {"chat": [on("eagle", 3, str(eagle_dir)), off(1.0)], "code": [on("ngram", 4)],
+                            "prose": [off(0.0)]}, "fp")
+    return str(write_recommendations(recs, tmp_path / "recommendations.yaml"))
+
+
+def test_each_domain_speculates_with_its_recommended_draft_and_output_is_exact(tmp_path):
+    target = make_llama(tmp_path / "target")
+    eagle = feature_draft("eagle", target, tmp_path / "eagle")
+    prompts, lengths = workload(8, seed=5)
+    domains = ["chat", "code", "prose", "unseen"] * 2
+    reference = greedy_reference(target, prompts, lengths)
+    spec = SpecConfig("routed", routes=routes(tmp_path, eagle))
+    assert spec.num_speculative_tokens == 4   # the largest recommended K
+    engine = LLMEngine(EngineConfig(str(target)), speculative=spec)
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lengths]
+    outputs = run_engine(engine, prompts, params, domains)
+    assert {rid: out.output_token_ids for rid, out in outputs.items()} == reference
+    rounds = engine.strategy.proposer.rounds_by_draft()
+    assert rounds.get(("chat", "eagle"), 0) > 0 and rounds.get(("code", "ngram"), 0) > 0
+    assert rounds.get(("unseen", "ngram"), 0) > 0            # the default choice
+    assert not any(domain == "prose" for domain, _ in rounds)  # recommended off: plain decoding
+    assert not any(method == "eagle" and domain != "chat" for domain, method in rounds)
+    by_domain = engine.stats().spec["by_domain"]
+    assert "prose" not in by_domain and by_domain["code"]["rounds"] > 0
+
+
+def test_a_sampled_request_follows_the_temperature_choice(tmp_path):
+    """chat at T=1 is recommended off: such a request decodes plainly while a greedy chat one speculates."""
+    target = make_llama(tmp_path / "target")
+    eagle = feature_draft("eagle", target, tmp_path / "eagle")
+    engine = LLMEngine(EngineConfig(str(target)), speculative=SpecConfig("routed", routes=routes(tmp_path, eagle)))
+    prompts, _ = workload(2, seed=1)
+    params = [SamplingParams(temperature=1.0, max_tokens=12, seed=3, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)]
+    run_engine(engine, prompts, params, ["chat", "chat"])
+    stats = engine.stats().spec
+    assert stats["rounds_by_draft"].get("chat/eagle", 0) > 0
+    assert stats["by_domain"]["chat"]["rounds"] <= 12   # only the greedy request's rounds
+
+
+def test_the_server_serves_from_a_recommendations_file_and_shows_the_choice(tmp_path):
+    from serve_eval.server.run import ServeConfig, build_app
+    from serve_eval.server.testing import ServerThread, build_tiny_checkpoint
+
+    target = build_tiny_checkpoint(tmp_path / "target", max_position=128)
+    eagle = feature_draft("eagle", target, tmp_path / "eagle")
+    cfg = ServeConfig(num_gpu_blocks=64, max_model_len=128, recommendations=routes(tmp_path, eagle),
+                      batch_gate="off")   # every request speculates as recommended, whatever it costs here
+    with ServerThread(build_app(str(target), cfg)) as server, \
+            httpx.Client(base_url=server.base_url, timeout=60) as c:
+        for domain in ("chat", "code", "prose"):
+            r = c.post("/v1/completions", json={"prompt": "hello world", "max_tokens": 8, "temperature": 0,
+                                                "ignore_eos": True, "domain": domain})
+            assert r.status_code == 200
+        text = c.get("/metrics").text
+    assert 'draftsmith:spec_decode_num_drafts_by_draft_total{domain="chat",method="eagle"}' in text
+    assert 'draftsmith:spec_decode_num_drafts_by_draft_total{domain="code",method="ngram"}' in text
+    assert 'domain="prose",method=' not in text
