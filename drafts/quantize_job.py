@@ -51,12 +51,16 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(list(sys.argv[1:] if argv is None else argv))
-    config = QuantConfig(args.bits, args.group_size if args.bits == 4 else None, args.quantize_head)
-    out, summary = quantize_dir(args.draft_dir, config, args.out)
-    if args.export:
-        from drafts.quant_export import export_compressed
+    try:
+        config = QuantConfig(args.bits, args.group_size if args.bits == 4 else None, args.quantize_head)
+        out, summary = quantize_dir(args.draft_dir, config, args.out)
+        if args.export:
+            from drafts.quant_export import export_compressed
 
-        summary["export"] = str(export_compressed(out, args.export, verifier=args.verifier))
+            summary["export"] = str(export_compressed(out, args.export, verifier=args.verifier))
+    except ValueError as err:  # bad input: one line naming the field and the allowed values
+        print(f"draftsmith quantize: error: {err}", file=sys.stderr)
+        return 2
     print(json.dumps(summary))
     return 0
 

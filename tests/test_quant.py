@@ -176,3 +176,12 @@ def test_quantized_block_draft_keeps_the_target_head_and_greedy_output(tmp_path)
     spec = SpecConfig("block", draft_path=str(out), num_speculative_tokens=4, draft_dtype="bfloat16")
     got = run_engine(LLMEngine(EngineConfig(str(target), **engine_cfg), speculative=spec), prompts, params)
     assert {r: o.output_token_ids for r, o in got.items()} == {r: o.output_token_ids for r, o in plain.items()}
+
+
+def test_quantize_job_reports_bad_input_in_one_line(drafts, capsys):
+    from drafts.quantize_job import main
+
+    _, dirs = drafts
+    assert main([str(dirs["eagle"]), "--bits", "3"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == "draftsmith quantize: error: quant.bits: 3 is not supported; allowed values: [8, 4]"
