@@ -79,6 +79,8 @@ def test_smoke_pipeline_report_registry_and_cached_rerun(tmp_path):
     assert all(e["report_path"] == str(report_path.resolve()) and e["report_method"] == e["kind"]
                for e in promoted.values())
 
+    serve_from_the_pipelines_recommendations(report_path, report)
+
     again = run_pipeline(f"artifacts_root={tmp_path}", "wandb.mode=disabled")
     assert again.returncode == 0, again.stderr[-4000:]
     redone = stage_lines(again)
@@ -88,6 +90,32 @@ def test_smoke_pipeline_report_registry_and_cached_rerun(tmp_path):
     assert printed_report(again) == str(report_path)
     registry_again = json.loads((tmp_path / "targets" / fingerprint / "registry.json").read_text())
     assert len(registry_again["entries"]) == len(registry["entries"])
+
+
+def serve_from_the_pipelines_recommendations(report_path: Path, report: dict) -> None:
+    """The server runs from the pipeline's own recommendations.yaml: per domain, greedy requests are
+    proposed for by the recommended draft (in /metrics), or by none where speculation is off."""
+    import httpx
+
+    from serve_eval.eval.recommend import load_recommendations
+    from serve_eval.server.run import ServeConfig, build_app
+    from serve_eval.server.testing import ServerThread
+
+    routes = report_path.parent / "recommendations.yaml"
+    recs = load_recommendations(routes)
+    cfg = ServeConfig(num_gpu_blocks=128, recommendations=str(routes), batch_gate="off")
+    with ServerThread(build_app(report["target"]["path"], cfg)) as server, \
+            httpx.Client(base_url=server.base_url, timeout=120) as client:
+        for domain in DOMAINS:
+            r = client.post("/v1/completions", json={"prompt": "def main():", "max_tokens": 6, "temperature": 0,
+                                                     "ignore_eos": True, "domain": domain})
+            assert r.status_code == 200, r.text
+        metrics = client.get("/metrics").text
+    for domain in DOMAINS:
+        choice = recs.choose(domain, 0.0)
+        shown = f'spec_decode_num_drafts_by_draft_total{{domain="{domain}",method="{choice.method}"}}'
+        assert (shown in metrics) == choice.speculate, (domain, choice)
+        assert choice.speculate or f'by_draft_total{{domain="{domain}",' not in metrics
 
 
 def test_bad_stage_setting_fails_before_any_stage(tmp_path):
