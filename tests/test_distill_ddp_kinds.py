@@ -5,7 +5,7 @@ replicas end bitwise equal (sharded launchers: the export gathers the shards), a
 those weights and loads.
 
 Every job is a real subprocess started the way a user starts it (`python -m train.cli distill ...`). The
-tiny target and its distillation data are built once, in this process; the seven jobs then run at the
+tiny target and its distillation data are built once, in this process; the eight jobs then run at the
 same time (each waits on its own torchrun), which keeps the file within its time budget on 2 cores. The
 first job prepares target and data itself like a user's would (a cache hit); the others are handed this
 process's result the way the launcher hands it to its ranks (DRAFTSMITH_DISTILL_PREPARED), which saves
@@ -37,7 +37,7 @@ FAST = {"draft.data.max_new_tokens": "8", "draft.data.max_prompts": "40", "draft
         "draft.data.eval_fraction": "0.2", "++train.max_steps": str(STEPS), "++train.batch_size": str(BATCH),
         "++train.gradient_accumulation_steps": str(ACCUM), "++train.eval_batch_size": "8", "++train.log_every": "1"}
 JOBS = [("standalone", "ddp"), ("medusa", "ddp"), ("eagle", "ddp"), ("eagle3", "ddp"), ("eagle3", "deepspeed_zero2"),
-        ("eagle", "deepspeed_zero3"), ("eagle3", "fsdp")]
+        ("eagle", "deepspeed_zero3"), ("eagle3", "fsdp"), ("block", "ddp")]
 SHARDED = {"deepspeed_zero3", "fsdp"}  # parameters split across ranks: no per-rank digests, export gathers them
 DISTRIBUTED_TYPE = {"ddp": "DistributedType.MULTI_CPU", "fsdp": "DistributedType.FSDP"}  # else DEEPSPEED
 HAS_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
@@ -109,6 +109,8 @@ def _finite_outputs(kind: str, model: torch.nn.Module, target_dir: Path) -> torc
         if kind == "eagle":
             return model.forward_batch(input_ids, hidden_states[-1])[1]
         aux = torch.cat([hidden_states[i] for i in model.config.aux_layers], dim=-1)
+        if kind == "block":  # two blocks, rooted at positions 1 and 4
+            return model.anchor_forward(input_ids, aux, torch.tensor([[1, 4]]))
         return model.forward_batch(input_ids, aux)[1]
 
 
