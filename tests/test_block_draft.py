@@ -101,3 +101,16 @@ def test_plan_prices_the_block_draft_as_one_forward_per_round():
     assert rows[8]["block"].draft_cost_ms == pytest.approx(rows[4]["block"].draft_cost_ms)
     assert rows[8]["eagle"].draft_cost_ms == pytest.approx(2 * rows[4]["eagle"].draft_cost_ms)
     assert rows[4]["block"].tokens_per_call == pytest.approx(1 + 4 * 0.72)
+
+
+def test_pipeline_refuses_an_eval_k_above_the_block_before_any_stage():
+    """The embedded profile plans the block draft; a block shorter than the eval's K stops the job at the checks."""
+    from train.config import compose
+    from train.pipeline import check_stage_configs
+    from train.pipeline_distill import planned_kinds
+
+    cfg = compose([])
+    assert "block" in planned_kinds(cfg)
+    check_stage_configs(cfg)
+    with pytest.raises(ValueError, match=r"block_size: 3 proposes at most 2 tokens, but the eval asks for K=4"):
+        check_stage_configs(compose(["pipeline.drafts.block.block_size=3"]))

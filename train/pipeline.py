@@ -147,7 +147,7 @@ def check_stage_configs(cfg: DictConfig) -> list[str]:
     """The later stages' settings (pipeline.data/drafts/train/eval) fail now, not after the target trains;
     returns the recipe warnings (settings that work but waste a draft), logged here and kept for the report."""
     from train.pipeline_distill import draft_config, planned_kinds, trainer_node
-    from train.recipes import check_recipe, planned_target_vocab, recipe_warnings
+    from train.recipes import check_eval_ks, check_recipe, planned_target_vocab, recipe_warnings
 
     eval_ks: list[int] = []
     if "eval" in cfg.pipeline.stages:
@@ -159,6 +159,7 @@ def check_stage_configs(cfg: DictConfig) -> list[str]:
         dcfg = draft_config(cfg, kind)
         trainer_node(cfg, kind)
         check_recipe(kind, dcfg, vocab)
+        check_eval_ks(kind, dcfg, eval_ks)
         warnings += recipe_warnings(kind, dcfg, eval_ks)
     for line in warnings:
         warn_event(check="recipe", warning=line)

@@ -36,6 +36,19 @@ def check_recipe(kind: str, dcfg: Any, target_vocab: int | None) -> None:
             raise ValueError(f"draft.draft_vocab_coverage: {coverage} is outside (0, 1]")
         if dcfg.ttt_steps < 1:
             raise ValueError(f"draft.ttt_steps: {dcfg.ttt_steps} must be >= 1")
+    if kind == "block":
+        if dcfg.block_size < 2:
+            raise ValueError(f"draft.block_size: {dcfg.block_size} must be >= 2 (1 root + at least one mask)")
+        if dcfg.max_anchors < 1:
+            raise ValueError(f"draft.max_anchors: {dcfg.max_anchors} must be >= 1")
+
+
+def check_eval_ks(kind: str, dcfg: Any, eval_ks: list[int]) -> None:
+    """The block draft proposes at most block_size - 1 tokens: an eval K above that stops the job now (the
+    proposer would refuse it after the draft trained)."""
+    if kind == "block" and eval_ks and max(eval_ks) > dcfg.block_size - 1:
+        raise ValueError(f"pipeline.drafts.block.block_size: {dcfg.block_size} proposes at most {dcfg.block_size - 1} "
+                         f"tokens, but the eval asks for K={max(eval_ks)} (set block_size >= {max(eval_ks) + 1})")
 
 
 def planned_target_vocab(cfg: Any) -> int | None:
