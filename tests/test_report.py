@@ -40,7 +40,8 @@ def test_report_json_round_trips_with_schema(tmp_path):
     rep = scripted_report()
     files = write_report(rep, tmp_path)
     data = json.loads(files.json.read_text())
-    assert list(data) == ["schema_version", "target", "created", "config", "results", "skipped", "recommendations"]
+    assert list(data) == ["schema_version", "target", "created", "config", "results", "skipped", "recommendations",
+                          "parity"]
     assert data["schema_version"] == SCHEMA_VERSION
     assert data["target"] == {"path": "/models/tiny", "fingerprint": "abc123"}
     assert set(data["results"][0]) >= {"domain", "method", "K", "temperature", "alpha", "tau", "a_k", "ms_per_token",
@@ -179,3 +180,26 @@ def test_nan_metrics_become_null_and_invalid_rows_are_not_written(tmp_path):
     with pytest.raises(ReportSchemaError, match=r"results\[0\]\.ms_per_token"):
         write_report(bad, tmp_path / "bad", plots=False)
     assert not (tmp_path / "bad" / "report.json").exists()
+
+
+def test_parity_flags_a_served_tau_far_below_the_training_prediction(tmp_path):
+    """A draft trained on 2 positions with high accuracy, served at K=4 with tau 1.8: flagged, the cause
+    being positions beyond those trained; at K=2 within 0.5 it is not flagged; the section renders."""
+    import json as _json
+
+    from serve_eval.eval.parity import parity_rows
+    from serve_eval.eval.report_files import render_markdown
+
+    draft = tmp_path / "draft"
+    draft.mkdir()
+    (draft / "draftsmith.json").write_text(_json.dumps({"kind": "eagle3", "metrics": {
+        "eval/acc_pos1": 0.9, "eval/acc_pos2": 0.8, "steps": 400}}))
+    row = lambda K, tau: ResultRow("code", "eagle3", K, 0.0, 0.6, tau, [0.6] * K, 5.0, 200.0, 1.2, None,  # noqa: E731
+                                   None, None, None, None, None, None, 1, 0.0)
+    parity = parity_rows([row(4, 1.8), row(2, 2.4)], {"eagle3": str(draft)})
+    by_k = {p.K: p for p in parity}
+    assert by_k[4].flag.startswith("K=4 is longer than the 2 positions trained")
+    assert by_k[2].flag is None and by_k[2].simulated_tau == pytest.approx(1 + 0.9 + 0.72)
+    rep = Report(TargetInfo("t", "fp"), {}, [row(4, 1.8)], parity=[p.to_dict() for p in parity])
+    assert "## Training vs serving" in render_markdown(rep)
+    assert Report.from_dict(rep.to_dict()).parity == rep.parity

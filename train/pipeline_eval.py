@@ -130,6 +130,9 @@ def stage_report(ctx: PipelineContext) -> dict[str, Any]:
     table = render_table(header, summary_rows(report))
     skipped = [f"skipped: domain={s.domain} method={s.method}: {s.reason}" for s in report.skipped]
     skipped += [f"warning: {line}" for line in ctx.results.get("recipe_warnings", [])]
+    skipped += [f"parity: {p['method']} {p['domain']} K={p['K']} T={p['temperature']:g}: served tau "
+                f"{p['served_tau']:.2f} vs {p['simulated_tau']:.2f} from training: {p['flag']}"
+                for p in report.parity if p["flag"]]
     cost = "\n".join(ctx.results.get("cost_lines", []))  # (the cost stage's lines, if it ran)
     (out_dir / SUMMARY_FILE).write_text(f"```\n{table}\n```\n" + "".join(f"\n- {s}" for s in skipped) + "\n"
                                         + (f"\n```\n{cost}\n```\n" if cost else ""))

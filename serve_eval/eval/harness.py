@@ -24,6 +24,7 @@ from typing import Any
 
 from drafts.artifacts import Artifacts
 from serve_eval.eval.intervals import add_intervals
+from serve_eval.eval.parity import parity_rows
 from serve_eval.eval.recommend import Thresholds, recommend, write_recommendations
 from serve_eval.eval.report import BASELINE_METHOD, Report, ResultRow, SkippedEntry, TargetInfo
 from serve_eval.eval.report_files import ReportFiles, log_to_wandb, write_report
@@ -313,7 +314,8 @@ def assemble_report(cfg: EvalConfig, target_path: str, fingerprint: str, prompts
     recs = recommend(rows, Thresholds(cfg.min_alpha, cfg.min_speedup), fingerprint, drafts=drafts)
     config = {**asdict(cfg), "notes": notes, "prompts_per_domain": {d: len(p) for d, p in sorted(prompts.items())},
               "drafts": drafts}
-    return Report(TargetInfo(target_path, fingerprint), config, rows, skipped, recs.to_dict())
+    parity = [p.to_dict() for p in parity_rows(rows, drafts)]
+    return Report(TargetInfo(target_path, fingerprint), config, rows, skipped, recs.to_dict(), parity)
 
 
 # ----------------------------------------------------------------------------- outputs

@@ -73,6 +73,7 @@ class Report:
     results: list[ResultRow]
     skipped: list[SkippedEntry] = field(default_factory=list)
     recommendations: dict[str, Any] = field(default_factory=dict)  # recommend.Recommendations.to_dict()
+    parity: list[dict[str, Any]] = field(default_factory=list)       # parity.ParityRow.to_dict() per row
     created: str = field(default_factory=lambda: datetime.now(timezone.utc).isoformat(timespec="seconds"))
     schema_version: int = SCHEMA_VERSION
 
@@ -84,7 +85,7 @@ class Report:
                 if isinstance(row[key], float) and not math.isfinite(row[key]):
                     row[key] = None
         # Key order as documented: version first, so a reader sees at once what it is looking at.
-        order = ("schema_version", "target", "created", "config", "results", "skipped", "recommendations")
+        order = ("schema_version", "target", "created", "config", "results", "skipped", "recommendations", "parity")
         return {k: d[k] for k in order}
 
     @classmethod
@@ -118,8 +119,11 @@ class Report:
             if not isinstance(s, dict) or not all(isinstance(s.get(k), str) for k in ("domain", "method", "reason")):
                 raise ReportSchemaError(f"{source}: skipped[{i}] needs string fields domain, method, reason")
             skipped.append(SkippedEntry(s["domain"], s["method"], s["reason"]))
+        parity = d.get("parity", [])
+        if not isinstance(parity, list) or not all(isinstance(p, dict) for p in parity):
+            raise ReportSchemaError(f"{source}: field 'parity' must be a list of objects")
         return cls(TargetInfo(target["path"], target["fingerprint"]), d["config"], results, skipped,
-                   d["recommendations"], d["created"], version)
+                   d["recommendations"], parity, d["created"], version)
 
 
 def row_key(row: ResultRow) -> tuple[str, str, int, float]:

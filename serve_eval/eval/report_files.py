@@ -70,6 +70,7 @@ def render_markdown(report: Report, plot_files: dict[str, Path] | None = None) -
                 for r in spec_rows])
         lines.append("")
     lines += _recommendations_md(report.recommendations)
+    lines += _parity_md(report.parity)
     if report.skipped:
         lines += ["## Skipped", ""]
         lines += _table(["domain", "method", "reason"], [[s.domain, s.method, s.reason] for s in report.skipped])
@@ -94,6 +95,18 @@ def _recommendations_md(recs: dict[str, Any]) -> list[str]:
         str(e.get("K")), f"{_fmt(e.get('alpha'))} ({_fmt(e.get('alpha_low'))})",
         f"{_fmt(e.get('speedup'), '.2f')} ({_fmt(e.get('speedup_low'), '.2f')})", str(e.get("reason", ""))]
         for name, e in recommendation_entries(recs)])
+    return lines + [""]
+
+
+def _parity_md(parity: list[dict[str, Any]]) -> list[str]:
+    if not parity:
+        return []
+    lines = ["## Training vs serving", "",
+             "Per draft: tau its training run predicted (simulated from held-out per-position accuracy) beside "
+             "the served tau at the same K; a gap over 0.5 is flagged with its likeliest cause.", ""]
+    lines += _table(["method", "domain", "K", "T", "simulated tau", "served tau", "gap", "flag"], [[
+        p["method"], p["domain"], str(p["K"]), f"{p['temperature']:g}", f"{p['simulated_tau']:.2f}",
+        f"{p['served_tau']:.2f}", f"{p['gap']:+.2f}", p["flag"] or ""] for p in parity])
     return lines + [""]
 
 
