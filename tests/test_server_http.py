@@ -326,32 +326,26 @@ def test_priority_field_reaches_the_scheduler_tiers(ckpt):
         assert finished == ["high", "low"]
 
 
-class CrashingEngine(SlowEngine):
-    """Test double: the real engine whose step() raises from the 5th call on (an engine bug)."""
+class FailingEngine(SlowEngine):
+    """Test double: the real engine whose step() raises on the calls `fails(n)` picks (an engine bug)."""
 
-    def __init__(self, engine) -> None:
+    def __init__(self, engine, fails) -> None:
         super().__init__(engine, step_delay_s=0.0)
-        self.calls = 0
+        self.calls, self.fails = 0, fails
 
     def step(self):
         self.calls += 1
-        if self.calls >= 5:
+        if self.fails(self.calls):
             raise RuntimeError("simulated engine failure")
         return super().step()
 
 
-class FailOnceEngine(SlowEngine):
-    """Test double: the 5th step raises, every other step runs (a one-off engine bug)."""
+def CrashingEngine(engine) -> FailingEngine:   # every step from the 5th on
+    return FailingEngine(engine, lambda n: n >= 5)
 
-    def __init__(self, engine) -> None:
-        super().__init__(engine, step_delay_s=0.0)
-        self.calls = 0
 
-    def step(self):
-        self.calls += 1
-        if self.calls == 5:
-            raise RuntimeError("simulated engine failure")
-        return super().step()
+def FailOnceEngine(engine) -> FailingEngine:   # the 5th step only
+    return FailingEngine(engine, lambda n: n == 5)
 
 
 def test_a_failed_step_fails_its_requests_and_the_server_keeps_serving(ckpt):

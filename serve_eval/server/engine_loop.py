@@ -266,24 +266,13 @@ class EngineLoop:
         self._restart_times.append(now)
         while self._restart_times and now - self._restart_times[0] > self.config.restart_window_s:
             self._restart_times.popleft()
-        self._fail_tracked(f"engine step failed: {exc!r}")
+        self._abort_all(f"engine step failed: {exc!r}", failed=True)
         self.engine.abort_all()       # anything the loop did not track (e.g. added by call())
         self.engine.check_integrity()
         if len(self._restart_times) > self.config.max_restarts:
             raise RuntimeError(f"{len(self._restart_times)} failed engine steps within "
                                f"{self.config.restart_window_s:.0f} s; last: {exc!r}") from exc
         self._refresh_stats()
-
-    def _fail_tracked(self, reason: str) -> None:
-        for request_id, tracked in list(self._tracked.items()):
-            try:
-                self.engine.abort(request_id)
-            except Exception:  # noqa: BLE001 - keep failing the others
-                log.exception("abort of %s failed", request_id)
-            if self.metrics is not None:
-                self.metrics.request_finished("error", tracked.domain)
-            tracked.stream._deliver(Failed(request_id, reason))
-        self._tracked.clear()
 
     def _apply(self, commands: list[tuple]) -> None:
         for command in commands:
@@ -348,16 +337,17 @@ class EngineLoop:
                     self.metrics.request_finished(output.finish_reason or "unknown", tracked.domain)
             tracked.stream._deliver(output)
 
-    def _abort_all(self, reason: str, engine_usable: bool = True) -> None:
+    def _abort_all(self, reason: str, engine_usable: bool = True, failed: bool = False) -> None:
+        """End every tracked request: Aborted (shutdown, dead engine) or Failed (a failed step)."""
         for request_id, tracked in list(self._tracked.items()):
             if engine_usable:
                 try:
                     self.engine.abort(request_id)
-                except Exception:  # noqa: BLE001 - keep aborting the others
+                except Exception:  # noqa: BLE001 - keep ending the others
                     log.exception("abort of %s failed", request_id)
             if self.metrics is not None:
-                self.metrics.request_finished("abort", tracked.domain)
-            tracked.stream._deliver(Aborted(request_id, reason))
+                self.metrics.request_finished("error" if failed else "abort", tracked.domain)
+            tracked.stream._deliver((Failed if failed else Aborted)(request_id, reason))
         self._tracked.clear()
 
     def _fail_inbox(self) -> None:
