@@ -162,7 +162,8 @@ class BlockProposer(Proposer):
             return out
         states = [self._states[seqs[b].request_id] for b in ready]
         self._inject(states, rows)
-        logits = self._block_forward([seqs[b] for b in ready], states)  # [R, K_max, V]
+        # [R, K, V]: only the offsets some sequence asked for go through the head
+        logits = self._block_forward([seqs[b] for b in ready], states, max(num_tokens[b] for b in ready))
         for b, proposal in zip(ready, self._chains([seqs[b] for b in ready], [num_tokens[b] for b in ready], logits)):
             out[b] = proposal
         return out
@@ -205,8 +206,9 @@ class BlockProposer(Proposer):
         for state, r in zip(states, rows):
             state.num_committed += r.shape[0]
 
-    def _block_forward(self, seqs: list[SequenceView], states: list[_RequestState]) -> Tensor:
-        """One flattened forward of every ready sequence's query block -> draft logits [R, K_max, V] float32."""
+    def _block_forward(self, seqs: list[SequenceView], states: list[_RequestState], k: int) -> Tensor:
+        """One flattened forward of every ready sequence's (full, trained) query block -> draft logits of offsets
+        1..k [R, k, V] float32."""
         width, num = self.width, len(seqs)
         tree_mask = torch.ones(num * width, width, dtype=torch.bool, device=self.device)  # bidirectional block
         meta = AttentionMetadata.build([width] * num, [s.num_committed + width for s in states],
@@ -218,7 +220,7 @@ class BlockProposer(Proposer):
                      + torch.arange(width, device=self.device)).reshape(-1)
         out = self.draft(hidden, positions, self.cache.layer_attn_fns(meta, self.draft.config.decoder.head_dim))
         self.num_forwards += 1
-        return self.draft.compute_logits(out.view(num, width, -1)[:, 1:]).float()
+        return self.draft.compute_logits(out.view(num, width, -1)[:, 1:k + 1]).float()
 
     def _chains(self, seqs: list[SequenceView], counts: list[int], logits: Tensor) -> list[Proposal]:
         rows = torch.cat([logits[i, :k] for i, k in enumerate(counts)])  # [sum k, V]

@@ -1,0 +1,93 @@
+"""Proposal cost per round, block draft vs EAGLE-3, at batch 1, in the unit of ONE EAGLE-3 draft step.
+
+The unit ("one draft-layer forward") is an EAGLE-3 proposal at K = 1: one forward of its single decoder layer
+over the newly fed row, plus its LM head. Each proposer runs steady-state rounds the way the engine drives it:
+one new target row fed per round (one accepted token), propose K, verification drops the speculative entries.
+Weights are untrained (cost does not depend on their values), shaped from the target's config; serving form,
+fp32, one intra-op thread (the engine's choice for small models). Prints ms per round, that ratio, and the
+number of draft forwards per round (counted by a forward hook).
+
+    scripts/bench_block_cost.py --target artifacts/target-cache/<key> --ks 4 8 --block-layers 1 2
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from drafts.block import BlockDraft  # noqa: E402
+from drafts.eagle3 import Eagle3Draft  # noqa: E402
+from kernels.layers.config import hf_config_dict  # noqa: E402
+from serve_eval.spec.proposers.base import TargetFeatures  # noqa: E402
+from serve_eval.spec.proposers.block import BlockProposer  # noqa: E402
+from serve_eval.spec.proposers.eagle3 import Eagle3Proposer  # noqa: E402
+from serve_eval.spec.verify import VerifyResult  # noqa: E402
+
+
+class Runner:
+    """One sequence driven through steady-state rounds of one proposer (one new target row per round)."""
+
+    def __init__(self, proposer, width: int, k: int, prompt_len: int) -> None:
+        self.proposer, self.width, self.k = proposer, width, k
+        self.forwards, self.times = 0, []
+        proposer.draft.register_forward_hook(lambda *_: setattr(self, "forwards", self.forwards + 1))
+        self.seq = SimpleNamespace(request_id="r", token_ids=list(range(1, prompt_len + 1)),
+                                   params=SimpleNamespace(temperature=0.0, top_k=0, top_p=1.0), generator=None)
+        proposer.add_features("r", TargetFeatures(0, torch.zeros(prompt_len - 1, 1), torch.randn(prompt_len - 1, width)))
+
+    def round(self) -> None:
+        start = time.perf_counter()
+        self.proposer.propose([self.seq], [self.k])
+        self.times.append((time.perf_counter() - start) * 1e3)
+        self.proposer.on_accepted("r", VerifyResult([5], 0, []))
+        pos = len(self.seq.token_ids) - 1
+        self.seq.token_ids.append(5)
+        self.proposer.add_features("r", TargetFeatures(pos, torch.zeros(1, 1), torch.randn(1, self.width)))
+
+    def result(self, warmup: int) -> tuple[float, float]:
+        """(median ms per round after warm-up, draft forwards per round)."""
+        return statistics.median(self.times[warmup:]), self.forwards / len(self.times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--target", required=True, help="target checkpoint dir (its config shapes the drafts)")
+    parser.add_argument("--ks", type=int, nargs="+", default=[4, 8])
+    parser.add_argument("--block-layers", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--rounds", type=int, default=100)
+    parser.add_argument("--warmup", type=int, default=10)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    cfg = hf_config_dict(args.target)
+    width = 3 * int(cfg["hidden_size"])
+    eagle3 = Eagle3Draft.from_target_config(args.target)
+    runners = {("eagle3", 1): Runner(Eagle3Proposer.from_draft(eagle3), width, 1, args.prompt_len)}
+    for k in args.ks:
+        runners["eagle3", k] = Runner(Eagle3Proposer.from_draft(eagle3), width, k, args.prompt_len)
+        for layers in args.block_layers:
+            block = BlockDraft.from_target_config(args.target, num_layers=layers, block_size=max(args.ks) + 1)
+            runners[f"block {layers}-layer", k] = Runner(BlockProposer.from_draft(block), width, k, args.prompt_len)
+    order = list(runners.values())
+    for step in range(args.warmup + args.rounds):  # interleaved, rotated: load noise falls on every method alike
+        for runner in order[step % len(order):] + order[:step % len(order)]:
+            runner.round()
+    unit, _ = runners["eagle3", 1].result(args.warmup)
+    print(f"unit: one EAGLE-3 draft step (1 layer + head, K=1) = {unit:.3f} ms  (target {args.target}, "
+          f"prompt {args.prompt_len}, {args.rounds} interleaved rounds)")
+    print(f"{'draft':<16} {'K':>2} {'ms/round':>9} {'x unit':>7} {'forwards/round':>15}")
+    for (name, k), runner in runners.items():
+        ms, forwards = runner.result(args.warmup)
+        print(f"{name:<16} {k:>2} {ms:>9.3f} {ms / unit:>7.2f} {forwards:>15.2f}")
+
+
+if __name__ == "__main__":
+    main()
