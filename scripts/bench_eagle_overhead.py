@@ -142,10 +142,9 @@ def main() -> None:
         alpha = tau = share = "-"
         if name != "nospec":
             stats = engines[name].strategy.stats()
-            total = stats["total"]
-            alpha, tau = f"{total['alpha']:.2f}", f"{total['tau']:.2f}"
-            spent = stats["draft_time_s"] + stats["target_time_s"]
-            share = f"{stats['draft_time_s'] / spent:.0%}" if spent else "-"
+            alpha, tau = f"{stats.total.alpha:.2f}", f"{stats.total.tau:.2f}"
+            spent = stats.draft_time_s + stats.target_time_s
+            share = f"{stats.draft_time_s / spent:.0%}" if spent else "-"
         same = "-" if "nospec" not in outputs else str(outputs[name] == outputs["nospec"])
         print(f"{name:10} {ms:9.2f} {ratio:>10} {alpha:>6} {tau:>5} {share:>12} {same:>10}")
     print(f"load average before {load_before[0]:.2f} {load_before[1]:.2f} {load_before[2]:.2f}, "

@@ -193,8 +193,8 @@ def measure_acceptance(target: Path, name: str, draft: Path, prompts: dict[str, 
     with torch.no_grad():
         while engine.has_unfinished_requests():
             engine.step()
-    by_domain = engine.stats().spec["by_domain"]
-    return {d: (by_domain[d]["alpha"], by_domain[d]["tau"]) for d in prompts if d in by_domain}
+    by_domain = engine.stats().spec.by_domain
+    return {d: (by_domain[d].alpha, by_domain[d].tau) for d in prompts if d in by_domain}
 
 
 def memory_bytes(draft: Path) -> int:

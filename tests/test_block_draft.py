@@ -84,10 +84,10 @@ def test_one_draft_forward_per_round_whatever_k(world, k):
     proposer.draft.register_forward_hook(lambda _m, args, _out: calls.append(args[0].shape[0]))  # block tokens
     prompts, _ = workload(1, seed=3, max_len=12)
     run_engine(engine, prompts, [SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)])
-    total = engine.stats().spec["total"]
-    assert total["rounds"] > 0 and len(calls) == total["rounds"]  # batch 1: one draft forward per round
+    total = engine.stats().spec.total
+    assert total.num_rounds > 0 and len(calls) == total.num_rounds  # batch 1: one draft forward per round
     assert set(calls) == {proposer.draft.config.block_size}  # the same block whatever K
-    assert len(total["acceptance_by_position"]) <= k
+    assert len(total.acceptance_by_position) <= k
     assert proposer.cache.manager.pool.num_used_blocks == 0
 
 

@@ -13,8 +13,9 @@ import httpx
 import pytest
 
 from serve_eval.eval import endpoint
-from serve_eval.eval.endpoint import (SpecCounters, parse_prometheus, read_spec_counters, run_endpoint_eval,
-                                      spec_stats_from_counters, stream_completion)
+from serve_eval.eval.endpoint import (parse_prometheus, read_spec_counters, run_endpoint_eval, spec_stats_of_run,
+                                      stream_completion)
+from serve_eval.spec.metrics import SpecStats
 from serve_eval.eval.runners import RunSpec
 from serve_eval.schemas import EndpointEntry, EvalConfig
 
@@ -33,9 +34,10 @@ vllm:num_requests_running{engine="0",model_name="m"} 0.0
 def test_read_vllm_counters_and_derive_alpha_tau_ak():
     """vLLM's counters -> SpecStats: alpha = accepted / draft tokens, tau = 1 + accepted / drafts,
     a_k = accepted at position k / drafts."""
-    counters = read_spec_counters(VLLM_PAGE)
-    assert counters == SpecCounters(40.0, 120.0, 60.0, [30.0, 20.0, 10.0])
-    stats = spec_stats_from_counters(counters.minus(SpecCounters(0.0, 0.0, 0.0, [])), K=3)
+    counters = read_spec_counters(VLLM_PAGE, K=3)
+    assert (counters.num_rounds, counters.num_proposed, counters.num_accepted) == (40, 120, 60)
+    assert counters.accepted_by_position == [30, 20, 10]
+    stats = spec_stats_of_run(SpecStats(), counters)
     assert stats.alpha == pytest.approx(0.5)
     assert stats.tau == pytest.approx(2.5)
     assert stats.acceptance_by_position == pytest.approx([0.75, 0.5, 0.25])
@@ -54,11 +56,10 @@ def test_draftsmith_naming_sums_domains_and_handles_missing_drafts_counter():
         'draftsmith:spec_decode_num_accepted_tokens_per_pos_total{domain="code",position="1"} 2',
     ])
     assert parse_prometheus(page)["draftsmith:spec_decode_num_draft_tokens_total"][1][0] == {"domain": 'chat "x"'}
-    counters = read_spec_counters(page)
-    assert counters == SpecCounters(None, 12.0, 6.0, [4.0, 2.0])
-    stats = spec_stats_from_counters(counters, K=2)
+    stats = read_spec_counters(page, K=2)
     assert (stats.num_rounds, stats.alpha, stats.acceptance_by_position) == (6, 0.5, [4 / 6, 2 / 6])
-    assert read_spec_counters("vllm:num_requests_running 0\n") is None
+    assert read_spec_counters("vllm:num_requests_running 0\n", K=2) is None
+    assert spec_stats_of_run(stats, stats) is None   # a run that proposed nothing
 
 
 def test_stream_timing_math_on_a_scripted_clock(monkeypatch):

@@ -138,7 +138,7 @@ def test_greedy_speculation_is_exact_for_a_yarn_target(target, drafts, kind):
     outs = run_engine(engine, prompts, params)
     for rid, tokens in ref.items():
         assert outs[rid].output_token_ids == tokens, f"{kind}: request {rid} diverged"
-    assert engine.stats().spec["total"]["rounds"] > 0
+    assert engine.stats().spec.total.num_rounds > 0
 
 
 def test_engine_target_is_the_shared_causal_lm_fused_in_place(target):

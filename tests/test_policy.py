@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from serve_eval.spec.policy import SpecPolicy, SpecPolicyConfig, best_k, expected_speedup
+from serve_eval.spec.metrics import expected_speedup
+from serve_eval.spec.policy import SpecPolicy, SpecPolicyConfig, best_k
 
 
 def config(**overrides) -> SpecPolicyConfig:

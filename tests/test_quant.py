@@ -150,7 +150,7 @@ def test_quantized_draft_speculates_with_greedy_output_identical_to_no_spec(draf
     engine = LLMEngine(EngineConfig(str(target), num_gpu_blocks=64), speculative=spec)
     got = run_engine(engine, prompts, params)
     assert {r: o.output_token_ids for r, o in got.items()} == {r: o.output_token_ids for r, o in plain.items()}
-    assert engine.stats().spec["total"]["rounds"] > 0
+    assert engine.stats().spec.total.num_rounds > 0
     if kind == "standalone":  # the draft executor's weight accounting is the quantized size
         dense = LLMEngine(EngineConfig(str(target), num_gpu_blocks=64), speculative=SpecConfig(
             kind, draft_path=str(dirs[kind]), num_speculative_tokens=3, draft_dtype="bfloat16"))

@@ -40,9 +40,9 @@ def test_int8_standalone_draft_keeps_the_target_joint_at_t1(tmp_path):
     mlp = executor.model.model.layers[0].serving_ops.mlp  # partial(swiglu, gate_up, down)
     assert {linear.mode for linear in mlp.args} == {"int8-kernel"}, "the draft must run on the int8 kernel"
     pairs = sample_pairs(engine, {SETTING: (temperature, top_p, n)})[SETTING]
-    total = engine.stats().spec["total"]
-    a1, a2 = total["acceptance_by_position"]
-    assert min(1 - a1, a1 - a2, a2) > 0.05, total["acceptance_by_position"]  # every accept/reject path taken
+    total = engine.stats().spec.total
+    a1, a2 = total.acceptance_by_position
+    assert min(1 - a1, a1 - a2, a2) > 0.05, total.acceptance_by_position  # every accept/reject path taken
     exact = exact_pair_joint(target, temperature, top_p)
     counts = pair_counts(pairs)
     fit = chi_square_fit(counts, exact, ALPHA, TV)

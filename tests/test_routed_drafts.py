@@ -36,8 +36,8 @@ def test_each_domain_speculates_with_its_recommended_draft_and_output_is_exact(t
     assert rounds.get(("unseen", "ngram"), 0) > 0            # the default choice
     assert not any(domain == "prose" for domain, _ in rounds)  # recommended off: plain decoding
     assert not any(method == "eagle" and domain != "chat" for domain, method in rounds)
-    by_domain = engine.stats().spec["by_domain"]
-    assert "prose" not in by_domain and by_domain["code"]["rounds"] > 0
+    by_domain = engine.stats().spec.by_domain
+    assert "prose" not in by_domain and by_domain["code"].num_rounds > 0
 
 
 def test_a_sampled_request_follows_the_temperature_choice(tmp_path):
@@ -50,8 +50,8 @@ def test_a_sampled_request_follows_the_temperature_choice(tmp_path):
               SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)]
     run_engine(engine, prompts, params, ["chat", "chat"])
     stats = engine.stats().spec
-    assert stats["rounds_by_draft"].get("chat/eagle", 0) > 0
-    assert stats["by_domain"]["chat"]["rounds"] <= 12   # only the greedy request's rounds
+    assert stats.rounds_by_draft.get(("chat", "eagle"), 0) > 0
+    assert stats.by_domain["chat"].num_rounds <= 12   # only the greedy request's rounds
 
 
 def test_the_server_serves_from_a_recommendations_file_and_shows_the_choice(tmp_path):

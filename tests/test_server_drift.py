@@ -13,6 +13,7 @@ from serve_eval.eval.report import Report, ResultRow, TargetInfo
 from serve_eval.eval.report_files import write_report
 from serve_eval.server.drift import DriftConfig, DriftEvent, DriftMonitor, DriftSettings, wilson_upper
 from serve_eval.server.prom import parse_text
+from serve_eval.spec.metrics import SpecEngineStats, SpecStats
 from server_helpers import make_engine, serve, tiny_checkpoint
 
 K = 4
@@ -87,8 +88,8 @@ class ScriptedSpecEngine:
 
     def stats(self):
         stats = self._engine.stats()
-        stats.spec = {"by_domain": {d: {"rounds": p // K, "proposed": p, "accepted": a}
-                                    for d, (p, a) in self.totals.items()}}
+        by_domain = {d: SpecStats(num_rounds=p // K, num_proposed=p, num_accepted=a) for d, (p, a) in self.totals.items()}
+        stats.spec = SpecEngineStats("eagle", SpecStats(), by_domain, {}, {})
         return stats
 
     def __getattr__(self, name):

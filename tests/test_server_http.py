@@ -465,7 +465,7 @@ def test_spec_counters_are_exposed_per_domain_and_position():
     position, each labelled by domain."""
     from serve_eval.engine.outputs import EngineStats
     from serve_eval.server.metrics import ServerMetrics
-    from serve_eval.spec.metrics import SpecStats
+    from serve_eval.spec.metrics import SpecEngineStats, SpecStats
 
     code, chat = SpecStats(), SpecStats()
     code.record_round(4, 3)
@@ -473,7 +473,8 @@ def test_spec_counters_are_exposed_per_domain_and_position():
     chat.record_round(2, 0)
     stats = EngineStats(num_running=1, num_waiting=2, num_swapped=0, kv_blocks_total=10, kv_blocks_used=4,
                         kv_blocks_cached=1, kv_blocks_free=5, prefix_cache_hit_rate=0.25, num_preemptions=3,
-                        num_swap_preemptions=1, num_steps=7, spec={"code": code, "chat": chat})
+                        num_swap_preemptions=1, num_steps=7,
+                        spec=SpecEngineStats("eagle", SpecStats(), {"code": code, "chat": chat}, {}, {}))
     server_metrics = ServerMetrics()
     server_metrics.update_from_engine(stats)
     samples = parse_text(server_metrics.render())

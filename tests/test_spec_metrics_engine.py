@@ -86,14 +86,14 @@ def test_hand_computed_alpha_tau_ak(target, tree):
     for rid, domain in (("r0", "code"), ("r1", "chat")):
         assert outs[rid].output_token_ids == ref[rid]
         alpha, tau, a_k = expected(script[rid], nodes)
-        for got in (outs[rid].spec.to_dict(), stats["by_domain"][domain]):
+        for got in (outs[rid].spec.to_dict(), stats.by_domain[domain].to_dict()):
             assert got["rounds"] == len(script[rid])
             assert got["proposed"] == nodes * len(script[rid])
             assert math.isclose(got["alpha"], alpha) and math.isclose(got["tau"], tau)
             assert got["acceptance_by_position"] == pytest.approx(a_k)
     both = script["r0"] + script["r1"]
     alpha, tau, a_k = expected(both, nodes)
-    total = stats["total"]
+    total = stats.total.to_dict()
     assert math.isclose(total["alpha"], alpha) and math.isclose(total["tau"], tau)
     assert total["acceptance_by_position"] == pytest.approx(a_k)
     assert total["draft_time_s"] > 0 and total["target_time_s"] > 0
@@ -133,4 +133,4 @@ def test_fallback_switches_a_bad_domain_off_and_probes_again(target):
     assert back_on - first_off == 6, "probe after probe_after_steps plain steps"
     calls_while_off = {c for c, e in seen[first_off:back_on]}
     assert calls_while_off == {4}, "no proposals while the domain is off"
-    assert engine.stats().spec["policy"]["math"]["probe_wait"] >= 6
+    assert engine.stats().spec.policy["math"]["probe_wait"] >= 6

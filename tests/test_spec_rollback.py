@@ -93,8 +93,8 @@ def test_caches_hold_exactly_the_accepted_tokens(dirs, kind):
     run_engine(engine, prompts, params, check=check)
     assert engine.kv.pool.num_used_blocks == 0
     assert checked["target"] > 20
-    stats = engine.stats().spec["total"]
-    assert 0 < stats["accepted"] < stats["proposed"], "want a mix of accepts and rejects"
+    stats = engine.stats().spec.total
+    assert 0 < stats.num_accepted < stats.num_proposed, "want a mix of accepts and rejects"
     if kind.startswith("oracle"):
         assert engine.scheduler.num_preemptions > 0
     if fresh_draft is not None:

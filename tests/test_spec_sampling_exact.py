@@ -163,7 +163,7 @@ def run_mode(models, mode: str) -> tuple[dict[str, np.ndarray], dict]:
     if mode == "chain":
         misreport_draft_rows(engine.strategy.proposer, BAD + "/", BAD_POWER)
     pairs = sample_pairs(engine, groups)
-    return pairs, engine.stats().spec["total"]
+    return pairs, engine.stats().spec.total
 
 
 @pytest.fixture(scope="module")
@@ -194,10 +194,10 @@ def test_first_two_speculated_tokens_follow_the_target_joint(runs, exact, mode, 
     joint: chi-square at alpha 0.001 with power >= 0.9 against any TV-0.02 error (see the module
     docstring); the same samples against a joint moved by TV 0.03 the worst way are rejected."""
     pairs, total = runs(mode)
-    assert total["rounds"] >= sum(len(p) for p in pairs.values()), "some requests did not speculate"
-    a1, a2 = total["acceptance_by_position"]
+    assert total.num_rounds >= sum(len(p) for p in pairs.values()), "some requests did not speculate"
+    a1, a2 = total.acceptance_by_position
     # Rounds accepting no draft, exactly one and two all occur (a_1 also counts the K = 1 rounds).
-    assert min(1 - a1, a1 - a2, a2) > 0.05, total["acceptance_by_position"]
+    assert min(1 - a1, a1 - a2, a2) > 0.05, total.acceptance_by_position
     counts = pair_counts(pairs[setting])
     fit = chi_square_fit(counts, exact[setting], ALPHA, TV)
     assert fit.power >= MIN_POWER, f"design: power {fit.power:.3f} (df {fit.df}) against TV {TV}"

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import NamedTuple, Protocol
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 import torch
 
@@ -25,6 +25,9 @@ from serve_eval.engine.sampling_params import SamplingParams
 from serve_eval.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from serve_eval.engine.threads import ThreadChoice, apply_threads, choose_threads, estimate_num_params
 
+
+if TYPE_CHECKING:
+    from serve_eval.spec.metrics import SpecEngineStats
 
 @dataclass
 class EngineConfig:
@@ -63,9 +66,13 @@ class StepResult(NamedTuple):
 
 
 class StepStrategy(Protocol):
-    max_lookahead_tokens: int
+    """The engine's seam for how a step runs: plain decoding (DefaultStrategy) or speculative."""
+    max_lookahead_tokens: int           # KV slots a sequence may reserve beyond its scheduled tokens
+
     def before_schedule(self, engine: "LLMEngine") -> None: ...
     def execute(self, engine: "LLMEngine", out: SchedulerOutput) -> StepResult: ...
+    def after_step(self, engine: "LLMEngine", out: SchedulerOutput, outputs: list[RequestOutput]) -> None: ...
+    def stats(self) -> "SpecEngineStats | None": ...
 
 
 class DefaultStrategy:
@@ -74,6 +81,12 @@ class DefaultStrategy:
 
     def before_schedule(self, engine: "LLMEngine") -> None:
         pass
+
+    def after_step(self, engine: "LLMEngine", out: SchedulerOutput, outputs: list[RequestOutput]) -> None:
+        pass
+
+    def stats(self) -> None:
+        return None
 
     def execute(self, engine: "LLMEngine", out: SchedulerOutput) -> StepResult:
         batch = engine.prepare_batch(out)
@@ -242,9 +255,7 @@ class LLMEngine:
             return []
         result = self.strategy.execute(self, out)
         outputs = self._update(out, result)
-        after_step = getattr(self.strategy, "after_step", None)   # e.g. release finished requests' draft state
-        if after_step is not None:
-            after_step(self, out, outputs)
+        self.strategy.after_step(self, out, outputs)   # e.g. release finished requests' draft state
         self.num_steps += 1
         self.step_time_s += time.perf_counter() - t_start
         return outputs
@@ -362,7 +373,7 @@ class LLMEngine:
         metrics = RequestMetrics(seq.arrival_time, seq.first_token_time, seq.token_times, seq.finished_time)
         return RequestOutput(seq.request_id, seq.prompt_token_ids, seq.output_token_ids, new,
                              seq.is_finished, seq.finish_reason, metrics,
-                             spec=getattr(seq, "spec_stats", None),   # set by a speculative strategy
+                             spec=seq.spec_stats,   # set by a speculative strategy
                              _detokenize=detok, _text_limit=seq.stop_text_len)
 
     # -- stats ---------------------------------------------------------------------------
@@ -375,4 +386,4 @@ class LLMEngine:
             kv_blocks_free=pool.num_free_blocks - pool.num_cached_free,
             prefix_cache_hit_rate=self.kv.prefix_hit_rate, num_preemptions=self.scheduler.num_preemptions,
             num_swap_preemptions=self.scheduler.num_swap_preemptions, num_steps=self.num_steps,
-            spec=getattr(self.strategy, "stats", lambda: {})(), num_threads=self.threads.count)
+            spec=self.strategy.stats(), num_threads=self.threads.count)

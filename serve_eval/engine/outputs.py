@@ -2,7 +2,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Callable
+
+if TYPE_CHECKING:   # the speculative package fills these; the engine only carries them
+    from serve_eval.spec.metrics import SpecEngineStats, SpecStats
 
 
 @dataclass
@@ -30,7 +33,7 @@ class RequestOutput:
     finished: bool
     finish_reason: str | None           # "stop" | "length" | "abort" | None
     metrics: RequestMetrics
-    spec: Any = None                    # SpecRequestStats when speculative decoding runs
+    spec: "SpecStats | None" = None     # this request's rounds when speculative decoding runs
     # Decoding every request every step would cost more than the scheduler; text is
     # decoded on first access (or given eagerly when a stop string already needed it).
     _detokenize: Callable[[list[int]], str] | None = field(default=None, repr=False)
@@ -59,5 +62,5 @@ class EngineStats:
     num_preemptions: int
     num_swap_preemptions: int
     num_steps: int
-    spec: dict = field(default_factory=dict)   # filled by a speculative strategy (by domain, by position)
+    spec: "SpecEngineStats | None" = None      # the speculative strategy's counters; None without one
     num_threads: int = 0          # intra-op threads the engine chose (EngineConfig.num_threads)

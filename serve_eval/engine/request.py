@@ -4,10 +4,14 @@ from __future__ import annotations
 import enum
 import itertools
 import time
+from typing import TYPE_CHECKING
 
 import torch
 
 from serve_eval.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from serve_eval.spec.metrics import SpecStats
 
 
 class SequenceStatus(enum.Enum):
@@ -62,6 +66,7 @@ class Sequence:
         self.stop_text_len: int | None = None   # text truncated here when a stop string hit
         self.first_token_time: float | None = None
         self.token_times: list[float] = []
+        self.spec_stats: SpecStats | None = None   # this request's speculative rounds (set by the strategy)
         self.finished_time: float | None = None
 
     # -- views ---------------------------------------------------------------------

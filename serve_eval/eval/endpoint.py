@@ -18,7 +18,7 @@ import re
 import time
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import httpx
@@ -54,24 +54,6 @@ def parse_prometheus(text: str) -> dict[str, list[tuple[dict[str, str], float]]]
     return dict(out)
 
 
-@dataclass
-class SpecCounters:
-    """Cumulative speculative-decoding counters of a server (summed over all label sets)."""
-
-    num_drafts: float | None = None          # rounds; None when the server does not export it
-    num_draft_tokens: float = 0.0
-    num_accepted_tokens: float = 0.0
-    accepted_per_pos: list[float] = field(default_factory=list)   # [k]: accepted at 0-based position k
-
-    def minus(self, before: "SpecCounters") -> "SpecCounters":
-        drafts = None if self.num_drafts is None or before.num_drafts is None else self.num_drafts - before.num_drafts
-        width = max(len(self.accepted_per_pos), len(before.accepted_per_pos))
-        pad = lambda xs: list(xs) + [0.0] * (width - len(xs))  # noqa: E731
-        return SpecCounters(drafts, self.num_draft_tokens - before.num_draft_tokens,
-                            self.num_accepted_tokens - before.num_accepted_tokens,
-                            [a - b for a, b in zip(pad(self.accepted_per_pos), pad(before.accepted_per_pos))])
-
-
 def _family(samples: dict[str, list], prefix: str, name: str) -> list[tuple[dict[str, str], float]] | None:
     """Samples of a counter, exposed as `<name>_total` (OpenMetrics) or bare `<name>`."""
     for key in (f"{prefix}{name}_total", f"{prefix}{name}"):
@@ -80,8 +62,10 @@ def _family(samples: dict[str, list], prefix: str, name: str) -> list[tuple[dict
     return None
 
 
-def read_spec_counters(text: str) -> SpecCounters | None:
-    """The spec-decode counters of a /metrics page, or None when it has none (no speculation)."""
+def read_spec_counters(text: str, K: int) -> SpecStats | None:
+    """A server's cumulative spec-decode counters (vLLM's or ours, summed over label sets) as a SpecStats,
+    or None when its /metrics has none. Without a drafts counter, rounds = draft tokens / K (chains);
+    chains propose every position 1..K each round."""
     samples = parse_prometheus(text)
     for prefix in METRIC_PREFIXES:
         draft_tokens = _family(samples, prefix, "spec_decode_num_draft_tokens")
@@ -93,30 +77,19 @@ def read_spec_counters(text: str) -> SpecCounters | None:
         for labels, value in _family(samples, prefix, "spec_decode_num_accepted_tokens_per_pos") or []:
             if labels.get("position", "").isdigit():
                 per_pos[int(labels["position"])] += value
-        width = max(per_pos) + 1 if per_pos else 0
-        return SpecCounters(None if drafts is None else sum(v for _, v in drafts),
-                            sum(v for _, v in draft_tokens), sum(v for _, v in accepted),
-                            [per_pos.get(k, 0.0) for k in range(width)])
+        proposed = int(round(sum(v for _, v in draft_tokens)))
+        rounds = int(round(sum(v for _, v in drafts))) if drafts is not None else (proposed // K if K > 0 else 0)
+        positions = max(K, max(per_pos) + 1 if per_pos else 0) if per_pos else 0
+        return SpecStats(num_rounds=rounds, num_proposed=proposed, num_accepted=int(round(sum(v for _, v in accepted))),
+                         proposed_by_position=[rounds] * positions,
+                         accepted_by_position=[int(round(per_pos.get(k, 0.0))) for k in range(positions)])
     return None
 
 
-def spec_stats_from_counters(delta: SpecCounters, K: int) -> SpecStats | None:
-    """Counter deltas -> SpecStats (chains: every round proposes positions 1..K). Rounds come from
-    `num_drafts`, else draft tokens / K. None when nothing was proposed."""
-    if delta.num_draft_tokens <= 0:
-        return None
-    rounds = delta.num_drafts if delta.num_drafts is not None else (delta.num_draft_tokens / K if K > 0 else 0)
-    rounds = int(round(rounds))
-    if rounds <= 0:
-        return None
-    positions = max(K, len(delta.accepted_per_pos))
-    stats = SpecStats(num_rounds=rounds, num_proposed=int(round(delta.num_draft_tokens)),
-                      num_accepted=int(round(delta.num_accepted_tokens)))
-    if delta.accepted_per_pos:
-        stats.proposed_by_position = [rounds] * positions
-        stats.accepted_by_position = [int(round(a)) for a in delta.accepted_per_pos] + \
-            [0] * (positions - len(delta.accepted_per_pos))
-    return stats
+def spec_stats_of_run(before: SpecStats, after: SpecStats) -> SpecStats | None:
+    """The rounds a run added to a server's counters; None when it proposed nothing."""
+    delta = after.minus(before)
+    return delta if delta.num_proposed > 0 and delta.num_rounds > 0 else None
 
 
 # ----------------------------------------------------------------------------- streaming client
@@ -197,12 +170,12 @@ class EndpointRunner:
         self.target, self.method, self.K = target, target.name, target.K
         self.client = httpx.Client(headers=target.headers)
 
-    def _counters(self) -> SpecCounters | None:
+    def _counters(self) -> SpecStats | None:
         try:
             resp = self.client.get(self.target.metrics_url, timeout=10.0)
         except httpx.HTTPError:
             return None
-        return read_spec_counters(resp.text) if resp.status_code == 200 else None
+        return read_spec_counters(resp.text, self.K) if resp.status_code == 200 else None
 
     def run(self, prompts: list[str], spec: RunSpec, domain: str) -> RunResult:
         t = self.target
@@ -220,7 +193,7 @@ class EndpointRunner:
         after = self._counters()
         totals, notes = None, []
         if before is not None and after is not None:
-            totals = spec_stats_from_counters(after.minus(before), t.K)
+            totals = spec_stats_of_run(before, after)
         elif t.K > 0:
             notes.append(f"{t.metrics_url}: no spec-decode counters; alpha and a_k not measured")
         return RunResult(records, wall, None, None, None, spec_totals=totals, notes=notes)

@@ -60,9 +60,8 @@ class Runner(Protocol):
 
 def _spec_totals(engine: Any) -> tuple[float, float]:
     """(draft_s, target_s) the speculative strategy has charged so far, (0, 0) when it reports none."""
-    stats = engine.stats().spec or {}
-    total = stats.get("total", stats) if isinstance(stats, dict) else {}
-    return float(total.get("draft_time_s", 0.0) or 0.0), float(total.get("target_time_s", 0.0) or 0.0)
+    spec = engine.stats().spec
+    return (spec.total.draft_time_s, spec.total.target_time_s) if spec is not None else (0.0, 0.0)
 
 
 class EngineRunner:

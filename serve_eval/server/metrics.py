@@ -13,11 +13,11 @@ import collections
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
 
 from serve_eval.server.drift import DriftMonitor
 from serve_eval.server.prom import Registry
-from serve_eval.spec.metrics import DEFAULT_DOMAIN   # the label of requests without a domain
+from serve_eval.engine.outputs import EngineStats
+from serve_eval.spec.metrics import DEFAULT_DOMAIN, SpecStats   # DEFAULT_DOMAIN: requests without a domain
 
 PREFIX = "draftsmith:"
 
@@ -28,16 +28,8 @@ _ITL_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.1
 
 
 @dataclass
-class SpecCounts:
-    num_drafts: int = 0
-    num_draft_tokens: int = 0
-    num_accepted_tokens: int = 0
-    num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
-
-
-@dataclass
 class EngineFigures:
-    """The engine stats the server needs, read defensively (absent fields read as 0)."""
+    """The engine stats the server exposes (zeros before the first stats, or for a test double)."""
     num_running: int = 0
     num_waiting: int = 0
     num_swapped: int = 0
@@ -46,7 +38,7 @@ class EngineFigures:
     kv_blocks_free: int = 0
     prefix_cache_hit_rate: float = 0.0
     num_preemptions: int = 0
-    spec_by_domain: dict[str, SpecCounts] = field(default_factory=dict)
+    spec_by_domain: dict[str, SpecStats] = field(default_factory=dict)
     rounds_by_draft: dict[tuple[str, str], int] = field(default_factory=dict)   # (domain, method), routed
 
     @property
@@ -54,57 +46,17 @@ class EngineFigures:
         return self.kv_blocks_used + self.kv_blocks_cached + self.kv_blocks_free
 
 
-def _first(obj: Any, names: tuple[str, ...], default: Any = 0) -> Any:
-    for name in names:
-        value = obj.get(name) if isinstance(obj, dict) else getattr(obj, name, None)
-        if value is not None:
-            return value
-    return default
-
-
-def _spec_counts(raw: Any) -> SpecCounts:
-    # serve_eval.spec.metrics.SpecStats (object or its to_dict()), vLLM's names as a fallback.
-    per_pos = _first(raw, ("accepted_by_position", "num_accepted_tokens_per_pos"), [])
-    return SpecCounts(
-        num_drafts=int(_first(raw, ("num_rounds", "rounds", "num_drafts"))),
-        num_draft_tokens=int(_first(raw, ("num_proposed", "proposed", "num_draft_tokens"))),
-        num_accepted_tokens=int(_first(raw, ("num_accepted", "accepted", "num_accepted_tokens"))),
-        num_accepted_tokens_per_pos=[int(x) for x in per_pos])
-
-
-def read_engine_stats(stats: Any) -> EngineFigures:
+def read_engine_stats(stats: EngineStats | None) -> EngineFigures:
     if stats is None:
         return EngineFigures()
-    # engine.stats().spec is the speculative strategy's stats(): {"by_domain": {domain:
-    # SpecStats.to_dict()}, "total": ..., ...}; a bare {domain: SpecStats} is read too.
-    spec_raw = _first(stats, ("spec_by_domain", "spec"), None)
-    if isinstance(spec_raw, dict) and "by_domain" in spec_raw:
-        spec_raw = spec_raw["by_domain"]
-    elif isinstance(spec_raw, dict) and not spec_raw:
-        spec_raw = None
-    spec: dict[str, SpecCounts] = {}
-    if isinstance(spec_raw, dict):
-        for domain, raw in spec_raw.items():
-            spec[DEFAULT_DOMAIN if domain in (None, "") else str(domain)] = _spec_counts(raw)
-    elif spec_raw is not None:
-        spec[DEFAULT_DOMAIN] = _spec_counts(spec_raw)
+    spec = stats.spec
     return EngineFigures(
-        num_running=int(_first(stats, ("num_running", "running"))),
-        num_waiting=int(_first(stats, ("num_waiting", "waiting"))),
-        num_swapped=int(_first(stats, ("num_swapped", "swapped"))),
-        kv_blocks_used=int(_first(stats, ("kv_blocks_used", "num_used_blocks", "used_blocks"))),
-        kv_blocks_cached=int(_first(stats, ("kv_blocks_cached", "num_cached_blocks", "cached_blocks"))),
-        kv_blocks_free=int(_first(stats, ("kv_blocks_free", "num_free_blocks", "free_blocks"))),
-        prefix_cache_hit_rate=float(_first(stats, ("prefix_cache_hit_rate", "prefix_hit_rate"), 0.0)),
-        num_preemptions=int(_first(stats, ("num_preemptions", "preemptions"))),
-        spec_by_domain=spec,
-        rounds_by_draft=_rounds_by_draft(_first(stats, ("spec",), None)))
-
-
-def _rounds_by_draft(spec: Any) -> dict[tuple[str, str], int]:
-    """The strategy's {"domain/method": rounds} of a server holding several drafts."""
-    raw = spec.get("rounds_by_draft", {}) if isinstance(spec, dict) else {}
-    return {tuple(key.split("/", 1)): int(n) for key, n in raw.items()}
+        num_running=stats.num_running, num_waiting=stats.num_waiting, num_swapped=stats.num_swapped,
+        kv_blocks_used=stats.kv_blocks_used, kv_blocks_cached=stats.kv_blocks_cached,
+        kv_blocks_free=stats.kv_blocks_free, prefix_cache_hit_rate=stats.prefix_cache_hit_rate,
+        num_preemptions=stats.num_preemptions,
+        spec_by_domain=dict(spec.by_domain) if spec is not None else {},
+        rounds_by_draft=dict(spec.rounds_by_draft) if spec is not None else {})
 
 
 class TokenRateWindow:
@@ -177,7 +129,7 @@ class ServerMetrics:
     def request_finished(self, reason: str, domain: str | None) -> None:
         self.request_success.inc(finished_reason=reason, domain=domain or DEFAULT_DOMAIN)
 
-    def update_from_engine(self, stats: Any) -> None:
+    def update_from_engine(self, stats: EngineStats | None) -> None:
         figures = read_engine_stats(stats)
         self.running.set(figures.num_running)
         self.waiting.set(figures.num_waiting)
@@ -190,16 +142,15 @@ class ServerMetrics:
         self.prefix_hit_rate.set(figures.prefix_cache_hit_rate)
         self.preemptions.set_total(figures.num_preemptions)
         # Zeros rather than absence when the engine runs without speculation.
-        spec = figures.spec_by_domain or {DEFAULT_DOMAIN: SpecCounts()}
+        spec = figures.spec_by_domain or {DEFAULT_DOMAIN: SpecStats()}
         for domain, counts in spec.items():
-            self.spec_drafts.set_total(counts.num_drafts, domain=domain)
-            self.spec_draft_tokens.set_total(counts.num_draft_tokens, domain=domain)
-            self.spec_accepted.set_total(counts.num_accepted_tokens, domain=domain)
-            per_pos = counts.num_accepted_tokens_per_pos or [0]
-            for position, accepted in enumerate(per_pos):
+            self.spec_drafts.set_total(counts.num_rounds, domain=domain)
+            self.spec_draft_tokens.set_total(counts.num_proposed, domain=domain)
+            self.spec_accepted.set_total(counts.num_accepted, domain=domain)
+            for position, accepted in enumerate(counts.accepted_by_position or [0]):
                 self.spec_accepted_per_pos.set_total(accepted, domain=domain, position=position)
             if self.drift is not None:
-                self.drift.observe(domain, counts.num_draft_tokens, counts.num_accepted_tokens)
+                self.drift.observe(domain, counts.num_proposed, counts.num_accepted)
         for (domain, method), rounds in figures.rounds_by_draft.items():
             self.spec_drafts_by_draft.set_total(rounds, domain=domain, method=method)
         if self.drift is not None:

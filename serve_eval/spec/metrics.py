@@ -26,6 +26,14 @@ def predicted_speedup(k: float, alpha: float, cost_ratio: float) -> float:
     return (1 + k * alpha) / (1 + k * cost_ratio)
 
 
+def expected_speedup(k: int, beta: float, cost_ratio: float) -> float:
+    """Under i.i.d. per-token acceptance beta (Leviathan et al.): expected tokens per round over the
+    round's cost, (1 - beta^(K+1)) / ((1 - beta)(1 + K c)); the K+1 limit at beta = 1. Unlike the seed
+    formula it has an interior optimum in K, which is what the adaptive policy maximizes."""
+    tokens = k + 1 if beta >= 1 else (1 - beta ** (k + 1)) / (1 - beta)
+    return tokens / (1 + k * cost_ratio)
+
+
 def simulated_tau(position_accuracies: Sequence[float]) -> float:
     """Mean accepted length a chain of these per-position acceptance rates would give.
 
@@ -123,6 +131,17 @@ class SpecStats:
         self.draft_time_s += draft_time
         self.target_time_s += target_time
 
+    def minus(self, before: SpecStats) -> SpecStats:
+        """self - before, for cumulative counters read twice (a server's /metrics around a run)."""
+        width = max(len(self.proposed_by_position), len(before.proposed_by_position),
+                    len(self.accepted_by_position), len(before.accepted_by_position))
+        pad = lambda xs: list(xs) + [0] * (width - len(xs))  # noqa: E731
+        return SpecStats(self.num_rounds - before.num_rounds, self.num_proposed - before.num_proposed,
+                         self.num_accepted - before.num_accepted, self.draft_time_s - before.draft_time_s,
+                         self.target_time_s - before.target_time_s,
+                         [a - b for a, b in zip(pad(self.proposed_by_position), pad(before.proposed_by_position))],
+                         [a - b for a, b in zip(pad(self.accepted_by_position), pad(before.accepted_by_position))])
+
     def merge(self, other: SpecStats) -> SpecStats:
         """In place; returns self so totals can be folded: functools.reduce(SpecStats.merge, ...)."""
         self.num_rounds += other.num_rounds
@@ -195,7 +214,6 @@ class SpecStats:
         }
 
 
-SpecRequestStats = SpecStats  # the per-request record carried by RequestOutput.spec
 
 
 def _grow(counts: list[int], length: int) -> None:
@@ -252,3 +270,25 @@ class SpecMetrics:
             "total": self.total.to_dict(),
             "by_domain": {domain: stats.to_dict() for domain, stats in sorted(self.by_domain.items())},
         }
+
+
+@dataclass
+class SpecEngineStats:
+    """What a speculative engine reports (EngineStats.spec): THE counters, overall and per domain, and
+    the state of the policies deciding K. Servers, the eval and benchmarks read these fields directly."""
+
+    method: str
+    total: SpecStats
+    by_domain: dict[str, SpecStats]
+    policy: dict[str, dict]                    # SpecPolicy.to_dict(): per domain enabled / K / running alpha
+    batch_gate: dict[str, dict]                # BatchGate.to_dict(): per batch-size bucket
+    rounds_by_draft: dict[tuple[str, str], int] = field(default_factory=dict)   # (domain, method): routed
+    draft_time_s: float = 0.0
+    target_time_s: float = 0.0
+
+    def to_dict(self) -> dict:
+        return {"method": self.method, "total": self.total.to_dict(),
+                "by_domain": {d: s.to_dict() for d, s in sorted(self.by_domain.items())},
+                "policy": self.policy, "batch_gate": self.batch_gate,
+                "rounds_by_draft": {f"{d}/{m}": n for (d, m), n in sorted(self.rounds_by_draft.items())},
+                "draft_time_s": self.draft_time_s, "target_time_s": self.target_time_s}

@@ -20,7 +20,7 @@ import math
 from collections import deque
 from dataclasses import dataclass, field
 
-from serve_eval.spec.metrics import DEFAULT_DOMAIN
+from serve_eval.spec.metrics import DEFAULT_DOMAIN, expected_speedup
 
 
 @dataclass
@@ -60,12 +60,6 @@ class SpecPolicyConfig:
             )
         if self.cost_ratio is not None and self.cost_ratio < 0:
             raise ValueError(f"cost_ratio must be >= 0, got {self.cost_ratio}")
-
-
-def expected_speedup(k: int, beta: float, cost_ratio: float) -> float:
-    """(1 - beta^(K+1)) / ((1 - beta)(1 + K c)); the K+1 limit at beta = 1."""
-    tokens = k + 1 if beta >= 1 else (1 - beta ** (k + 1)) / (1 - beta)
-    return tokens / (1 + k * cost_ratio)
 
 
 def best_k(beta: float, cost_ratio: float, k_min: int, k_max: int) -> int:

@@ -29,7 +29,7 @@ from serve_eval.engine.llm_engine import StepResult
 from serve_eval.engine.request import Sequence, SequenceStatus
 from serve_eval.engine.scheduler import SchedulerOutput
 from serve_eval.spec.batch_gate import BatchGate
-from serve_eval.spec.metrics import SpecMetrics
+from serve_eval.spec.metrics import SpecEngineStats, SpecMetrics
 from serve_eval.spec.policy import SpecPolicy
 from serve_eval.spec.proposers.base import Proposal, TargetFeatures
 from serve_eval.spec.round_verify import RoundOutcome, SpecDraft, verify_round
@@ -316,9 +316,7 @@ class SpeculativeStrategy:
             self.policy.observe_cost_ratio((draft_time / proposed) / (target_time / len(results)))
 
     # -- stats -----------------------------------------------------------------------------
-    def stats(self) -> dict:
-        return {"method": self.config.method, **self.metrics.to_dict(), "policy": self.policy.to_dict(),
-                "batch_gate": self.batch_gate.to_dict(),
-                "rounds_by_draft": {f"{domain}/{method}": n
-                                    for (domain, method), n in self.proposer.rounds_by_draft().items()},
-                "draft_time_s": self.draft_time_s, "target_time_s": self.target_time_s}
+    def stats(self) -> SpecEngineStats:
+        return SpecEngineStats(self.config.method, self.metrics.total, dict(self.metrics.by_domain),
+                               self.policy.to_dict(), self.batch_gate.to_dict(), self.proposer.rounds_by_draft(),
+                               self.draft_time_s, self.target_time_s)
