@@ -56,7 +56,7 @@ def test_smoke_pipeline_report_registry_and_cached_rerun(tmp_path):
     # vocabulary sized by coverage (logged), each draft's measured cost ratio c (cost stage, printed).
     assert "topk=16" in done["generate"] and "final_hidden=True" in done["generate"]
     log = first.stdout + first.stderr
-    assert "kind=eagle3 draft_vocab=" in log and "vocab_coverage=" in log
+    assert "kind=eagle3 draft_vocab=" in log and "draft_vocab_coverage=" in done["distill_eagle3"]
     assert all(f"c_{k}=" in done["cost"] for k in KINDS), done["cost"]
     assert "draft cost ratio c" in first.stdout
     assert all(any(line.strip().startswith(f"{k} ") and " c=" in line for line in first.stdout.splitlines())
