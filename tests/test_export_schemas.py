@@ -21,7 +21,7 @@ from drafts.io import save_draft
 # speculators 0.9 refuses any other speculators_model_type ("model type `eagle` is not among ...").
 SPECULATORS_MODEL_TYPES = {"dflash", "dflash2", "dspark", "eagle3", "mtp", "peagle", "xpress"}
 # our draft kind -> the speculators_model_type its export declares
-MODEL_TYPE_OF_KIND = {"eagle3": "eagle3"}
+MODEL_TYPE_OF_KIND = {"eagle3": "eagle3", "block": "dflash"}
 
 # field -> (accepted JSON types, required). `None` in the types: the field may be null.
 # src/speculators/config.py @ 03a7c1497cdbb0cf6a3cdffc86aead090034c285, class SpeculatorModelConfig
@@ -103,7 +103,8 @@ def _check_speculators_export(config: dict) -> None:
 
 
 def test_only_kinds_speculators_has_a_type_for_export_as_speculators():
-    """EAGLE-1 is not among speculators' model types, so the speculators format takes EAGLE-3 only."""
+    """EAGLE-1 is not among speculators' model types, so the speculators format takes EAGLE-3 and the block
+    draft (speculators' dflash) only."""
     assert set(FORMATS["speculators"]) == set(MODEL_TYPE_OF_KIND)
     assert set(MODEL_TYPE_OF_KIND.values()) <= SPECULATORS_MODEL_TYPES
 
