@@ -113,8 +113,10 @@ class QuantizedLinear(nn.Module):
         else:
             q = torch.zeros(out_features, in_features // 2, dtype=torch.uint8)
             s = torch.ones(out_features, in_features // scheme.group_size)
-        self.qweight = nn.Parameter(q, requires_grad=False)
+        # scales first: code that probes a module's dtype with next(parameters()) (the Medusa proposer casts its
+        # input features so) must find the activation dtype, not uint8
         self.scales = nn.Parameter(s, requires_grad=False)
+        self.qweight = nn.Parameter(q, requires_grad=False)
         self.bias = nn.Parameter(torch.zeros(out_features), requires_grad=False) if bias else None
 
     @classmethod
@@ -202,7 +204,7 @@ class QuantServingLinear:
             return F.linear(x, self.weight, self.bias)
         if x.dim() != 2:
             return self(x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], self._n)
-        x = x.to(self.weight.dtype)
+        x = x.to(self.weight.dtype).contiguous()  # the int4 kernel refuses strided rows (Medusa's head slices)
         if self.mode == "int8-kernel":
             y = torch._weight_int8pack_mm(x, self._q, self._s)
         else:

@@ -141,7 +141,7 @@ def test_quantized_draft_is_refused_by_training(drafts, tmp_path):
 @pytest.mark.parametrize("kind", KINDS)
 def test_quantized_draft_speculates_with_greedy_output_identical_to_no_spec(drafts, tmp_path, kind):
     target, dirs = drafts
-    out, summary = quantize_dir(dirs[kind], INT4 if kind != "medusa" else INT8, tmp_path / kind)
+    out, summary = quantize_dir(dirs[kind], INT4, tmp_path / kind)
     assert summary["quantized_bytes"] < summary["bf16_bytes"]
     prompts, lengths = workload(4, seed=1, max_out=20)
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lengths]
@@ -185,3 +185,23 @@ def test_quantize_job_reports_bad_input_in_one_line(drafts, capsys):
     assert main([str(dirs["eagle"]), "--bits", "3"]) == 2
     err = capsys.readouterr().err.strip()
     assert err == "draftsmith quantize: error: quant.bits: 3 is not supported; allowed values: [8, 4]"
+
+
+def test_quantized_medusa_proposes_the_quantized_heads_argmax(drafts, tmp_path):
+    """The proposer casts features to the draft's dtype (its first parameter's): a quantized module must
+    present a float dtype there, not uint8 / int8 (regression: INT4 Medusa proposed garbage, alpha 0)."""
+    from serve_eval.spec.proposers.base import TargetFeatures
+    from serve_eval.spec.proposers.medusa import MedusaProposer
+    from tests.spec_helpers import Seq, params
+
+    _, dirs = drafts
+    out, _ = quantize_dir(dirs["medusa"], INT4, tmp_path / "m4")
+    model = load_draft(out, dtype=torch.bfloat16).model
+    assert all(next(m.parameters()).is_floating_point() for m in model.modules() if isinstance(m, QuantizedLinear))
+    hidden = torch.randn(2, 64)
+    with torch.no_grad():
+        expected = model(hidden[-1:].bfloat16()).float().argmax(-1)[0]  # [heads]
+    proposer = MedusaProposer.from_draft(model)
+    proposer.add_features("r", TargetFeatures(0, hidden, None))
+    proposal = proposer.propose([Seq("r", [1, 2, 3], params())], [4])[0]
+    assert proposal.tokens.tolist() == expected[:4].tolist()
