@@ -38,7 +38,7 @@ from kernels.quant import QuantServingLinear  # noqa: E402
 from serve_eval.engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
 from serve_eval.eval.step_cost import PLAIN, instrument, interleaved  # noqa: E402
 
-KINDS = ("standalone", "medusa", "eagle", "eagle3")
+KINDS = ("standalone", "medusa", "eagle", "eagle3", "block")
 
 
 # ------------------------------------------------------------------------------------------------ drafts
@@ -86,7 +86,7 @@ def random_setup(tmp: Path) -> tuple[Path, dict[str, Path], dict[str, list]]:
     LlamaForCausalLM(cfg).save_pretrained(target)
     drafts = {"standalone": save_draft(StandaloneDraft.from_target_config(target, num_layers=1),
                                        tmp / "standalone", "standalone", target_fingerprint(target))}
-    for kind in KINDS[1:]:
+    for kind in ("medusa", "eagle", "eagle3"):
         drafts[kind] = feature_draft(kind, target, tmp / kind)
     rng = random.Random(0)
     return target, drafts, {"random": [[rng.randrange(1, 4000) for _ in range(48)] for _ in range(8)]}
@@ -250,6 +250,8 @@ def main(argv=None) -> None:
         drafts = {kind: path for kind, path in drafts.items() if kind in args.kinds}
         prompts = {d: items[: args.prompts] for d, items in prompts.items()}
         print(f"drafts: {'TRAINED, ' + str(target) if trained else 'RANDOM (no trained drafts found): alpha is meaningless'}")
+        for kind, path in drafts.items():
+            print(f"  {kind}: {path}")
         variants = make_variants(drafts, Path(args.keep or tmp), args.group_size, args.quantize_head)
         memory = {name: memory_bytes(path) for name, path in variants.items()}
         speed = measure_speed(target, variants, args.k, args.steps, args.repeats)
@@ -258,6 +260,7 @@ def main(argv=None) -> None:
         print(table(variants, speed, accept, memory, args.k))
         if args.json:
             Path(args.json).write_text(json.dumps({"trained": trained, "target": str(target), "k": args.k,
+                                                   "drafts": {k: str(v) for k, v in drafts.items()},
                                                    "speed": speed, "acceptance": accept, "memory": memory},
                                                   indent=1, default=str))
 
