@@ -21,28 +21,21 @@ from torch import Tensor, nn
 
 from drafts.artifacts import Artifacts
 from drafts.files import atomic_write, write_json
-from drafts.block import BlockConfig, BlockDraft
-from drafts.eagle import EagleConfig, EagleDraft
-from drafts.eagle3 import Eagle3Config, Eagle3Draft
-from drafts.medusa import MedusaConfig, MedusaDraft
-from drafts.standalone import StandaloneConfig, StandaloneDraft
+from drafts.kinds import (
+    CONFIG_FILE,
+    KIND_NAMES,
+    KINDS,
+    META_FILE,
+    WEIGHTS_FILE,
+    build_from_config,
+    kind_of,
+)
+from drafts.standalone import StandaloneDraft
 from kernels.layers.checkpoint import read_file
 from kernels.layers.config import hf_config_dict
 
-META_FILE = "draftsmith.json"
-CONFIG_FILE = "config.json"
-WEIGHTS_FILE = "model.safetensors"
 FORMAT_VERSION = 1
 
-KINDS: dict[str, tuple[type, type]] = {
-    "standalone": (StandaloneDraft, StandaloneConfig),
-    "medusa": (MedusaDraft, MedusaConfig),
-    "eagle": (EagleDraft, EagleConfig),
-    "eagle3": (Eagle3Draft, Eagle3Config),
-    "block": (BlockDraft, BlockConfig),
-}
-# kinds that read the target's hidden states: a foreign target is an error, not a warning
-FEATURE_KINDS = ("medusa", "eagle", "eagle3", "block")
 
 
 def draftsmith_version() -> str:
@@ -85,18 +78,11 @@ class ExpectedTarget:
 
     @classmethod
     def from_model_dir(cls, model_dir: str | Path) -> "ExpectedTarget":
-        from drafts.identity import target_fingerprint  # lazy: written by another module owner
+        from drafts.identity import (
+            target_fingerprint,  # lazy: written by another module owner
+        )
 
         return cls.from_config(model_dir, target_fingerprint(model_dir))
-
-
-def kind_of(model: nn.Module) -> str:
-    kind = getattr(model, "kind", None)
-    if kind not in KINDS:
-        raise ValueError(f"save_draft: {type(model).__name__} is not a draft module (kinds: {sorted(KINDS)})")
-    return kind
-
-
 
 
 def write_safetensors(path: Path, tensors: dict[str, Tensor], metadata: dict[str, str] | None = None) -> None:
@@ -119,15 +105,6 @@ def config_json(model: nn.Module, kind: str) -> dict:
         return model.config.to_hf_dict()
     return {"draftsmith_kind": kind, **asdict(model.config)}
 
-
-def build_from_config(kind: str, cfg_dict: dict) -> nn.Module:
-    if kind not in KINDS:
-        raise ValueError(f"unknown draft kind {kind!r} (kinds: {sorted(KINDS)})")
-    module_cls, cfg_cls = KINDS[kind]
-    if kind == "standalone":
-        return module_cls(cfg_cls.from_hf(cfg_dict))
-    fields = {k: v for k, v in cfg_dict.items() if k in cfg_cls.__dataclass_fields__}
-    return module_cls(cfg_cls(**fields))
 
 
 def save_draft(
@@ -158,7 +135,7 @@ def read_draft_meta(draft_dir: str | Path) -> DraftMeta:
     if meta_path.is_file():
         raw = json.loads(meta_path.read_text())
         if raw.get("kind") not in KINDS:
-            raise ValueError(f"{meta_path}: kind {raw.get('kind')!r} is not one of {sorted(KINDS)}")
+            raise ValueError(f"{meta_path}: kind {raw.get('kind')!r} is not one of {', '.join(KIND_NAMES)}")
         return DraftMeta(**{k: v for k, v in raw.items() if k in DraftMeta.__dataclass_fields__})
     cfg_path = draft_dir / CONFIG_FILE
     if cfg_path.is_file() and any(a.endswith("ForCausalLM") for a in json.loads(cfg_path.read_text()).get("architectures") or []):
@@ -181,7 +158,8 @@ def check_against_target(model: nn.Module, meta: DraftMeta, expected: ExpectedTa
         want, have = getattr(expected, name), sizes[name]
         if have is not None and have != want:
             raise ValueError(f"{source}: {meta.kind} draft was built for target {name}={have}, but the target has {name}={want}")
-    strict = meta.kind in FEATURE_KINDS if strict_fingerprint is None else strict_fingerprint
+    # A draft that reads the target's hidden states made for another target is an error, not a warning.
+    strict = KINDS[meta.kind].reads_target_features if strict_fingerprint is None else strict_fingerprint
     if expected.fingerprint and meta.target_fingerprint and meta.target_fingerprint != expected.fingerprint:
         msg = (
             f"{source}: {meta.kind} draft was made for target fingerprint {meta.target_fingerprint}, "

@@ -18,10 +18,10 @@ import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import torch
 from torch import nn
 
 from drafts.files import write_json
+from drafts.kinds import WEIGHTS_FILE, build_from_config
 from kernels.quant import INT4_GROUP_SIZES, QuantizedLinear, QuantScheme
 
 QUANT_FILE = "quantization.json"
@@ -154,7 +154,6 @@ def quantized_structure(model: nn.Module, record: QuantRecord) -> None:
 
 def load_quantized_model(draft_dir: str | Path, kind: str, cfg_dict: dict) -> nn.Module:
     """The module of a quantized draft dir (drafts.io.load_draft calls this when quantization.json exists)."""
-    from drafts.io import WEIGHTS_FILE, build_from_config
     from kernels.layers.checkpoint import read_file
 
     draft_dir = Path(draft_dir)
@@ -168,16 +167,6 @@ def load_quantized_model(draft_dir: str | Path, kind: str, cfg_dict: dict) -> nn
     if missing or unexpected:
         raise ValueError(f"{draft_dir / WEIGHTS_FILE}: missing weights {missing[:5]}, unexpected {unexpected[:5]}")
     return model
-
-
-def save_quantized(model: nn.Module, out_dir: str | Path, kind: str, meta, record: QuantRecord) -> Path:
-    """Write a quantized draft dir: the usual files (drafts.io) + quantization.json; same metadata as the source."""
-    from drafts.io import save_draft
-
-    out = save_draft(model, out_dir, kind, meta.target_fingerprint, meta.data_manifest_hash,
-                     {**meta.metrics, "quantization": record.config.label})
-    record.write(out)
-    return out
 
 
 def weight_bytes(model: nn.Module, float_itemsize: int | None = None) -> int:

@@ -86,7 +86,8 @@ def compressed_state(model: torch.nn.Module) -> tuple[dict[str, Tensor], list[st
 def export_compressed(quant_dir: str | Path, out_dir: str | Path, verifier: str | None = None) -> Path:
     """Write the compressed-tensors export of a quantized draft dir; returns out_dir."""
     from drafts.export import EXPORT_META, resolve_verifier
-    from drafts.io import CONFIG_FILE, WEIGHTS_FILE, load_draft, write_safetensors
+    from drafts.io import load_draft, write_safetensors
+    from drafts.kinds import CONFIG_FILE, WEIGHTS_FILE
 
     quant_dir, out = Path(quant_dir), Path(out_dir)
     record = QuantRecord.read(quant_dir)
@@ -107,7 +108,7 @@ def export_compressed(quant_dir: str | Path, out_dir: str | Path, verifier: str 
 
 def read_compressed(export_dir: str | Path) -> dict[str, Tensor]:
     """A compressed-tensors export back as a dense state dict (fp32 weights) with the draft's tensor names."""
-    from drafts.io import CONFIG_FILE, WEIGHTS_FILE
+    from drafts.kinds import CONFIG_FILE, WEIGHTS_FILE
     from kernels.layers.checkpoint import read_file
 
     export_dir = Path(export_dir)

@@ -14,8 +14,22 @@ import json
 import sys
 from pathlib import Path
 
-from drafts.quant import QuantConfig, QuantRecord, is_quantized, quantize_draft, save_quantized, weight_bytes
+from drafts.io import save_draft
+from drafts.quant import (
+    QuantConfig,
+    QuantRecord,
+    is_quantized,
+    quantize_draft,
+    weight_bytes,
+)
 
+
+def save_quantized(model, out_dir: Path, kind: str, meta, record: QuantRecord) -> Path:
+    """Write a quantized draft dir: the usual files (drafts.io) + quantization.json; same metadata as the source."""
+    out = save_draft(model, out_dir, kind, meta.target_fingerprint, meta.data_manifest_hash,
+                     {**meta.metrics, "quantization": record.config.label})
+    record.write(out)
+    return out
 
 def quantize_dir(src: str | Path, config: QuantConfig, out: str | Path | None = None) -> tuple[Path, dict]:
     """Quantize one draft dir; returns (output dir, summary fields for the log line)."""

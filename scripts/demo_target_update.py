@@ -67,7 +67,7 @@ class DemoConfig:
     out: str | None = None                # None: <artifacts>/demo-target-update/<stamp>
 
     def validate(self) -> None:
-        from train.distill.run import KINDS
+        from drafts.kinds import KINDS
 
         bad = [k for k in self.kinds if k not in KINDS]
         if bad or not self.kinds:

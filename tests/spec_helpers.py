@@ -56,13 +56,9 @@ def feature_draft(kind: str, target_dir: Path, out_dir: Path, seed: int = 0, ini
 
 
 def proposer_available(method: str) -> bool:
-    from serve_eval.spec.config import PROPOSERS
+    from serve_eval.spec.proposers.registry import proposer_methods
 
-    try:
-        importlib.import_module(PROPOSERS[method].split(":")[0])
-    except ModuleNotFoundError:
-        return False
-    return True
+    return method in proposer_methods()
 
 
 def workload(n: int, seed: int = 0, shared_prefix: int = 0, max_len: int = 30, vocab: int = VOCAB,

@@ -25,6 +25,7 @@ from omegaconf import DictConfig, OmegaConf
 from drafts.schemas import MODES, SOURCES, DraftDataConfig
 from drafts.artifacts import Artifacts
 from drafts.files import stable_hash
+from drafts.kinds import KINDS
 from train.artifacts import artifacts_from_config
 from train.config import hydra_app
 from train.distill.gendata import (FORMAT_VERSION, HIDDEN_DTYPE, Manifest, StoredExtras, finalize, find_covering,
@@ -53,9 +54,11 @@ def extras_for(draft_cfg: Any, num_target_layers: int) -> StoredExtras:
     mode = draft_cfg.get("mode", "online") if draft_cfg is not None else "online"
     if mode not in MODES:
         raise ValueError(f"draft.mode: {mode!r} is not one of {MODES}")
-    store_hidden = data.store_hidden if data.store_hidden is not None else (mode == "offline" and kind in ("medusa", "eagle", "eagle3", "block"))
+    spec = KINDS.get(kind)   # None for "none" (data for no draft in particular)
+    store_hidden = data.store_hidden if data.store_hidden is not None else (
+        mode == "offline" and spec is not None and spec.reads_target_features)
     aux: list[int] = []
-    if store_hidden and kind in ("eagle3", "block"):  # the block draft reads EAGLE-3's aux layers
+    if store_hidden and spec is not None and spec.reads_aux_layers:  # EAGLE-3, and the block draft reads its layers
         from drafts.eagle3 import default_aux_layers
 
         aux = list(draft_cfg.get("aux_layers") or default_aux_layers(num_target_layers))

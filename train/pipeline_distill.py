@@ -29,11 +29,11 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
 from drafts.files import stable_hash
+from drafts.kinds import KIND_NAMES
 
 if TYPE_CHECKING:
     from train.pipeline import PipelineContext
 
-KINDS = ("standalone", "medusa", "eagle", "eagle3", "block")
 STAGE_PREFIX = "distill_"
 DONE_MARKER = ".complete"  # written after a draft dir is fully exported
 
@@ -89,8 +89,8 @@ def shared_data(cfg: DictConfig) -> DictConfig:
 
 
 def draft_config(cfg: DictConfig, kind: str) -> DictConfig:
-    if kind not in KINDS:
-        raise ValueError(f"pipeline.stages: {STAGE_PREFIX}{kind}: {kind!r} is not a draft kind ({', '.join(KINDS)})")
+    if kind not in KIND_NAMES:
+        raise ValueError(f"pipeline.stages: {STAGE_PREFIX}{kind}: {kind!r} is not a draft kind ({', '.join(KIND_NAMES)})")
     overrides = as_dict(cfg.pipeline.drafts.get(kind))
     if "data" in overrides:
         raise ValueError(f"pipeline.drafts.{kind}.data: every draft trains on the one dataset; set pipeline.data")

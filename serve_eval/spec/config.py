@@ -11,27 +11,19 @@ engine's KV cache exists (to size its own draft cache), before the first propose
 
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
+from drafts.kinds import KIND_NAMES
 from serve_eval.spec.batch_gate import BatchGateConfig
 from serve_eval.spec.policy import SpecPolicyConfig
+from serve_eval.spec.proposers.registry import proposer_class, proposer_methods
 from serve_eval.spec.tree import DynamicTreeBuilder, TreeShape, check_node_budget
 
 if TYPE_CHECKING:
     from serve_eval.engine.llm_engine import LLMEngine
 
-PROPOSERS: dict[str, str] = {
-    "ngram": "serve_eval.spec.proposers.ngram:NgramProposer",
-    "standalone": "serve_eval.spec.proposers.standalone:StandaloneProposer",
-    "medusa": "serve_eval.spec.proposers.medusa:MedusaProposer",
-    "eagle": "serve_eval.spec.proposers.eagle:EagleProposer",
-    "eagle3": "serve_eval.spec.proposers.eagle3:Eagle3Proposer",
-    "routed": "serve_eval.spec.proposers.routed:RoutedProposer",
-    "block": "serve_eval.spec.proposers.block:BlockProposer",
-}
-DRAFT_METHODS = ("standalone", "medusa", "eagle", "eagle3", "block")  # methods that load a draft dir
+DRAFT_METHODS = KIND_NAMES  # methods that load a draft dir: one per draft kind (drafts.kinds)
 TREE_MODES = ("none", "static", "dynamic")
 
 
@@ -65,8 +57,8 @@ class SpecConfig:
     strict_fingerprint: bool | None = None
 
     def __post_init__(self) -> None:
-        if self.method not in PROPOSERS:
-            raise ValueError(f"speculative method {self.method!r} is not one of {sorted(PROPOSERS)}")
+        if self.method not in proposer_methods():
+            raise ValueError(f"speculative method {self.method!r} is not one of {list(proposer_methods())}")
         if isinstance(self.num_speculative_tokens, bool) or not isinstance(self.num_speculative_tokens, int) \
                 or self.num_speculative_tokens <= 0:
             raise ValueError(f"num_speculative_tokens (K) must be an int > 0, got {self.num_speculative_tokens!r}")
@@ -136,19 +128,8 @@ class SpecConfig:
         return max(ks)
 
     # -- building ------------------------------------------------------------------------
-    def proposer_class(self) -> type:
-        module_name, class_name = PROPOSERS[self.method].split(":")
-        try:
-            module = importlib.import_module(module_name)
-        except ModuleNotFoundError as exc:
-            if exc.name == module_name:
-                raise ValueError(f"speculative method {self.method!r}: its proposer module {module_name} "
-                                 f"is not available in this install") from exc
-            raise
-        return getattr(module, class_name)
-
     def make_proposer(self, engine: "LLMEngine"):
-        cls = self.proposer_class()
+        cls = proposer_class(self.method)
         proposer = cls.from_spec_config(self, engine)
         if self.uses_tree and not getattr(proposer, "supports_tree", False):
             raise ValueError(f"speculative method {self.method!r} does not support trees, but tree={self.tree!r}")

@@ -29,13 +29,13 @@ from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from drafts.files import stable_hash
+from drafts.kinds import KIND_NAMES, KINDS
 
 from train.artifacts import artifacts_from_config
 from train.config import hydra_app
 from train.distill.gendata import DistillDataset, Manifest, StoredExtras
 from train.logs import init_wandb, log_event
 
-KINDS = ("standalone", "medusa", "eagle", "eagle3", "block")
 PREPARED_ENV = "DRAFTSMITH_DISTILL_PREPARED"
 DEFAULT_OUTPUT_DIR = "artifacts/distill/run"  # TrainerConfig's default: replaced by the keyed dir below
 
@@ -204,7 +204,7 @@ def prepare(cfg: DictConfig) -> Prepared:
 
     kind = cfg.draft.get("kind")
     if kind not in KINDS:
-        raise ValueError(f"draft: {kind!r} is not a trainable draft kind; pick draft=standalone|medusa|eagle|eagle3|block")
+        raise ValueError(f"draft: {kind!r} is not a trainable draft kind; pick draft={'|'.join(KIND_NAMES)}")
     from train.recipes import check_recipe, planned_target_vocab
 
     check_recipe(kind, cfg.draft, planned_target_vocab(cfg))  # before the target and the data
@@ -302,7 +302,8 @@ def export(kind: str, dcfg: Any, draft: nn.Module, teacher: Any, state: dict, ou
     """Trained weights (gathered across ranks/shards) into the draft, then a draft dir with draftsmith.json."""
     from transformers import AutoTokenizer
 
-    from drafts.io import build_from_config, config_json, save_draft
+    from drafts.io import config_json, save_draft
+    from drafts.kinds import build_from_config
 
     prefix = "heads." if kind == "medusa" else "draft."
     # A fresh, unsharded copy: FSDP2 and ZeRO-3 shard the trained module in place, so the gathered full
@@ -332,7 +333,8 @@ def run(cfg: DictConfig) -> Path | None:
     from train.distill.launch import LauncherConfig, relaunch_command
 
     if cfg.draft.get("kind") not in KINDS:
-        raise ValueError(f"draft: {cfg.draft.get('kind')!r} is not a trainable draft kind; pick draft=standalone|medusa|eagle|eagle3|block")
+        raise ValueError(f"draft: {cfg.draft.get('kind')!r} is not a trainable draft kind; pick "
+                         f"draft={'|'.join(KIND_NAMES)}")
     prepared_env = os.environ.get(PREPARED_ENV)
     prepared = Prepared(**json.loads(prepared_env)) if prepared_env else prepare(cfg)
     launcher = LauncherConfig(**OmegaConf.to_container(cfg.launcher, resolve=True))

@@ -31,11 +31,29 @@ from kernels.attention import AttentionMetadata, paged_attn_fn, write_kv
 from kernels.layers.decoder import AttnFn
 from kernels.sampling import logits_to_probs
 from serve_eval.engine.kv_cache_manager import cdiv
-from serve_eval.spec.proposers.base import (Proposal, Proposer, SequenceView, TargetFeatures, check_num_tokens,
-                                            empty_proposal, sampling_arrays)
-from serve_eval.spec.proposers.eagle import DEFAULT_DRAFT_BLOCKS, DraftKVCache, _RequestState
-from serve_eval.spec.proposers.medusa import (check_features, draw_rows, engine_build_args, feed_features,
-                                              load_feature_draft, serving_form)
+from serve_eval.spec.proposers.base import (
+    Proposal,
+    Proposer,
+    SequenceView,
+    TargetFeatures,
+    check_num_tokens,
+    empty_proposal,
+    sampling_arrays,
+)
+from serve_eval.spec.proposers.eagle import (
+    DEFAULT_DRAFT_BLOCKS,
+    DraftKVCache,
+    _RequestState,
+)
+from serve_eval.spec.proposers.medusa import (
+    check_features,
+    draw_rows,
+    engine_build_args,
+    feed_features,
+    load_feature_draft,
+    serving_form,
+)
+from serve_eval.spec.proposers.registry import register_proposer
 from serve_eval.spec.verify import VerifyResult
 
 
@@ -55,6 +73,7 @@ class LayeredKVCache(DraftKVCache):
             write_kv(k, v, k_cache, v_cache, slot_mapping)
 
 
+@register_proposer("block")
 class BlockProposer(Proposer):
     kind = "block"
     needs_hidden = True

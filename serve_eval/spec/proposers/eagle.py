@@ -37,7 +37,12 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from kernels.attention import AttentionMetadata, get_attention_backend, paged_attn_fn, select_backend
+from kernels.attention import (
+    AttentionMetadata,
+    get_attention_backend,
+    paged_attn_fn,
+    select_backend,
+)
 from kernels.layers.decoder import AttnFn
 from kernels.sampling import logits_to_probs
 from serve_eval.engine.kv_cache_manager import KVCacheManager, cdiv
@@ -58,6 +63,7 @@ from serve_eval.spec.proposers.medusa import (
     load_feature_draft,
     serving_form,
 )
+from serve_eval.spec.proposers.registry import register_proposer
 from serve_eval.spec.tree import DynamicTreeBuilder
 from serve_eval.spec.verify import VerifyResult
 
@@ -136,6 +142,7 @@ class _Query:
     tree_mask: Tensor | None = None  # bool [q, q] over these query tokens
 
 
+@register_proposer("eagle")
 class EagleProposer(Proposer):
     """EAGLE-1: features are the target's final-norm hidden states; logits = lm_head(predicted feature)."""
 

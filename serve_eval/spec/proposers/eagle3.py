@@ -16,8 +16,10 @@ from torch import Tensor
 
 from serve_eval.spec.proposers.base import TargetFeatures
 from serve_eval.spec.proposers.eagle import EagleProposer
+from serve_eval.spec.proposers.registry import register_proposer
 
 
+@register_proposer("eagle3")
 class Eagle3Proposer(EagleProposer):
     kind = "eagle3"
 

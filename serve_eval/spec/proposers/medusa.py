@@ -26,6 +26,7 @@ from torch import Tensor
 
 from drafts.io import ExpectedTarget, LoadedDraft, load_draft
 from kernels.sampling import logits_to_probs, sample
+from serve_eval.engine.model_executor import resolve_dtype
 from serve_eval.spec.proposers.base import (
     Proposal,
     Proposer,
@@ -35,7 +36,7 @@ from serve_eval.spec.proposers.base import (
     empty_proposal,
     sampling_arrays,
 )
-from serve_eval.engine.model_executor import resolve_dtype
+from serve_eval.spec.proposers.registry import register_proposer
 from serve_eval.spec.tree import TreeShape
 from serve_eval.spec.verify import VerifyResult
 
@@ -116,6 +117,7 @@ def serving_form(draft: torch.nn.Module, copy_first: bool = True) -> torch.nn.Mo
 # ------------------------------------------------------------------------------------------------ proposer
 
 
+@register_proposer("medusa")
 class MedusaProposer(Proposer):
     needs_hidden = True
     aux_layers: tuple[int, ...] = ()

@@ -15,7 +15,13 @@ import numpy as np
 import torch
 from numpy.lib.stride_tricks import sliding_window_view
 
-from serve_eval.spec.proposers.base import Proposal, Proposer, SequenceView, check_num_tokens
+from serve_eval.spec.proposers.base import (
+    Proposal,
+    Proposer,
+    SequenceView,
+    check_num_tokens,
+)
+from serve_eval.spec.proposers.registry import register_proposer
 
 
 def lookup_continuation(
@@ -39,6 +45,7 @@ def lookup_continuation(
     return tokens[:0]
 
 
+@register_proposer("ngram")
 class NgramProposer(Proposer):
     def __init__(self, max_n: int = 3, min_n: int = 1, max_lookback: int | None = None) -> None:
         if min_n <= 0 or max_n < min_n:

@@ -18,7 +18,13 @@ import torch
 
 from serve_eval.eval.recommend import Recommendations, load_recommendations
 from serve_eval.spec.metrics import DEFAULT_DOMAIN
-from serve_eval.spec.proposers.base import Proposal, Proposer, SequenceView, TargetFeatures
+from serve_eval.spec.proposers.base import (
+    Proposal,
+    Proposer,
+    SequenceView,
+    TargetFeatures,
+)
+from serve_eval.spec.proposers.registry import register_proposer
 from serve_eval.spec.verify import VerifyResult
 
 if TYPE_CHECKING:
@@ -32,6 +38,7 @@ def recommended_k(recs: Recommendations) -> int:
     return max((c.K for c in every if c.speculate), default=1)
 
 
+@register_proposer("routed")
 class RoutedProposer(Proposer):
     supports_tree = False
 

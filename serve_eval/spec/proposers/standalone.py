@@ -21,7 +21,14 @@ from kernels.attention import AttentionMetadata
 from kernels.sampling import logits_to_probs, sample
 from serve_eval.engine.kv_cache_manager import KVCacheManager, cdiv
 from serve_eval.engine.model_executor import ModelExecutor
-from serve_eval.spec.proposers.base import Proposal, Proposer, SequenceView, check_num_tokens, sampling_arrays
+from serve_eval.spec.proposers.base import (
+    Proposal,
+    Proposer,
+    SequenceView,
+    check_num_tokens,
+    sampling_arrays,
+)
+from serve_eval.spec.proposers.registry import register_proposer
 from serve_eval.spec.verify import VerifyResult
 
 
@@ -41,6 +48,7 @@ class _DraftSeq:
         return len(self.token_ids)
 
 
+@register_proposer("standalone")
 class StandaloneProposer(Proposer):
     needs_hidden = False
     aux_layers = ()
