@@ -26,6 +26,7 @@ from torch import Tensor, nn
 from train import losses
 from train.distill.objective import PositionCounts
 from train.distill.objectives.common import FeatureSource, ahead_mask, chain_counts
+from train.distill.objectives.registry import register_objective
 from train.distill.objectives.teacher import Teacher
 
 TEACHERS = ("auto", "topk", "hidden")
@@ -132,3 +133,8 @@ class BlockObjective:
         before = torch.cat([torch.ones_like(hit[..., :1]), (hit & mask).cumprod(-1)[..., :-1].bool()], dim=-1)
         return chain_counts([hit[..., j] for j in range(self.num_offsets)],
                             [mask[..., j] & before[..., j] for j in range(self.num_offsets)])
+
+
+@register_objective("block")
+def build_block_objective(dcfg, teacher, target_dir, draft) -> BlockObjective:
+    return BlockObjective(dcfg, teacher, list(draft.config.aux_layers), draft.config.block_size)

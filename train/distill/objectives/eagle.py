@@ -17,7 +17,14 @@ from torch import Tensor, nn
 from drafts.eagle import EagleDraft
 from train import losses
 from train.distill.objective import PositionCounts
-from train.distill.objectives.common import FeatureSource, ahead_mask, chain_counts, shift_left, uniform_noise
+from train.distill.objectives.common import (
+    FeatureSource,
+    ahead_mask,
+    chain_counts,
+    shift_left,
+    uniform_noise,
+)
+from train.distill.objectives.registry import register_objective
 from train.distill.objectives.teacher import Teacher
 
 
@@ -87,3 +94,8 @@ class EagleObjective:
         ids_in, feats_in = eagle_inputs(batch["input_ids"], hidden)
         outs = model(ids_in, feats_in, self.cfg.eval_steps)
         return unrolled_counts(outs, batch["input_ids"], batch["loss_mask"])
+
+
+@register_objective("eagle")
+def build_eagle_objective(dcfg, teacher, target_dir, draft) -> EagleObjective:
+    return EagleObjective(dcfg, teacher)

@@ -18,8 +18,14 @@ from torch import Tensor, nn
 from drafts.eagle3 import Eagle3Draft
 from train import losses
 from train.distill.objective import PositionCounts
-from train.distill.objectives.common import FeatureSource, ahead_mask, shift_left, uniform_noise
+from train.distill.objectives.common import (
+    FeatureSource,
+    ahead_mask,
+    shift_left,
+    uniform_noise,
+)
 from train.distill.objectives.eagle import EagleModule, eagle_inputs, unrolled_counts
+from train.distill.objectives.registry import register_objective
 from train.distill.objectives.teacher import Teacher
 
 
@@ -73,3 +79,11 @@ class Eagle3Objective:
         ids_in, aux_in = eagle_inputs(batch["input_ids"], aux)
         outs = model(ids_in, aux_in, self.cfg.eval_steps)
         return unrolled_counts(outs, batch["input_ids"], batch["loss_mask"], self.to_target_ids)
+
+
+@register_objective("eagle3")
+def build_eagle3_objective(dcfg, teacher, target_dir, draft) -> Eagle3Objective:
+    from kernels.layers.checkpoint import load_target_embed_and_head
+
+    _, lm_head = load_target_embed_and_head(target_dir)  # EAGLE-3 scores drafts with the target's head
+    return Eagle3Objective(dcfg, teacher, lm_head, list(draft.config.aux_layers))

@@ -18,7 +18,14 @@ from torch.nn.utils import parametrize
 from drafts.medusa import MedusaDraft
 from train import losses
 from train.distill.objective import PositionCounts
-from train.distill.objectives.common import FeatureSource, ahead_mask, chain_counts, next_token_mask, shift_left
+from train.distill.objectives.common import (
+    FeatureSource,
+    ahead_mask,
+    chain_counts,
+    next_token_mask,
+    shift_left,
+)
+from train.distill.objectives.registry import register_objective
 from train.distill.objectives.teacher import Teacher
 
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -126,3 +133,8 @@ class MedusaObjective:
         hits = [predictions[:, :, k] == shift_left(ids, k + 2, S) for k in range(self.cfg.num_heads)]
         valid = [ahead_mask(loss_mask, k + 2, S) for k in range(self.cfg.num_heads)]
         return chain_counts(hits, valid)
+
+
+@register_objective("medusa")
+def build_medusa_objective(dcfg, teacher, target_dir, draft) -> MedusaObjective:
+    return MedusaObjective(dcfg, teacher)

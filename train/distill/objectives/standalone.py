@@ -20,7 +20,13 @@ from torch import Tensor, nn
 from drafts.standalone import StandaloneDraft
 from train import losses
 from train.distill.objective import PositionCounts
-from train.distill.objectives.common import chain_counts, next_token_mask, shift_left, unwrap
+from train.distill.objectives.common import (
+    chain_counts,
+    next_token_mask,
+    shift_left,
+    unwrap,
+)
+from train.distill.objectives.registry import register_objective
 from train.distill.objectives.teacher import Teacher
 
 
@@ -142,3 +148,8 @@ class StandaloneObjective:
             hit_list.append(hits[:, depth:])
             valid_list.append(valid)
         return chain_counts(hit_list, valid_list)
+
+
+@register_objective("standalone")
+def build_standalone_objective(dcfg, teacher, target_dir, draft) -> StandaloneObjective:
+    return StandaloneObjective(dcfg, teacher)
