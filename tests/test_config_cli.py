@@ -75,9 +75,10 @@ def test_help_lists_jobs(capsys):
 
 
 def test_missing_job_module_says_not_available(monkeypatch):
-    """A job whose module is not in the checkout stops with a clear 'not available yet' line."""
+    """A job whose module is not installed stops with one line naming the job and the module."""
     monkeypatch.setitem(cli.JOBS, "ghost", ("train.no_such_job_module:main", "test"))
-    with pytest.raises(SystemExit, match="draftsmith ghost: not available yet"):
+    with pytest.raises(SystemExit, match="draftsmith ghost train.no_such_job_module:main: module "
+                                         "train.no_such_job_module is not installed"):
         cli.main(["ghost"])
     with pytest.raises(SystemExit, match="unknown job"):
         cli.main(["nonsense"])

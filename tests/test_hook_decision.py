@@ -341,7 +341,7 @@ def test_real_collaborators_say_when_their_module_is_missing(world):
     collab = Collaborators.real({"evaluator": "serve_eval.eval.no_such_harness:evaluate"})
     collab.loader = FakeLoader()
     code, record, _ = run_hook(HookOptions(world.new, world.registry.root), collab)
-    assert code == 2 and "serve_eval.eval.no_such_harness is not in this checkout yet" in record["errors"][0]
+    assert code == 2 and "module serve_eval.eval.no_such_harness is not installed" in record["errors"][0]
 
 
 def test_unchanged_target_needs_nothing(world):

@@ -9,7 +9,6 @@ is not in this checkout yet says so in one line instead of failing with an impor
 
 from __future__ import annotations
 
-import importlib
 import os
 import sys
 
@@ -40,19 +39,12 @@ def load_job(name: str):
     """The job's entry function, or SystemExit with a one-line reason."""
     if name not in JOBS:
         raise SystemExit(f"draftsmith: unknown job {name!r}\n\n{usage()}")
-    spec = JOBS[name][0]
-    module_name, _, attr = spec.partition(":")
+    from train.named import resolve   # jobs import lazily: `draftsmith --help` loads no torch
+
     try:
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError as err:
-        # Only "this job's module does not exist yet" is a missing job; a broken import inside it is a bug.
-        if err.name is not None and module_name.startswith(err.name):
-            raise SystemExit(f"draftsmith {name}: not available yet ({module_name} is not in this checkout)") from None
-        raise
-    fn = getattr(module, attr, None)
-    if fn is None:
-        raise SystemExit(f"draftsmith {name}: not available yet ({spec} does not exist)")
-    return fn
+        return resolve(JOBS[name][0], f"draftsmith {name}")
+    except ValueError as err:
+        raise SystemExit(str(err)) from None
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -5,7 +5,6 @@ small protocols, so the decision logic is tested with scripted fakes. The real o
 
 from __future__ import annotations
 
-import importlib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -13,6 +12,7 @@ from typing import Any, Protocol
 
 from serve_eval.eval.report import Report
 from train.hook.decision import HookError
+from train.named import resolve
 
 
 class Evaluator(Protocol):
@@ -50,16 +50,10 @@ class _Named:
         self.role, self.spec, self.overrides = role, spec, overrides
 
     def __call__(self, **kwargs: Any) -> Any:
-        module_name, _, attr = self.spec.partition(":")
         try:
-            module = importlib.import_module(module_name)
-        except ModuleNotFoundError as err:
-            if err.name is not None and module_name.startswith(err.name):
-                raise HookError(f"hook {self.role} {self.spec}: {module_name} is not in this checkout yet") from None
-            raise
-        fn = getattr(module, attr, None)
-        if fn is None:
-            raise HookError(f"hook {self.role} {self.spec}: {module_name} has no {attr}")
+            fn = resolve(self.spec, f"hook {self.role}")
+        except ValueError as err:
+            raise HookError(str(err)) from None
         return fn(**kwargs, overrides=self.overrides)
 
 
@@ -106,8 +100,10 @@ class Collaborators:
         specs, overrides = {**DEFAULT_SPECS, **(specs or {})}, list(overrides or [])
         loader = DraftIOLoader()
         if "loader" in specs:
-            module_name, _, attr = specs["loader"].partition(":")
-            loader = getattr(importlib.import_module(module_name), attr)()
+            try:
+                loader = resolve(specs["loader"], "hook loader")()
+            except ValueError as err:
+                raise HookError(str(err)) from None
         return cls(NamedEvaluator("evaluator", specs["evaluator"], overrides),
                    NamedRegenerator("regenerator", specs["regenerator"], overrides),
                    NamedDistiller("distiller", specs["distiller"], overrides), loader)
