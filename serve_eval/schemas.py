@@ -81,9 +81,7 @@ class EvalConfig:
 # schema_default too: train.config registers a placeholder under that name, this replaces it.
 SCHEMAS: dict[str, Any] = {"eval/schema_eval": EvalConfig, "eval/schema_default": EvalConfig}
 
-try:  # the server room's `serve` schema lives with its code; register it from here as well
-    from serve_eval.server.run import SCHEMAS as _SERVER_SCHEMAS
+# The server's `serve` schema lives with its code (serve_eval.server.run, no torch at import).
+from serve_eval.server.run import SCHEMAS as _SERVER_SCHEMAS  # noqa: E402
 
-    SCHEMAS.update(_SERVER_SCHEMAS)
-except ImportError:
-    pass
+SCHEMAS.update(_SERVER_SCHEMAS)
