@@ -6,8 +6,8 @@ Recipes (a recipe = the draft's objective settings + the data it trains on):
               mixed greedy/T=1 answers + 0.1 hard CE | alt: the same with TVD | alt: JSD, no hard CE
   eagle       old: feature + token loss on greedy answers | new: the same on the mixed answers | alt: token
               weight 0.5 on the mixed answers
-  eagle3      old: TTT 2, 1024-token vocabulary, greedy answers | new: TTT 4, vocabulary covering 95% of the
-              answer tokens, mixed answers | alt: TTT 4 with the full vocabulary
+  eagle3      old: TTT 2, 1024-token vocabulary, greedy answers | new: TTT 4, vocabulary covering 99% of the
+              answer tokens, mixed answers | alt: 95% coverage | alt: TTT 4 with the full vocabulary
   medusa      old: greedy answers | new: mixed answers | alt: mixed answers, equal head weights
 
 The data the new defaults train on is the pipeline profile's own (pipeline.data): with the same
@@ -59,7 +59,8 @@ def recipes(target_vocab: int) -> list[Recipe]:
         Recipe("eagle", "alt-tok0.5", "token weight 0.5, mixed data", {"token_weight": 0.5}),
         Recipe("eagle3", "old", f"TTT 2, vocab {old_vocab}, greedy data",
                {"ttt_steps": 2, "draft_vocab_size": old_vocab, "draft_vocab_coverage": None}, GREEDY),
-        Recipe("eagle3", "new", "profile's TTT (embedded 4), vocab by 95% coverage, mixed data", {}),
+        Recipe("eagle3", "new", "profile's TTT (embedded 4) + vocab coverage (0.99), mixed data", {}),
+        Recipe("eagle3", "alt-cov0.95", "TTT 4, vocab by 95% coverage, mixed data", {"draft_vocab_coverage": 0.95}),
         Recipe("eagle3", "alt-fullvocab", "TTT 4, full vocab, mixed data",
                {"draft_vocab_size": None, "draft_vocab_coverage": None}),
         Recipe("medusa", "old", "greedy data", {}, GREEDY),
@@ -151,6 +152,12 @@ def train_recipe(ctx: Any, recipe: Recipe, steps: int) -> Path:
         train_and_export(job, Prepared(str(target.model_dir), target.fingerprint, str(data_dir)), out_dir=out)
         (out / ".complete").write_text("")
         print(f"trained {recipe.kind}:{recipe.label} ({steps} steps) in {time.perf_counter() - t0:.1f} s", flush=True)
+    if recipe.kind == "eagle3":  # the reduced vocabulary's coverage of the training answers
+        from drafts.io import read_draft_meta
+
+        coverage = read_draft_meta(out).metrics.get("draft_vocab_coverage")
+        if isinstance(coverage, float):
+            print(f"  {recipe.kind}:{recipe.label}: draft vocabulary covers {coverage:.3f} of the answer tokens")
     return out
 
 
