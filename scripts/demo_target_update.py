@@ -99,19 +99,19 @@ def say(message: str) -> None:
 
 # ----------------------------------------------------------------------------- the steps
 
-def resolve_target(cfg: DemoConfig, overrides: list[str]) -> tuple[Path, Any]:
+def demo_target(cfg: DemoConfig, overrides: list[str]) -> tuple[Path, Any]:
     """(target dir, corpus): ``--target`` as given, else the embedded one through the pipeline's caches."""
     from train.artifacts import artifacts_from_config
     from train.config import compose
     from train.corpus import build_corpus
-    from train.generate import resolve_target as pipeline_target
+    from train.generate import ensure_target
 
     job = compose([o for o in overrides if not o.startswith(("draft.", "++train.", "eval."))]
                   + ([f"target.path={cfg.target}"] if cfg.target else []))
     artifacts = artifacts_from_config(job)
     if cfg.target:
         return Path(cfg.target).resolve(), build_corpus(job, artifacts)[0]
-    target_dir, _, corpus = pipeline_target(job, artifacts)
+    target_dir, _, corpus = ensure_target(job, artifacts)
     return Path(target_dir).resolve(), corpus
 
 
@@ -304,7 +304,7 @@ def run_demo(cfg: DemoConfig, extra: list[str] | None = None) -> dict[str, Any]:
     work.mkdir(parents=True, exist_ok=True)
     overrides = common_overrides(cfg, list(extra or []))
     started = time.perf_counter()
-    old_dir, corpus = resolve_target(cfg, overrides)
+    old_dir, corpus = demo_target(cfg, overrides)
     registry = Registry(_registry_root(cfg))
     ensure_drafts(cfg, registry, old_dir, overrides, work)
     new_dir, _ = update_target(cfg, old_dir, corpus.dir)

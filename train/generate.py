@@ -25,6 +25,7 @@ from omegaconf import DictConfig, OmegaConf
 from drafts.schemas import MODES, SOURCES, DraftDataConfig
 from drafts.artifacts import Artifacts
 from drafts.files import stable_hash
+from drafts.identity import tokenizer_hash
 from drafts.kinds import KINDS
 from train.artifacts import artifacts_from_config
 from train.config import hydra_app
@@ -74,10 +75,6 @@ def interleave_domains(records: list[dict[str, str]], limit: int | None) -> list
     order = sorted(((i, d) for d, rs in by_domain.items() for i in range(len(rs))))
     mixed = [by_domain[d][i] for i, d in order]
     return mixed if limit is None else mixed[:limit]
-
-
-def tokenizer_hash(tokenizer: Any) -> str:
-    return stable_hash({"vocab": tokenizer.get_vocab(), "special": sorted(tokenizer.all_special_tokens)})
 
 
 def sampling_dict(data: DraftDataConfig) -> dict[str, Any]:
@@ -237,7 +234,7 @@ def generate_dataset(target_dir: Path, fingerprint: str, records: list[dict[str,
     hidden_size = int(AutoConfig.from_pretrained(str(target_dir)).hidden_size)
     prompts = prompt_token_ids(tokenizer, records, data)
     prompt_hash = stable_hash([[r["domain"], r["prompt"]] for r in records])
-    tok_hash = tokenizer_hash(tokenizer)
+    tok_hash = tokenizer_hash(target_dir) or "no-tokenizer-files"   # the same hash the registry keeps
     content = content_key(fingerprint, tok_hash, prompt_hash, data)
     key = cache_key(fingerprint, tok_hash, prompt_hash, data, extras)
     out_dir = Path(data.path) if data.path else data_root / key
@@ -327,7 +324,7 @@ def _write_shards(out_dir: Path, manifest: Manifest, target_dir: Path, tokenizer
 # ----------------------------------------------------------------------------- the job
 
 
-def resolve_target(cfg: DictConfig, artifacts: Artifacts) -> tuple[Path, str, Any]:
+def ensure_target(cfg: DictConfig, artifacts: Artifacts) -> tuple[Path, str, Any]:
     """(target dir, fingerprint, corpus): the pipeline's corpus -> tokenizer -> target stages, cached."""
     from train.corpus import build_corpus
     from train.target import build_target
@@ -351,7 +348,7 @@ def dataset_for_job(cfg: DictConfig, artifacts: Artifacts, target_dir: Path, fin
 
 def run(cfg: DictConfig) -> Path:
     artifacts = artifacts_from_config(cfg)
-    target_dir, fingerprint, corpus = resolve_target(cfg, artifacts)
+    target_dir, fingerprint, corpus = ensure_target(cfg, artifacts)
     out = dataset_for_job(cfg, artifacts, target_dir, fingerprint, corpus)
     print(f"distillation data: {out}")
     return out

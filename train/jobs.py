@@ -36,9 +36,9 @@ def serve_job(cfg: DictConfig) -> None:
     """Blocking: the OpenAI-compatible server over the configured target until SIGINT/SIGTERM."""
     from serve_eval.server.run import serve_from_config
     from train.artifacts import artifacts_from_config
-    from train.generate import resolve_target
+    from train.generate import ensure_target
 
-    model_dir, fingerprint, _ = resolve_target(cfg, artifacts_from_config(cfg))
+    model_dir, fingerprint, _ = ensure_target(cfg, artifacts_from_config(cfg))
     print(f"draftsmith serve: target {model_dir} (fingerprint {fingerprint}) on http://{cfg.serve.host}:{cfg.serve.port}",
           flush=True)
     serve_from_config(cfg.serve, str(model_dir))

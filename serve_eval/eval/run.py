@@ -71,7 +71,7 @@ def _print_summary(report: Any, files: Any, out_dir: Path) -> None:
 def run(cfg: Any) -> Path:
     """The job body (cfg: the composed root config). Returns the report directory."""
     from serve_eval.eval.harness import report_dir, run_eval, write_outputs
-    from serve_eval.eval.sources import collect_drafts, gather_prompts, resolve_target
+    from serve_eval.eval.sources import collect_drafts, find_target, gather_prompts
 
     eval_cfg = _eval_config(cfg)
     artifacts_root = Path(str(cfg.artifacts_root)).expanduser().absolute()
@@ -92,7 +92,7 @@ def run(cfg: Any) -> Path:
     else:
         from drafts.identity import target_fingerprint
 
-        target_dir = resolve_target(eval_cfg.target or cfg.target.get("path"), artifacts_root)
+        target_dir = find_target(eval_cfg.target or cfg.target.get("path"), artifacts_root)
         fingerprint = target_fingerprint(target_dir)
         prompts, skipped = gather_prompts(eval_cfg, artifacts_root, target_dir)
         if not prompts:

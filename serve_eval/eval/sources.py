@@ -25,7 +25,7 @@ def reports_root(artifacts_root: str | Path, fingerprint: str) -> Path:
 
 # ----------------------------------------------------------------------------- target
 
-def resolve_target(explicit: str | None, artifacts_root: str | Path) -> Path:
+def find_target(explicit: str | None, artifacts_root: str | Path) -> Path:
     """The target dir: `explicit` (a dir, or a fingerprint known under the artifacts root),
     else the target most recently registered under `<artifacts>/targets/*/target.json`."""
     artifacts = Artifacts(Path(artifacts_root))

@@ -198,9 +198,9 @@ def holdout_split(num_examples: int, fraction: float) -> tuple[list[int], list[i
 
 def prepare(cfg: DictConfig) -> Prepared:
     """Target + data cache (both cached; built here once, before any rank starts)."""
-    from transformers import AutoTokenizer
 
-    from train.generate import dataset_for_job, resolve_target, tokenizer_hash
+    from drafts.identity import tokenizer_hash
+    from train.generate import dataset_for_job, ensure_target
 
     kind = cfg.draft.get("kind")
     if kind not in KINDS:
@@ -209,11 +209,11 @@ def prepare(cfg: DictConfig) -> Prepared:
 
     check_recipe(kind, cfg.draft, planned_target_vocab(cfg))  # before the target and the data
     artifacts = artifacts_from_config(cfg)
-    target_dir, fingerprint, corpus = resolve_target(cfg, artifacts)
+    target_dir, fingerprint, corpus = ensure_target(cfg, artifacts)
     check_recipe(kind, cfg.draft, int(json.loads((Path(target_dir) / "config.json").read_text())["vocab_size"]))
     data_dir = dataset_for_job(cfg, artifacts, target_dir, fingerprint, corpus)
     manifest = Manifest.read(data_dir)
-    target_tokens = tokenizer_hash(AutoTokenizer.from_pretrained(str(target_dir)))
+    target_tokens = tokenizer_hash(Path(target_dir)) or "no-tokenizer-files"
     if manifest.tokenizer_hash != target_tokens:
         raise ValueError(f"{data_dir / 'manifest.json'}: data was tokenized with tokenizer {manifest.tokenizer_hash}, "
                          f"the target's tokenizer is {target_tokens}")
