@@ -45,7 +45,7 @@ from serve_eval.spec.proposers.eagle import (
     DraftKVCache,
     _RequestState,
 )
-from serve_eval.spec.proposers.medusa import (
+from serve_eval.spec.proposers.features import (
     check_features,
     draw_rows,
     engine_build_args,

@@ -55,7 +55,7 @@ from serve_eval.spec.proposers.base import (
     empty_proposal,
     sampling_arrays,
 )
-from serve_eval.spec.proposers.medusa import (
+from serve_eval.spec.proposers.features import (
     check_features,
     draw_rows,
     engine_build_args,
