@@ -134,3 +134,15 @@ def test_trainer_wall_clock_cap_stops_saves_and_logs(tmp_path, caplog):
     assert result.stopped_by_time_cap and 0 < result.state.step < 100_000
     assert result.checkpoint is not None
     assert any("stopped_by_time_cap=True" in r.getMessage() for r in caplog.records)
+
+
+def test_bench_recipes_compares_old_new_and_alternatives_in_one_run(tmp_path):
+    """scripts/bench_recipes.py on the smoke profile: one table, every standalone recipe at both temperatures."""
+    env = {**os.environ, "DRAFTSMITH_NO_PROGRESS": "1", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "scripts/bench_recipes.py", "--artifacts", str(tmp_path), "--kinds",
+                           "standalone", "--steps", "2", "--prompts", "1", "--max-tokens", "4"],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = {line.split()[1]: line.split() for line in proc.stdout.splitlines() if line.startswith("standalone ")}
+    assert set(rows) == {"old", "new", "alt-tv", "alt-jsd"}
+    assert all(cells[2] != "-" and cells[4] != "-" for cells in rows.values()), proc.stdout  # alpha at T=0 and T=1
