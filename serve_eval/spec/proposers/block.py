@@ -40,11 +40,8 @@ from serve_eval.spec.proposers.base import (
     empty_proposal,
     sampling_arrays,
 )
-from serve_eval.spec.proposers.eagle import (
-    DEFAULT_DRAFT_BLOCKS,
-    DraftKVCache,
-    _RequestState,
-)
+from serve_eval.spec.proposers.draft_cache import DEFAULT_DRAFT_BLOCKS, DraftKVCache
+from serve_eval.spec.proposers.eagle import _RequestState
 from serve_eval.spec.proposers.features import (
     check_features,
     draw_rows,

@@ -28,7 +28,6 @@ target never computed features for the cached prefix; the draft then simply star
 from __future__ import annotations
 
 import copy
-import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,13 +38,9 @@ from torch import Tensor
 
 from kernels.attention import (
     AttentionMetadata,
-    get_attention_backend,
-    paged_attn_fn,
-    select_backend,
 )
-from kernels.layers.decoder import AttnFn
 from kernels.sampling import logits_to_probs
-from serve_eval.engine.kv_cache_manager import KVCacheManager, cdiv
+from serve_eval.engine.kv_cache_manager import cdiv
 from serve_eval.spec.proposers.base import (
     Proposal,
     Proposer,
@@ -55,6 +50,7 @@ from serve_eval.spec.proposers.base import (
     empty_proposal,
     sampling_arrays,
 )
+from serve_eval.spec.proposers.draft_cache import DEFAULT_DRAFT_BLOCKS, DraftKVCache, _CacheRecord
 from serve_eval.spec.proposers.features import (
     check_features,
     draw_rows,
@@ -66,57 +62,6 @@ from serve_eval.spec.proposers.features import (
 from serve_eval.spec.proposers.registry import register_proposer
 from serve_eval.spec.tree import DynamicTreeBuilder
 from serve_eval.spec.verify import VerifyResult
-
-_record_ids = itertools.count()
-DEFAULT_DRAFT_BLOCKS = 1024  # draft pool without an engine to size it (tests, notebooks)
-
-
-class _CacheRecord:
-    """The fields of a sequence that KVCacheManager reads (no prefix caching here, so no hashes are kept)."""
-
-    def __init__(self) -> None:
-        self.seq_id = next(_record_ids)
-        self.num_computed_tokens = 0  # draft cache entries backed by blocks (committed + speculative)
-        self.block_hashes: list[int] = []
-
-    @property
-    def num_tokens(self) -> int:
-        return self.num_computed_tokens
-
-
-class DraftKVCache:
-    """Paged K/V of the one-layer draft: [num_blocks, block_size, num_kv_heads, head_dim] x 2."""
-
-    def __init__(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
-                 device: torch.device, attn_backend: str = "auto") -> None:
-        self.manager = KVCacheManager(num_blocks, block_size, enable_prefix_caching=False, watermark=0.0)
-        self.block_size = block_size
-        shape = (num_blocks, block_size, num_kv_heads, head_dim)
-        self.k_cache = torch.zeros(shape, dtype=dtype, device=device)
-        self.v_cache = torch.zeros(shape, dtype=dtype, device=device)
-        self.attention = get_attention_backend(select_backend(attn_backend, device, block_size))
-
-    def resize(self, record: _CacheRecord, num_entries: int) -> bool:
-        """Back exactly num_entries entries with blocks (roll back or grow); False if the pool is full."""
-        if num_entries == record.num_computed_tokens:
-            return True
-        if num_entries < record.num_computed_tokens:
-            self.manager.rollback(record, record.num_computed_tokens - num_entries)
-            return True
-        if not self.manager.allocate_slots(record, num_entries - record.num_computed_tokens):
-            return False
-        record.num_computed_tokens = num_entries
-        return True
-
-    def free(self, record: _CacheRecord) -> None:
-        self.manager.free(record)
-
-    def block_table(self, record: _CacheRecord) -> list[int]:
-        return self.manager.get_block_ids(record)
-
-    def attn_fn(self, meta: AttentionMetadata, head_dim: int) -> AttnFn:
-        return paged_attn_fn(self.attention, self.k_cache, self.v_cache, meta, head_dim ** -0.5)
-
 
 @dataclass
 class _RequestState:
