@@ -102,7 +102,7 @@ def test_one_draft_forward_per_round_whatever_k(world, k):
 
 def test_plan_prices_the_block_draft_as_one_forward_per_round():
     """`draftsmith plan`: EAGLE's draft cost grows with K (K steps), the block draft's does not (one forward)."""
-    from serve_eval.eval.plan import DraftOptions, Hardware, TargetSpec, Workload, make_plan
+    from serve_eval.plan.estimate import DraftOptions, Hardware, TargetSpec, Workload, make_plan
 
     target = TargetSpec(params=8e9, num_layers=32, num_kv_heads=8, head_dim=128, hidden_size=4096, vocab_size=128256)
     rows = {k: {r.strategy: r for r in make_plan(target, Hardware(80.0, 3.35), Workload(), DraftOptions(K=k)).strategies}

@@ -6,8 +6,9 @@ import json
 
 import pytest
 
-from serve_eval.eval.plan import DraftOptions, Hardware, TargetSpec, Workload, main, make_plan
-from serve_eval.eval.plan_quant import quantized_alphas
+from serve_eval.plan.cli import main
+from serve_eval.plan.estimate import DraftOptions, Hardware, TargetSpec, Workload, make_plan
+from serve_eval.plan.quant import quantized_alphas
 
 TARGET = TargetSpec(70e9, 80, 8, 128, 8192, 128256)
 

@@ -18,7 +18,7 @@ JOBS: dict[str, tuple[str, str]] = {
     "generate": ("train.generate:main", "regenerate answers to the distill prompts with the target"),
     "distill": ("train.distill.run:main", "train a draft (draft=standalone|medusa|eagle|eagle3)"),
     "eval": ("train.jobs:eval_main", "measure drafts per domain: alpha, tau, ms/token, speedup ('eval compare A B')"),
-    "plan": ("serve_eval.eval.plan:main", "predict speedups and memory from a target config and the hardware"),
+    "plan": ("serve_eval.plan.cli:main", "predict speedups and memory from a target config and the hardware"),
     "serve": ("train.jobs:serve_main", "OpenAI-compatible HTTP server with speculative decoding"),
     "quantize": ("drafts.quantize_job:main", "weight-only INT8 / INT4 copy of a distilled draft (drafts.quant)"),
     "export": ("drafts.export:main", "export a draft to vLLM (EAGLE-1, speculators EAGLE-3) / SGLang / Medusa layouts"),
