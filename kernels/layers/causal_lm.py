@@ -15,7 +15,9 @@ from torch import Tensor, nn
 from kernels.layers.checkpoint import EMBED, LM_HEAD, check_config
 from kernels.layers.config import DecoderConfig
 from kernels.layers.decoder import AttnFn, DecoderLayer, decoder_block
+from kernels.layers.family import LayerVariant, layer_variants
 from kernels.layers.linear import Linear
+from kernels.layers.moe import fuse_expert_weights
 from kernels.layers.norm import RMSNorm
 from kernels.layers.rope import RotaryEmbedding
 
@@ -33,6 +35,16 @@ class LMShape:
     num_layers: int
     decoder: DecoderConfig
     tie_word_embeddings: bool = False
+    # Per layer, how a target family's layer differs from Llama's (q/k norm, experts, window); None = plain Llama.
+    variants: tuple[LayerVariant, ...] | None = None
+
+    def variant(self, index: int) -> LayerVariant:
+        return LayerVariant() if self.variants is None else self.variants[index]
+
+    @property
+    def sliding_windows(self) -> list[int | None]:
+        """Attention window per layer (None = full attention)."""
+        return [self.variant(i).sliding_window for i in range(self.num_layers)]
 
 
 class Backbone(nn.Module):
@@ -40,7 +52,8 @@ class Backbone(nn.Module):
         super().__init__()
         d = shape.decoder.hidden_size
         self.embed_tokens = nn.Embedding(shape.vocab_size, d)
-        self.layers = nn.ModuleList([DecoderLayer(shape.decoder) for _ in range(shape.num_layers)])
+        self.layers = nn.ModuleList([DecoderLayer(shape.decoder, variant=shape.variant(i))
+                                     for i in range(shape.num_layers)])
         self.norm = RMSNorm(d, shape.decoder.rms_norm_eps)
 
 
@@ -118,7 +131,10 @@ def lm_shape_from_hf(config, tie_word_embeddings: bool | None = None) -> LMShape
 
     d = hf_config_dict(config)
     tied = bool(d.get("tie_word_embeddings", False)) if tie_word_embeddings is None else tie_word_embeddings
-    return LMShape(int(d["vocab_size"]), int(d["num_hidden_layers"]), DecoderConfig.from_hf(d), tied)
+    variants = layer_variants(d)
+    plain = all(v == LayerVariant() for v in variants)
+    return LMShape(int(d["vocab_size"]), int(d["num_hidden_layers"]), DecoderConfig.from_hf(d), tied,
+                   None if plain else variants)
 
 
 def _hf_names(state: dict[str, Tensor]) -> dict[str, Tensor]:
@@ -136,7 +152,7 @@ def causal_lm_from_state_dict(config, state: dict[str, Tensor], dtype: torch.dty
     parameters; a missing lm_head means tied embeddings. Extra tensors (HF rotary buffers...) are ignored.
     """
     check_config(config, source)
-    state = _hf_names(state)
+    state = fuse_expert_weights(_hf_names(state))
     tied = bool(getattr(config, "tie_word_embeddings", False)) or LM_HEAD not in state
     with torch.device("meta"):
         model = CausalLM(lm_shape_from_hf(config, tie_word_embeddings=tied))

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # importing this module must not import torch (drafts.identity runs in light CLI paths)
     from torch import Tensor
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+from kernels.layers.family import SUPPORTED_MODEL_TYPES, layer_variants  # noqa: F401 (re-exported)
 EMBED, LM_HEAD = "model.embed_tokens.weight", "lm_head.weight"
 
 
@@ -40,6 +40,7 @@ def check_config(config, source: str = "config") -> None:
         raise ValueError(f"{source}: hidden_act {act!r} is not supported (SwiGLU with silu only)")
     if config.num_attention_heads % config.num_key_value_heads != 0:
         raise ValueError(f"{source}: num_attention_heads must be a multiple of num_key_value_heads")
+    layer_variants(config, source)  # family fields (experts, windows, layer_types): refused here, by name
 
 
 def weight_files(model_dir: str | Path) -> list[Path]:

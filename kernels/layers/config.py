@@ -77,7 +77,9 @@ class DecoderConfig:
         d = hf_config_dict(cfg)
         theta, scaling = rope_settings(d)
         heads = int(d["num_attention_heads"])
-        qkv_bias = bool(d.get("attention_bias", False)) or d.get("model_type") == "qwen2"
+        # Qwen2 always has q/k/v biases; Qwen2-MoE names them qkv_bias (default on)
+        qkv_bias = (bool(d.get("attention_bias", False)) or d.get("model_type") == "qwen2"
+                    or (d.get("model_type") == "qwen2_moe" and bool(d.get("qkv_bias", True))))
         o_bias = bool(d.get("attention_bias", False))
         fields = dict(
             hidden_size=int(d["hidden_size"]),

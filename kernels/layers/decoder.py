@@ -20,7 +20,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from kernels.layers.config import DecoderConfig
+from kernels.layers.family import LayerVariant
 from kernels.layers.linear import Linear
+from kernels.layers.moe import SparseMoE
 from kernels.layers.norm import RMSNorm
 from kernels.layers.rope import apply_rope
 
@@ -42,13 +44,19 @@ class HeadShape:
         object.__setattr__(self, "qk_width", (self.num_heads + self.num_kv_heads) * self.head_dim)
 
 
-def attend(shape: HeadShape, qkv: Op, o_proj: Op, x: Tensor, cos: Tensor, sin: Tensor, attn_fn: AttnFn) -> Tensor:
-    """x [T, in] -> [T, d]: q/k/v from one [T, (H + 2 KVH) * D] projection, rope on q and k heads together."""
+def attend(shape: HeadShape, qkv: Op, o_proj: Op, x: Tensor, cos: Tensor, sin: Tensor, attn_fn: AttnFn,
+           qk_norm: tuple[Op, Op] | None = None) -> Tensor:
+    """x [T, in] -> [T, d]: q/k/v from one [T, (H + 2 KVH) * D] projection, rope on q and k heads together.
+
+    qk_norm: Qwen3's per-head RMSNorms of q and of k (over head_dim), applied before rope as in HF."""
     num_tokens = x.shape[0]
     qkv_out = qkv(x)
     if cos.dtype != qkv_out.dtype:  # autocast: projections ran in a lower precision than the rope table
         cos, sin = cos.to(qkv_out.dtype), sin.to(qkv_out.dtype)
-    qk = apply_rope(qkv_out[:, :shape.qk_width].view(num_tokens, -1, shape.head_dim), cos, sin)
+    qk = qkv_out[:, :shape.qk_width].view(num_tokens, -1, shape.head_dim)  # [T, H + KVH, D]
+    if qk_norm is not None:
+        qk = torch.cat([qk_norm[0](qk[:, :shape.num_heads]), qk_norm[1](qk[:, shape.num_heads:])], dim=1)
+    qk = apply_rope(qk, cos, sin)
     q, k = qk[:, :shape.num_heads], qk[:, shape.num_heads:]
     v = qkv_out[:, shape.qk_width:].view(num_tokens, shape.num_kv_heads, shape.head_dim)
     return o_proj(attn_fn(q, k, v).reshape(num_tokens, shape.q_width))
@@ -65,7 +73,7 @@ def swiglu(gate_up: Op, down: Op, x: Tensor) -> Tensor:
 class Attention(nn.Module):
     """q/k/v/o projections (HF names) around the caller's ``attn_fn``."""
 
-    def __init__(self, cfg: DecoderConfig, input_size: int | None = None) -> None:
+    def __init__(self, cfg: DecoderConfig, input_size: int | None = None, qk_norm: bool = False) -> None:
         super().__init__()
         in_size = input_size or cfg.hidden_size  # EAGLE-3 feeds [emb ; hidden] (2d) into q/k/v
         self.shape = HeadShape(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
@@ -74,16 +82,22 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(in_size, kv_width, bias=cfg.qkv_bias)
         self.v_proj = nn.Linear(in_size, kv_width, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(self.shape.q_width, cfg.hidden_size, bias=cfg.o_bias)
+        if qk_norm:  # Qwen3 (HF names q_norm / k_norm, weight [head_dim])
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        self.has_qk_norm = qk_norm
 
     def qkv(self, x: Tensor) -> Tensor:  # [T, in] -> [T, (H + 2 KVH) * D]
         return torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attn_fn: AttnFn) -> Tensor:
-        return attend(self.shape, self.qkv, self.o_proj, x, cos, sin, attn_fn)
+        norms = (self.q_norm, self.k_norm) if self.has_qk_norm else None
+        return attend(self.shape, self.qkv, self.o_proj, x, cos, sin, attn_fn, norms)
 
     def serving(self, pack: bool | None = None) -> Callable[[Tensor, Tensor, Tensor, AttnFn], Tensor]:
         qkv = Linear.fuse([self.q_proj, self.k_proj, self.v_proj], pack)
-        return partial(attend, self.shape, qkv, Linear.fuse([self.o_proj], pack))
+        norms = (self.q_norm.serving(), self.k_norm.serving()) if self.has_qk_norm else None
+        return partial(attend, self.shape, qkv, Linear.fuse([self.o_proj], pack), qk_norm=norms)
 
 
 class MLP(nn.Module):
@@ -125,14 +139,17 @@ def decoder_block(ops: LayerOps, hidden: Tensor, cos: Tensor, sin: Tensor, attn_
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm Llama block over flattened tokens. ``input_norm=False`` drops input_layernorm (EAGLE-1's layer)."""
+    """Pre-norm Llama block over flattened tokens. ``input_norm=False`` drops input_layernorm (EAGLE-1's layer);
+    ``variant`` (a target family's layer: q/k norm, routed experts) changes the attention and the MLP."""
 
-    def __init__(self, cfg: DecoderConfig, attn_input_size: int | None = None, input_norm: bool = True) -> None:
+    def __init__(self, cfg: DecoderConfig, attn_input_size: int | None = None, input_norm: bool = True,
+                 variant: LayerVariant | None = None) -> None:
         super().__init__()
+        variant = variant or LayerVariant()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if input_norm else None
-        self.self_attn = Attention(cfg, attn_input_size)
+        self.self_attn = Attention(cfg, attn_input_size, qk_norm=variant.qk_norm)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = SparseMoE(cfg, variant.moe) if variant.moe is not None else MLP(cfg)
         self.serving_ops: LayerOps | None = None  # set by to_serving_(); a plain attribute, not a submodule
 
     @property

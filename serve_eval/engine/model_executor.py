@@ -8,6 +8,7 @@ cache manager asks for (copy-on-write, swap to/from a CPU pool, compaction of ac
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 from typing import NamedTuple
 
@@ -15,6 +16,7 @@ import torch
 from torch import Tensor
 
 from kernels.attention import AttentionMetadata, get_attention_backend, paged_attn_fn, select_backend
+from kernels.attention.window import sliding_window_attention
 from kernels.layers.causal_lm import CausalLM, causal_lm_from_state_dict
 from kernels.layers.checkpoint import load_config, read_state_dict
 from kernels.layers.linear import should_pack
@@ -86,7 +88,8 @@ class ModelExecutor:
         self.hidden_size: int = config.hidden_size
         self.vocab_size: int = config.vocab_size
         self.scale: float = self.head_dim ** -0.5
-        self.sliding_window: int | None = self._sliding_window(config)
+        # Per layer: the attention window (None = full attention), from the family rules (kernels.layers.family).
+        self.sliding_windows: list[int | None] = self.model.shape.sliding_windows
         self.attn_backend_name = attn_backend
         self.attn_backend = select_backend(attn_backend, self.device)
         self._attention = get_attention_backend(self.attn_backend)
@@ -107,14 +110,6 @@ class ModelExecutor:
         # Measured on the shared 2-CPU dev box (scripts/bench_roofline.py --threads 1 --compile): 15-20% faster
         # than the plain-weight eager path, but ~2x slower than eager with packed bf16 weights. Opt-in only.
         self._compiled_run = torch.compile(self._run, dynamic=True)
-
-    @staticmethod
-    def _sliding_window(config) -> int | None:
-        """Window of Mistral/Qwen2 configs that actually use one (we run full attention; see forward)."""
-        window = getattr(config, "sliding_window", None)
-        if window is None or (config.model_type == "qwen2" and not getattr(config, "use_sliding_window", False)):
-            return None
-        return int(window)
 
     # ------------------------------------------------------------------ KV cache
     def kv_bytes_per_block(self, block_size: int) -> int:
@@ -202,9 +197,6 @@ class ModelExecutor:
         self._require_cache()
         if input_ids.shape != positions.shape or input_ids.dim() != 1:
             raise ValueError(f"input_ids {tuple(input_ids.shape)} and positions {tuple(positions.shape)} must be [T]")
-        if self.sliding_window is not None and meta.max_seqlen_k > self.sliding_window:
-            raise ValueError(f"context of {meta.max_seqlen_k} tokens exceeds the config's sliding_window "
-                             f"{self.sliding_window}; sliding-window attention is not implemented")
         aux_layers = tuple(sorted(set(aux_hidden_layers)))
         bad = [i for i in aux_layers if not 0 <= i <= self.num_layers]
         if bad:
@@ -218,7 +210,9 @@ class ModelExecutor:
     def _run(self, input_ids: Tensor, positions: Tensor, meta: AttentionMetadata, logits_indices: Tensor | None,
              aux_layers: tuple[int, ...]) -> tuple[Tensor, Tensor, dict[int, Tensor]]:
         """The model proper over the paged cache -> (lm_head rows fp32, hidden, aux) (compilable as one graph)."""
-        attn_fns = [paged_attn_fn(self._attention, k, v, meta, self.scale) for k, v in self._layer_caches]
+        attn_fns = [paged_attn_fn(self._attention if window is None else partial(sliding_window_attention, window=window),
+                                  k, v, meta, self.scale)
+                    for (k, v), window in zip(self._layer_caches, self.sliding_windows)]
         # Positions never exceed max_seqlen_k - 1 (new tokens sit inside the context), so no device sync here.
         hidden, aux = self.model.run(input_ids, positions, attn_fns, aux_layers, meta.max_seqlen_k - 1)
         rows = hidden if logits_indices is None else hidden.index_select(0, logits_indices)
