@@ -16,7 +16,8 @@ import torch
 from torch import Tensor, nn
 
 from drafts.common import causal_attn_fn, count_parameters
-from kernels.layers.causal_lm import CausalLM, LMShape
+from kernels.layers.causal_lm import CausalLM, LMShape, lm_shape_from_hf
+from kernels.layers.moe import fuse_expert_weights
 from kernels.layers.checkpoint import read_state_dict
 from kernels.layers.config import DecoderConfig, hf_config_dict
 
@@ -30,6 +31,9 @@ class StandaloneConfig:
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
     pad_token_id: int | None = None
+    # A pretrained family checkpoint as the draft (e.g. a small Qwen3 for a Qwen3 target): its layer variants
+    # (kernels.layers.family); None = plain Llama layers, what draftsmith trains and writes.
+    variants: tuple | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.decoder, dict):
@@ -95,6 +99,7 @@ class StandaloneConfig:
             vocab_size=int(d["vocab_size"]),
             num_hidden_layers=int(d["num_hidden_layers"]),
             decoder=DecoderConfig.from_hf(d),
+            variants=lm_shape_from_hf(d).variants,
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             bos_token_id=d.get("bos_token_id"),
             eos_token_id=d.get("eos_token_id"),
@@ -123,7 +128,8 @@ class StandaloneDraft(CausalLM):
     kind = "standalone"
 
     def __init__(self, cfg: StandaloneConfig) -> None:
-        super().__init__(LMShape(cfg.vocab_size, cfg.num_hidden_layers, cfg.decoder, cfg.tie_word_embeddings))
+        super().__init__(LMShape(cfg.vocab_size, cfg.num_hidden_layers, cfg.decoder, cfg.tie_word_embeddings,
+                                 cfg.variants))
         self.config = cfg
         self.reset_parameters()
 
@@ -164,6 +170,7 @@ class StandaloneDraft(CausalLM):
             cfg = StandaloneConfig.from_hf(hf_model_or_dir.config)
             state = hf_model_or_dir.state_dict()
         draft = cls(cfg)
+        state = fuse_expert_weights(state)  # per-expert checkpoint names -> stacked (MoE checkpoints only)
         if cfg.tie_word_embeddings:
             state = {k: v for k, v in state.items() if k != "lm_head.weight"}
         missing, unexpected = draft.load_state_dict(state, strict=False)
