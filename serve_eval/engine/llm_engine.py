@@ -18,6 +18,7 @@ import torch
 from kernels.attention import AttentionMetadata
 from kernels.sampling import logits_to_probs, sample
 from serve_eval.engine.kv_cache_manager import KVCacheManager, cdiv
+from serve_eval.engine.logprobs import MAX_LOGPROBS, TokenLogprob, rows_logprobs
 from serve_eval.engine.model_executor import ModelExecutor
 from serve_eval.engine.outputs import EngineStats, RequestMetrics, RequestOutput
 from serve_eval.engine.request import Sequence, SequenceStatus
@@ -26,7 +27,8 @@ from serve_eval.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOut
 from serve_eval.engine.threads import ThreadChoice, apply_threads, choose_threads, estimate_num_params
 
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:   # the speculative package builds on the engine; the engine only names its types
+    from serve_eval.spec.config import SpecConfig
     from serve_eval.spec.metrics import SpecEngineStats
 
 @dataclass
@@ -63,6 +65,8 @@ class StepResult(NamedTuple):
     # (lookahead - accepted drafts, unproposed slots included). The engine first counts all
     # n + lookahead slots as computed, then rolls these back (freeing emptied blocks).
     num_rejected_slots: list[int]
+    # Per scheduled seq: one record per emitted token (requests with SamplingParams.logprobs); None = nobody asked.
+    logprobs: list[list[TokenLogprob]] | None = None
 
 
 class StepStrategy(Protocol):
@@ -104,11 +108,13 @@ class DefaultStrategy:
         if rows:
             for i, tok in zip(sampled, engine.sample([out.seqs[i] for i in sampled], logits)):
                 new_tokens[i] = [tok]
-        return StepResult(new_tokens, [0] * len(out.seqs))
+        logprobs = rows_logprobs(out.seqs, logits, {i: [r] for r, i in enumerate(sampled)}, new_tokens)
+        return StepResult(new_tokens, [0] * len(out.seqs), logprobs)
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, speculative=None, strategy: StepStrategy | None = None,
+    def __init__(self, config: EngineConfig, speculative: "SpecConfig | None" = None,
+                 strategy: StepStrategy | None = None,
                  executor: ModelExecutor | None = None) -> None:
         self.config = config
         self.executor = executor or ModelExecutor(config.model, config.dtype, config.device, config.attn_backend)
@@ -187,8 +193,8 @@ class LLMEngine:
             raise ValueError(f"priority must be an int, got {priority!r}")
         if params.n != 1:
             raise ValueError(f"n={params.n}: this engine serves n=1 per request (submit copies instead)")
-        if params.logprobs is not None:
-            raise ValueError("logprobs: not supported by this engine")
+        if params.logprobs is not None and params.logprobs > MAX_LOGPROBS:
+            raise ValueError(f"logprobs={params.logprobs}: at most {MAX_LOGPROBS} top alternatives per token")
         if params.stop and self.tokenizer is None:
             raise ValueError("stop: stop strings need a tokenizer and the model dir has none")
         prompt_ids = self._tokenize(prompt)
@@ -325,16 +331,19 @@ class LLMEngine:
     def _update(self, out: SchedulerOutput, result: StepResult) -> list[RequestOutput]:
         now = time.perf_counter()
         outputs = []
-        for seq, n, la, new, rejected in zip(out.seqs, out.num_scheduled_tokens, out.num_lookahead_tokens,
-                                             result.new_token_ids, result.num_rejected_slots):
+        records = result.logprobs or [None] * len(out.seqs)
+        for seq, n, la, new, rejected, lps in zip(out.seqs, out.num_scheduled_tokens, out.num_lookahead_tokens,
+                                                  result.new_token_ids, result.num_rejected_slots, records):
             if seq.is_finished:   # aborted by a strategy callback mid-step
                 continue
             seq.num_computed_tokens += n + la
             if rejected:
                 self.kv.rollback(seq, rejected)
             emitted = []
-            for tok in new:
+            for j, tok in enumerate(new):
                 seq.append_token(tok, now)
+                if lps:
+                    seq.logprobs.append(lps[j])
                 emitted.append(tok)
                 reason = self._stop_reason(seq, tok)
                 if reason is not None:
@@ -374,6 +383,7 @@ class LLMEngine:
         return RequestOutput(seq.request_id, seq.prompt_token_ids, seq.output_token_ids, new,
                              seq.is_finished, seq.finish_reason, metrics,
                              spec=seq.spec_stats,   # set by a speculative strategy
+                             logprobs=list(seq.logprobs) if seq.params.logprobs is not None else None,
                              _detokenize=detok, _text_limit=seq.stop_text_len)
 
     # -- stats ---------------------------------------------------------------------------

@@ -131,7 +131,7 @@ class SpecConfig:
     def make_proposer(self, engine: "LLMEngine"):
         cls = proposer_class(self.method)
         proposer = cls.from_spec_config(self, engine)
-        if self.uses_tree and not getattr(proposer, "supports_tree", False):
+        if self.uses_tree and not proposer.supports_tree:
             raise ValueError(f"speculative method {self.method!r} does not support trees, but tree={self.tree!r}")
         return proposer
 

@@ -26,6 +26,8 @@ import torch
 from torch import Tensor
 
 from serve_eval.engine.llm_engine import StepResult
+from serve_eval.engine.logprobs import rows_logprobs
+from serve_eval.spec.round_logprobs import round_rows
 from serve_eval.engine.request import Sequence, SequenceStatus
 from serve_eval.engine.scheduler import SchedulerOutput
 from serve_eval.spec.batch_gate import BatchGate
@@ -62,8 +64,8 @@ class SpeculativeStrategy:
         self._batch_cap: int | None = None  # the gate's K cap for this step
         self.metrics = SpecMetrics()
         self.max_lookahead_tokens = config.max_lookahead_tokens
-        self.needs_hidden = bool(getattr(proposer, "needs_hidden", False))
-        self.aux_layers = tuple(getattr(proposer, "aux_layers", ()))
+        self.needs_hidden = bool(proposer.needs_hidden)   # declared by the Proposer protocol
+        self.aux_layers = tuple(proposer.aux_layers)
         self._tracked: dict[str, Sequence] = {}  # requests the proposer may hold state for
         self._k: dict[str, int] = {}  # K the policy chose for each sequence this step
         self._attached = False
@@ -85,9 +87,7 @@ class SpeculativeStrategy:
 
     def before_schedule(self, engine: "LLMEngine") -> None:
         if not self._attached:
-            attach = getattr(self.proposer, "attach", None)
-            if attach is not None:
-                attach(engine)
+            self.proposer.attach(engine)
             self._attached = True
         for seq in [s for s in self._tracked.values() if s.is_finished]:  # aborted between steps
             self._release(seq)
@@ -151,7 +151,8 @@ class SpeculativeStrategy:
             rejected[i] = out.num_lookahead_tokens[i] - (results[i].num_accepted_drafts if i in results else 0)
         self._record(engine, out, drafts, results, draft_time, target_time)
         self._observe_step(out, drafts, new_tokens, time.perf_counter() - t_step)
-        return StepResult(new_tokens, rejected)
+        logprobs = rows_logprobs(out.seqs, fwd.logits, round_rows(producing, drafts, results), new_tokens)
+        return StepResult(new_tokens, rejected, logprobs)
 
     def _target_forward(self, engine: "LLMEngine", out: SchedulerOutput, drafts: dict[int, SpecDraft]):
         """One flattened forward: prefill chunks, decode roots, and [root, drafts...] (tree rows with an

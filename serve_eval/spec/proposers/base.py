@@ -121,6 +121,9 @@ class Proposer(Protocol):
     ) -> list[Proposal]:  # (EAGLE: target hidden states of the tokens verified last step)
         ...
 
+    def attach(self, engine: object) -> None:
+        """Called once, before the first step, with the engine (proposers that size a cache from it)."""
+
     def max_tokens_for(self, seq: SequenceView) -> int | None:
         """A cap on this request's K (0: decode it plainly), or None for no cap (most proposers)."""
         return None

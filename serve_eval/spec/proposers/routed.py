@@ -64,8 +64,7 @@ class RoutedProposer(Proposer):
     def attach(self, engine: "LLMEngine") -> None:
         self._engine = engine
         for child in self.children.values():
-            if hasattr(child, "attach"):
-                child.attach(engine)
+            child.attach(engine)
 
     # -- routing ---------------------------------------------------------------------------
     def route(self, seq: SequenceView) -> tuple[str | None, int]:
