@@ -21,7 +21,7 @@ from serve_eval.engine.kv_cache_manager import KVCacheManager, cdiv
 from serve_eval.engine.logprobs import MAX_LOGPROBS, TokenLogprob, rows_logprobs
 from serve_eval.engine.model_executor import ModelExecutor
 from serve_eval.engine.outputs import EngineStats, RequestMetrics, RequestOutput
-from serve_eval.engine.request import Sequence, SequenceStatus
+from serve_eval.engine.request import Sequence
 from serve_eval.engine.sampling_params import SamplingParams
 from serve_eval.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from serve_eval.engine.threads import ThreadChoice, apply_threads, choose_threads, estimate_num_params
