@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
 
 if TYPE_CHECKING:   # the speculative package fills these; the engine only carries them
+    from serve_eval.engine.logprobs import TokenLogprob
     from serve_eval.spec.metrics import SpecEngineStats, SpecStats
 
 
@@ -34,6 +35,8 @@ class RequestOutput:
     finish_reason: str | None           # "stop" | "length" | "abort" | None
     metrics: RequestMetrics
     spec: "SpecStats | None" = None     # this request's rounds when speculative decoding runs
+    # One TokenLogprob (engine.logprobs) per output token so far, when SamplingParams.logprobs is set; else None.
+    logprobs: "list[TokenLogprob] | None" = None
     # Decoding every request every step would cost more than the scheduler; text is
     # decoded on first access (or given eagerly when a stop string already needed it).
     _detokenize: Callable[[list[int]], str] | None = field(default=None, repr=False)

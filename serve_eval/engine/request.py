@@ -68,6 +68,7 @@ class Sequence:
         self.token_times: list[float] = []
         self.spec_stats: SpecStats | None = None   # this request's speculative rounds (set by the strategy)
         self.finished_time: float | None = None
+        self.logprobs: list = []   # one engine.logprobs.TokenLogprob per output token (params.logprobs set)
 
     # -- views ---------------------------------------------------------------------
     @property

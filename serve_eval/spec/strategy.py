@@ -27,12 +27,12 @@ from torch import Tensor
 
 from serve_eval.engine.llm_engine import StepResult
 from serve_eval.engine.logprobs import rows_logprobs
-from serve_eval.spec.round_logprobs import round_rows
 from serve_eval.engine.request import Sequence, SequenceStatus
 from serve_eval.engine.scheduler import SchedulerOutput
 from serve_eval.spec.batch_gate import BatchGate
 from serve_eval.spec.metrics import SpecEngineStats, SpecMetrics
 from serve_eval.spec.policy import SpecPolicy
+from serve_eval.spec.round_logprobs import round_rows
 from serve_eval.spec.proposers.base import Proposal, TargetFeatures
 from serve_eval.spec.round_verify import RoundOutcome, SpecDraft, verify_round
 from serve_eval.spec.tree import DraftTree
