@@ -65,8 +65,11 @@ CASES = [
     ("completions", {"prompt": "w1 " * 200}, "prompt"),                  # over max length
     ("completions", {"prompt": list(range(10, 10 + MAX_MODEL_LEN))}, "prompt"),
     ("completions", {"prompt": "hi", "foo": 1}, "foo"),                  # unknown field
-    ("completions", {"prompt": "hi", "logprobs": 2}, "logprobs"),        # unsupported knobs
-    ("chat/completions", {"messages": USER, "logprobs": True}, "logprobs"),
+    ("completions", {"prompt": "hi", "logprobs": 21}, "logprobs"),       # more than OpenAI's 20 alternatives
+    ("completions", {"prompt": "hi", "logprobs": -1}, "logprobs"),
+    ("completions", {"prompt": "hi", "logprobs": 2, "echo": True}, "echo"),
+    ("chat/completions", {"messages": USER, "top_logprobs": 2}, "top_logprobs"),  # without logprobs=true
+    ("chat/completions", {"messages": USER, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ("completions", {"prompt": "hi", "presence_penalty": 0.5}, "presence_penalty"),
     ("completions", {"prompt": "hi", "stop": [""]}, "stop"),
     ("completions", {"prompt": "hi", "domain": ""}, "domain"),

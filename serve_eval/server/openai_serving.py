@@ -16,6 +16,7 @@ from typing import Any, AsyncIterator
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from serve_eval.server import logprobs_format as LF
 from serve_eval.server import protocol as P
 from serve_eval.server.engine_loop import Aborted, EngineLoop, Failed, QueueFullError, ShuttingDownError
 from serve_eval.server.metrics import ServerMetrics
@@ -37,6 +38,16 @@ class _Choice:
     output: Any = None               # last RequestOutput
     finish_reason: str | None = None
     error: str | None = None         # set when a failed engine step ended this choice
+    sent_logprobs: int = 0           # streaming: token logprobs already sent
+    sent_offset: int = 0             # streaming: text_offset where the next chunk's tokens start
+
+    def take_logprobs(self) -> list | None:
+        """Token logprob records not sent yet (None when the request asked for none)."""
+        records = None if self.output is None else self.output.logprobs
+        if records is None:
+            return None
+        new, self.sent_logprobs = records[self.sent_logprobs:], len(records)
+        return new
 
     @property
     def done(self) -> bool:
@@ -85,7 +96,6 @@ class OpenAIServing:
         self._check_model(req.model)
         prompts = self._completion_prompts(req.prompt)
         logprobs = req.logprobs
-        self._check_logprobs(logprobs)
         jobs = []
         for p_index, prompt_ids in enumerate(prompts):
             requested = P.DEFAULT_COMPLETION_MAX_TOKENS if req.max_tokens is None else req.max_tokens
@@ -101,7 +111,6 @@ class OpenAIServing:
         self._check_model(req.model)
         prompt_ids = self._chat_prompt(req.messages)
         logprobs = req.num_logprobs()
-        self._check_logprobs(logprobs)
         field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         max_tokens = self._max_tokens(len(prompt_ids), req.requested_max_tokens(), "messages", field)
         jobs = [(i, 0, prompt_ids, req.sampling_params(max_tokens, i, logprobs), "") for i in range(req.n)]
@@ -113,11 +122,6 @@ class OpenAIServing:
             # 404, as OpenAI and vLLM answer an unknown model.
             raise P.ApiError(404, f"The model '{model}' does not exist; this server serves "
                              f"'{self.model_name}'", "model", code="model_not_found")
-
-    def _check_logprobs(self, logprobs: int | None) -> None:
-        if logprobs is not None:
-            raise P.ApiError(400, "logprobs are not supported by this engine (its outputs carry no "
-                             "log-probabilities)", "logprobs")
 
     def _tokenize(self, text: str, param: str) -> list[int]:
         if text == "":
@@ -294,7 +298,7 @@ class OpenAIServing:
                         delta, choice.prefix_text = choice.prefix_text + delta, ""
                     if delta or choice.done:
                         yield _sse(self._chunk(base_id, created, kind, choice.index, delta,
-                                               choice.finish_reason))
+                                               choice.finish_reason, records=choice.take_logprobs(), choice=choice))
             if include_usage and not any(c.error for c in choices):
                 usage = self._usage(choices)
                 body = {"id": base_id, "object": _chunk_object(kind), "created": created,
@@ -306,13 +310,20 @@ class OpenAIServing:
 
     # ---------------------------------------------------------------- shaping
     def _chunk(self, base_id: str, created: int, kind: str, index: int, delta: str,
-               finish_reason: str | None, role: bool = False) -> dict[str, Any]:
+               finish_reason: str | None, role: bool = False, records: list | None = None,
+               choice: _Choice | None = None) -> dict[str, Any]:
+        """One SSE chunk; records: the token logprobs this chunk carries (None = the request asked for none)."""
+        lp_chat = None if records is None else LF.chat_logprobs(records, self.tokenizer)
         if kind == "chat":
             d = P.ChatDelta(role="assistant", content="") if role else P.ChatDelta(content=delta or None)
-            choice = P.ChatChunkChoice(index=index, delta=d, finish_reason=finish_reason)
+            choice = P.ChatChunkChoice(index=index, delta=d, finish_reason=finish_reason, logprobs=lp_chat)
             return P.ChatCompletionChunk(id=base_id, created=created, model=self.model_name,
                                          choices=[choice]).model_dump(exclude={"usage"})
-        choice = P.CompletionChoice(index=index, text=delta, finish_reason=finish_reason)
+        lp = None
+        if records is not None and choice is not None:
+            lp = LF.completion_logprobs(records, self.tokenizer, choice.sent_offset)
+            choice.sent_offset = LF.end_offset(records, self.tokenizer, choice.sent_offset)
+        choice = P.CompletionChoice(index=index, text=delta, finish_reason=finish_reason, logprobs=lp)
         return P.CompletionChunk(id=base_id, created=created, model=self.model_name,
                                  choices=[choice]).model_dump(exclude={"usage"})
 
@@ -332,11 +343,18 @@ class OpenAIServing:
             return P.ChatCompletionResponse(
                 id=base_id, created=created, model=self.model_name, usage=usage,
                 choices=[P.ChatChoice(index=c.index, message=P.ChatResponseMessage(content=c.text()),
-                                      finish_reason=c.finish_reason) for c in ordered]).model_dump()
+                                      finish_reason=c.finish_reason,
+                                      logprobs=self._records(c, LF.chat_logprobs)) for c in ordered]).model_dump()
         return P.CompletionResponse(
             id=base_id, created=created, model=self.model_name, usage=usage,
             choices=[P.CompletionChoice(index=c.index, text=c.prefix_text + c.text(),
-                                        finish_reason=c.finish_reason) for c in ordered]).model_dump()
+                                        finish_reason=c.finish_reason,
+                                        logprobs=self._records(c, LF.completion_logprobs)) for c in ordered]).model_dump()
+
+    def _records(self, choice: _Choice, shape: Any) -> Any:
+        """A whole choice's logprobs in one response shape; None when the request asked for none."""
+        records = None if choice.output is None else choice.output.logprobs
+        return None if records is None else shape(records, self.tokenizer)
 
 
 class _AbortingStreamingResponse(StreamingResponse):
