@@ -48,7 +48,7 @@ def distill(world, **extra):
     ("eagle3", {"draft.draft_vocab_size": "64"}),
     ("block", {}),
     ("block", {"draft.mode": "offline"}),
-    ("block", {"draft.mode": "offline", "draft.data.topk_logits": "8"}),
+    ("block", {"draft.mode": "offline", "draft.data.topk_logits": "8", "draft.teacher": "topk"}),
     ("standalone", {"draft.loss": "token_kd", "draft.data.topk_logits": "8", "draft.divergence": "tv"}),
     ("standalone", {"draft.loss": "token_kd", "draft.divergence": "jsd", "draft.on_policy_fraction": "0.5",
                     "draft.on_policy_new_tokens": "4"}),

@@ -82,7 +82,9 @@ def dataset_needs(kind: str, dcfg: Any, num_target_layers: int) -> StoredExtras:
         uses_topk = (dcfg.loss == "token_kd" and not needs_teacher(kind, dcfg)) or dcfg.teacher == "topk"
         return StoredExtras(topk=stored.topk if uses_topk else 0)
     if dcfg.mode == "offline":
-        return StoredExtras(final_hidden=True, aux_layers=stored.aux_layers)
+        # the block draft's teacher=topk reads the stored top-k labels (auto: the cached hidden's full distribution)
+        topk = stored.topk if kind == "block" and dcfg.get("teacher") == "topk" else 0
+        return StoredExtras(final_hidden=True, aux_layers=stored.aux_layers, topk=topk)
     return StoredExtras()
 
 

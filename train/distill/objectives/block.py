@@ -8,8 +8,9 @@ is the target's distribution at position a+j-1 (which predicts x_{a+j}), weighte
 
 The target's distribution comes from (``teacher``):
 * online: the target forward inside the loop (its logits);
-* offline: the stored top-k log-probs when the dataset has them (``topk``, soft CE over the k), else the cached
-  final-norm hidden through the target's LM head (``hidden``; the draft's frozen head IS the target's).
+* offline: the cached final-norm hidden through the target's LM head (``auto`` / ``hidden``: the full
+  distribution; the draft's frozen head IS the target's), or the stored top-k log-probs (``topk``: soft CE over
+  the k; the job then asks the dataset for them).
 
 Held-out counts are CONDITIONAL on the block's earlier offsets: offset j is counted where offsets 1..j-1 all
 matched the data token, which is the acceptance a chain verifier applies (simulated_tau reads them so).
