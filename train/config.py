@@ -122,6 +122,11 @@ class DraftsmithConfig:
 
     artifacts_root: str = "artifacts"
     seed: int = 0
+    # `generate` answers through: engine (in process) | openai (an external OpenAI-compatible server at endpoint)
+    backend: str = "engine"
+    endpoint: str | None = None  # e.g. http://HOST:PORT/v1 (vLLM, SGLang, `draftsmith serve`)
+    endpoint_concurrency: int = 8
+    endpoint_logprobs: int = 0  # top-k logprobs asked per answer token (recorded when the server offers them)
     target: TargetConfig = field(default_factory=TargetConfig)
     data: DataConfig = field(default_factory=DataConfig)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)

@@ -202,21 +202,28 @@ def _reference_answers(tokenizer: Any, records: list[dict[str, str]], prompts: l
     return out
 
 
-def content_key(fingerprint: str, tok_hash: str, prompt_hash: str, data: DraftDataConfig) -> str:
-    """Everything that decides the stored answers (not which extras are stored beside them)."""
-    return stable_hash({
+def content_key(fingerprint: str, tok_hash: str, prompt_hash: str, data: DraftDataConfig,
+                model_id: str | None = None) -> str:
+    """Everything that decides the stored answers (not which extras are stored beside them); model_id: the
+    external endpoint's model (backend=openai), keyed only then so in-process caches keep their keys."""
+    fields = {
         "format": FORMAT_VERSION, "target": fingerprint, "tokenizer": tok_hash, "prompts": prompt_hash,
         "source": data.source, "sampling": sampling_dict(data) if data.source == "target" else None,
         "max_length": data.max_length, "shard_size": data.shard_size,
-    })  # (data.max_minutes is not keyed: a cap that cut in is in the manifest and the stage's log line)
+    }
+    if model_id is not None:
+        fields["endpoint_model"] = model_id
+    return stable_hash(fields)  # (data.max_minutes is not keyed: a cap that cut in is in the manifest and the stage's log line)
 
 
-def cache_key(fingerprint: str, tok_hash: str, prompt_hash: str, data: DraftDataConfig, extras: StoredExtras) -> str:
-    return stable_hash({"content": content_key(fingerprint, tok_hash, prompt_hash, data), "extras": asdict(extras)})
+def cache_key(fingerprint: str, tok_hash: str, prompt_hash: str, data: DraftDataConfig, extras: StoredExtras,
+              model_id: str | None = None) -> str:
+    return stable_hash({"content": content_key(fingerprint, tok_hash, prompt_hash, data, model_id),
+                        "extras": asdict(extras)})
 
 
 def generate_dataset(target_dir: Path, fingerprint: str, records: list[dict[str, str]], data: DraftDataConfig,
-                     extras: StoredExtras, data_root: Path) -> Path:
+                     extras: StoredExtras, data_root: Path, endpoint: Any = None) -> Path:
     """Build (or finish, or reuse) the cache for these prompts; returns its dir. A complete cache with the
     same answers whose extras are a superset of ``extras`` is reused as it is (train.distill.gendata.find_covering)."""
     from transformers import AutoConfig, AutoTokenizer
@@ -235,8 +242,10 @@ def generate_dataset(target_dir: Path, fingerprint: str, records: list[dict[str,
     prompts = prompt_token_ids(tokenizer, records, data)
     prompt_hash = stable_hash([[r["domain"], r["prompt"]] for r in records])
     tok_hash = tokenizer_hash(target_dir) or "no-tokenizer-files"   # the same hash the registry keeps
-    content = content_key(fingerprint, tok_hash, prompt_hash, data)
-    key = cache_key(fingerprint, tok_hash, prompt_hash, data, extras)
+    external = _external(endpoint, tokenizer, data)  # reached (and its model id read) before any shard
+    model_id = external.model_id if external else None
+    content = content_key(fingerprint, tok_hash, prompt_hash, data, model_id)
+    key = cache_key(fingerprint, tok_hash, prompt_hash, data, extras, model_id)
     out_dir = Path(data.path) if data.path else data_root / key
     reused = _reusable(out_dir, fingerprint, key, content, extras, data_root, bool(data.path))
     if reused is not None:
@@ -250,9 +259,12 @@ def generate_dataset(target_dir: Path, fingerprint: str, records: list[dict[str,
     manifest = Manifest(key=key, target_fingerprint=fingerprint, tokenizer_hash=tok_hash, prompt_set_hash=prompt_hash,
                         source=data.source, sampling=sampling_dict(data) if data.source == "target" else None,
                         max_length=data.max_length, shard_size=data.shard_size, num_prompts=len(prompts),
-                        hidden_size=hidden_size, extras=extras, content_key=content)
+                        hidden_size=hidden_size, extras=extras, content_key=content,
+                        endpoint=external.manifest_fields() if external else None)
     manifest.write(out_dir)
-    _write_shards(out_dir, manifest, target_dir, tokenizer, records, prompts, data, extras)
+    _write_shards(out_dir, manifest, target_dir, tokenizer, records, prompts, data, extras, external)
+    if external:
+        manifest.endpoint = external.manifest_fields()  # now knows whether the server offered logprobs
     finalize(out_dir, manifest)
     log_event(stage="generate", status="done", dir=out_dir, examples=manifest.num_examples, key=key,
               stopped_by_time_cap=manifest.stopped_by_time_cap)
@@ -284,14 +296,14 @@ def _reusable(out_dir: Path, fingerprint: str, key: str, content: str, extras: S
 
 
 def _write_shards(out_dir: Path, manifest: Manifest, target_dir: Path, tokenizer: Any, records: list[dict[str, str]],
-                  prompts: list[list[int]], data: DraftDataConfig, extras: StoredExtras) -> None:
+                  prompts: list[list[int]], data: DraftDataConfig, extras: StoredExtras, external: Any = None) -> None:
     """The missing shards, in order; past ``data.max_minutes`` the shards not yet written are dropped
     (the manifest then counts only the prompts written, and says the cap cut in)."""
     import time
 
     from train.distill.objectives.teacher import Teacher
 
-    generator = _Generator(target_dir, data)
+    generator = external or _Generator(target_dir, data)
     teacher = Teacher.from_dir(target_dir) if extras.any else None
     done = [i for i in range(manifest.num_shards) if shard_complete(out_dir, i)]
     bar = progress(total=len(prompts), initial=min(len(prompts), len(done) * data.shard_size), desc="generate", unit="prompt")
@@ -343,7 +355,31 @@ def dataset_for_job(cfg: DictConfig, artifacts: Artifacts, target_dir: Path, fin
     draft_cfg = cfg.get("draft")
     data = data_config(draft_cfg)
     extras = extras_for(draft_cfg, num_layers)
-    return generate_dataset(target_dir, fingerprint, corpus.records("distill"), data, extras, artifacts.data_dir(fingerprint))
+    return generate_dataset(target_dir, fingerprint, corpus.records("distill"), data, extras, artifacts.data_dir(fingerprint),
+                            endpoint_config(cfg))
+
+
+def endpoint_config(cfg: DictConfig) -> Any:
+    """backend=openai endpoint=URL [endpoint_concurrency=N endpoint_logprobs=K]: the external engine, else None."""
+    backend = cfg.get("backend", "engine")
+    if backend == "engine":
+        return None
+    if backend != "openai":
+        raise ValueError(f"backend: {backend!r} is not one of ('engine', 'openai')")
+    if not cfg.get("endpoint"):
+        raise ValueError("endpoint: backend=openai needs endpoint=http://HOST:PORT/v1")
+    from train.external_gen import EndpointConfig
+
+    return EndpointConfig(str(cfg.endpoint), concurrency=int(cfg.get("endpoint_concurrency", 8)),
+                          logprobs=int(cfg.get("endpoint_logprobs", 0)))
+
+
+def _external(endpoint: Any, tokenizer: Any, data: DraftDataConfig) -> Any:
+    if endpoint is None or data.source != "target":
+        return None
+    from train.external_gen import OpenAIGenerator
+
+    return OpenAIGenerator(endpoint, tokenizer, data)
 
 
 def run(cfg: DictConfig) -> Path:

@@ -16,19 +16,21 @@ def token_text(tokenizer: Any, token_id: int) -> str:
     return tokenizer.decode([token_id]) if tokenizer is not None else str(token_id)
 
 
-def completion_logprobs(records: Sequence, tokenizer: Any, start: int = 0) -> P.CompletionLogprobs:
+def completion_logprobs(records: Sequence, tokenizer: Any, start: int = 0, as_ids: bool = False) -> P.CompletionLogprobs:
+    """as_ids: tokens spelled "token_id:<id>" (vLLM's return_tokens_as_token_ids; exact ids for a client)."""
     tokens, values, tops, offsets = [], [], [], []
     offset = start
+    spell = (lambda tid: f"token_id:{tid}") if as_ids else (lambda tid: token_text(tokenizer, tid))  # noqa: E731
     for rec in records:
-        text = token_text(tokenizer, rec.token_id)
+        text = spell(rec.token_id)
         tokens.append(text)
         values.append(rec.logprob)
         top: dict[str, float] = {}
         for tid, lp in rec.top:  # two ids may decode alike: the likelier (listed first) keeps the key
-            top.setdefault(token_text(tokenizer, tid), lp)
+            top.setdefault(spell(tid), lp)
         tops.append(top)
         offsets.append(offset)
-        offset += len(text)
+        offset += len(token_text(tokenizer, rec.token_id))  # offsets are in the choice's text, whatever the spelling
     return P.CompletionLogprobs(tokens=tokens, token_logprobs=values, top_logprobs=tops, text_offset=offsets)
 
 

@@ -40,6 +40,7 @@ class _Choice:
     error: str | None = None         # set when a failed engine step ended this choice
     sent_logprobs: int = 0           # streaming: token logprobs already sent
     sent_offset: int = 0             # streaming: text_offset where the next chunk's tokens start
+    tokens_as_ids: bool = False      # completions' return_tokens_as_token_ids
 
     def take_logprobs(self) -> list | None:
         """Token logprob records not sent yet (None when the request asked for none)."""
@@ -204,7 +205,8 @@ class OpenAIServing:
                 stream = self.loop.submit(request_id, prompt_ids, params, priority=req.priority,
                                           domain=req.domain, check_capacity=(k == 0), queue=queue)
                 choices.append(_Choice(index, prompt_index, request_id, len(prompt_ids), prefix_text=prefix,
-                                       stop=tuple(params.stop)))
+                                       stop=tuple(params.stop),
+                                       tokens_as_ids=bool(getattr(req, "return_tokens_as_token_ids", False))))
                 await stream.accepted
         except QueueFullError as exc:
             self._abort(choices)
@@ -321,7 +323,7 @@ class OpenAIServing:
                                          choices=[choice]).model_dump(exclude={"usage"})
         lp = None
         if records is not None and choice is not None:
-            lp = LF.completion_logprobs(records, self.tokenizer, choice.sent_offset)
+            lp = LF.completion_logprobs(records, self.tokenizer, choice.sent_offset, choice.tokens_as_ids)
             choice.sent_offset = LF.end_offset(records, self.tokenizer, choice.sent_offset)
         choice = P.CompletionChoice(index=index, text=delta, finish_reason=finish_reason, logprobs=lp)
         return P.CompletionChunk(id=base_id, created=created, model=self.model_name,
@@ -349,7 +351,8 @@ class OpenAIServing:
             id=base_id, created=created, model=self.model_name, usage=usage,
             choices=[P.CompletionChoice(index=c.index, text=c.prefix_text + c.text(),
                                         finish_reason=c.finish_reason,
-                                        logprobs=self._records(c, LF.completion_logprobs)) for c in ordered]).model_dump()
+                                        logprobs=self._records(c, lambda r, t, c=c: LF.completion_logprobs(
+                                            r, t, 0, c.tokens_as_ids))) for c in ordered]).model_dump()
 
     def _records(self, choice: _Choice, shape: Any) -> Any:
         """A whole choice's logprobs in one response shape; None when the request asked for none."""

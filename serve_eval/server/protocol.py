@@ -153,6 +153,7 @@ class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = Field(DEFAULT_COMPLETION_MAX_TOKENS, ge=1)   # null also means 16, as OpenAI's
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    return_tokens_as_token_ids: bool = False   # vLLM's extension: logprobs tokens spelled "token_id:<id>"
     echo: bool = False
     best_of: int | None = None
     suffix: str | None = None

@@ -78,6 +78,7 @@ class Manifest:
     format_version: int = FORMAT_VERSION
     content_key: str = ""  # the key without the extras: caches with equal content keys hold the same answers
     stopped_by_time_cap: bool = False  # data.max_minutes cut generation short (fewer prompts than asked)
+    endpoint: dict[str, Any] | None = None  # backend=openai: endpoint URL, its model id, concurrency, logprobs
 
     @property
     def num_shards(self) -> int:
@@ -102,7 +103,8 @@ class Manifest:
         atomic_write_text(cache_dir / MANIFEST, json.dumps(self.to_json(), indent=2, sort_keys=True) + "\n")
 
 
-_OPTIONAL_FIELDS = ("complete", "num_examples", "hidden_dtype", "format_version", "content_key", "stopped_by_time_cap")
+_OPTIONAL_FIELDS = ("complete", "num_examples", "hidden_dtype", "format_version", "content_key", "stopped_by_time_cap",
+                    "endpoint")
 
 
 def find_covering(data_root: Path, content_key: str, need: StoredExtras) -> Path | None:

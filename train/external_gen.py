@@ -1,0 +1,121 @@
+"""Answers regenerated through an external OpenAI-compatible engine (vLLM, SGLang, our own server).
+
+``draftsmith generate backend=openai endpoint=http://HOST:PORT/v1`` swaps the in-process engine for this client:
+prompts go out as token ids to ``/v1/completions`` (no re-tokenisation on the way in), at most ``concurrency`` at a
+time; a request that fails (connection refused, 5xx, 429) is retried with exponential backoff, and one that still
+fails stops the job before its shard is written (the shards already written stay: a rerun resumes after them).
+Answer ids come back exactly when the server returns tokens as ids (vLLM's ``return_tokens_as_token_ids``, which
+our server honours too), else the answer text is re-encoded with the target's tokenizer.
+"""
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+RETRY_STATUS = (429, 500, 502, 503, 504)
+
+
+@dataclass(frozen=True)
+class EndpointConfig:
+    endpoint: str  # base URL, ending in /v1
+    concurrency: int = 8  # requests in flight at once
+    retries: int = 4  # attempts after the first
+    backoff_s: float = 0.5  # first retry's wait; doubles each time
+    timeout_s: float = 120.0
+    api_key: str | None = None
+    logprobs: int = 0  # top-k logprobs asked per answer token (0 = none); stored when the server offers them
+
+    def __post_init__(self) -> None:
+        if not self.endpoint.startswith(("http://", "https://")):
+            raise ValueError(f"endpoint: {self.endpoint!r} is not an http(s) URL (e.g. http://HOST:PORT/v1)")
+        if self.concurrency < 1 or self.retries < 0 or self.backoff_s < 0:
+            raise ValueError("endpoint: concurrency must be >= 1, retries and backoff_s >= 0")
+
+
+class EndpointError(ValueError):
+    """The endpoint could not answer (after the retries); one line naming it."""
+
+
+class OpenAIGenerator:
+    """Same interface as train.generate's in-process generator: answers(prompts, ids) -> [(answer ids, reason)]."""
+
+    def __init__(self, cfg: EndpointConfig, tokenizer: Any, data: Any) -> None:
+        import httpx
+
+        self.cfg, self.tokenizer, self.data = cfg, tokenizer, data
+        headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
+        self.client = httpx.Client(base_url=cfg.endpoint.rstrip("/"), timeout=cfg.timeout_s, headers=headers,
+                                   limits=httpx.Limits(max_connections=cfg.concurrency))
+        self.logprobs_offered: bool | None = None  # learnt from the first answer when logprobs are asked
+        self.num_requests = 0
+        self.num_retries = 0
+        self.model_id = self._model_id()  # also the reachability check, before any shard is written
+
+    def _request(self, method: str, path: str, body: dict | None = None) -> dict:
+        import httpx
+
+        wait = self.cfg.backoff_s
+        for attempt in range(self.cfg.retries + 1):
+            try:
+                response = self.client.request(method, path, json=body)
+                if response.status_code not in RETRY_STATUS:
+                    if response.status_code >= 400:
+                        raise EndpointError(f"endpoint {self.cfg.endpoint}{path}: HTTP {response.status_code}: "
+                                            f"{response.text[:200]}")
+                    return response.json()
+                problem = f"HTTP {response.status_code}"
+            except httpx.HTTPError as err:
+                problem = f"{type(err).__name__}: {err}"
+            if attempt == self.cfg.retries:
+                raise EndpointError(f"endpoint {self.cfg.endpoint}{path} failed after {attempt + 1} attempts ({problem})")
+            self.num_retries += 1
+            time.sleep(wait)
+            wait *= 2
+        raise AssertionError("unreachable")
+
+    def _model_id(self) -> str:
+        models = self._request("GET", "/models").get("data") or []
+        if not models:
+            raise EndpointError(f"endpoint {self.cfg.endpoint}/models lists no model")
+        return str(models[0]["id"])
+
+    def _one(self, prompt: list[int], params: dict) -> tuple[list[int], str, list | None]:
+        body = {"model": self.model_id, "prompt": prompt, **params}
+        if self.cfg.logprobs:
+            body.update(logprobs=self.cfg.logprobs, return_tokens_as_token_ids=True)
+        choice = self._request("POST", "/completions", body)["choices"][0]
+        self.num_requests += 1
+        reason = choice.get("finish_reason") or "length"
+        lp = choice.get("logprobs")
+        tokens = (lp or {}).get("tokens") or []
+        if tokens and all(t.startswith("token_id:") for t in tokens):
+            ids = [int(t.split(":", 1)[1]) for t in tokens]
+        else:
+            ids = self.tokenizer.encode(choice.get("text", ""), add_special_tokens=False)
+            if reason == "stop" and self.tokenizer.eos_token_id is not None:
+                ids.append(self.tokenizer.eos_token_id)  # the in-process engine keeps the eos it stopped on
+        if self.cfg.logprobs:
+            self.logprobs_offered = bool(lp and lp.get("top_logprobs"))
+        return ids, reason, (lp or {}).get("top_logprobs")
+
+    def sampling(self, prompt_len: int, example_id: int) -> dict:
+        from train.generate import answer_temperature
+
+        d = self.data
+        return {"temperature": answer_temperature(d, example_id), "top_p": d.top_p, "top_k": d.top_k,
+                "seed": d.seed + example_id, "max_tokens": max(1, min(d.max_new_tokens, d.max_length - prompt_len))}
+
+    def answers(self, prompts: list[list[int]], example_ids: list[int]) -> list[tuple[list[int], str]]:
+        """All of a shard's answers, or EndpointError (nothing of the shard is kept)."""
+        with ThreadPoolExecutor(max_workers=self.cfg.concurrency) as pool:
+            futures = [pool.submit(self._one, p, self.sampling(len(p), eid)) for p, eid in zip(prompts, example_ids)]
+            results = [f.result() for f in futures]
+        return [(ids, reason) for ids, reason, _ in results]
+
+    def manifest_fields(self) -> dict:
+        """What the manifest records about the endpoint (its model id, where, how it was asked)."""
+        return {"backend": "openai", "endpoint": self.cfg.endpoint, "model_id": self.model_id,
+                "concurrency": self.cfg.concurrency, "logprobs": self.cfg.logprobs,
+                "logprobs_offered": self.logprobs_offered}
