@@ -1,7 +1,7 @@
 """THE registry of draft kinds: every room asks it which kinds exist and what each one reads.
 
 A kind is its module and config classes plus what it needs from the target. The rooms above
-register their own piece by kind (the proposer in serve_eval.spec.proposers, the objective in
+register their own piece by kind (the proposer in serve_eval.speculative.proposers, the objective in
 train.distill.objectives, the pipeline's distill stage from the kind names here); none of them
 keeps its own list of kind names.
 """

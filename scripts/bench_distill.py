@@ -138,9 +138,9 @@ def acceptance(args, kind: str, draft_dir: Path, prompts: dict[str, list[list[in
     """alpha / tau per domain and overall through the engine's speculative path; else simulated."""
     try:
         from serve_eval.engine import LLM, SamplingParams
-        from serve_eval.spec.config import SpecConfig
-        from serve_eval.spec.metrics import SpecStats
-        from serve_eval.spec.policy import SpecPolicyConfig
+        from serve_eval.speculative.config import SpecConfig
+        from serve_eval.speculative.metrics import SpecStats
+        from serve_eval.speculative.policy import SpecPolicyConfig
 
         # fallback off: a draft measured at low alpha must keep speculating, or there is nothing to measure
         spec = SpecConfig(method=kind, draft_path=str(draft_dir), num_speculative_tokens=args.k,

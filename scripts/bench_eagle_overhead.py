@@ -23,9 +23,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from serve_eval.engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
-from serve_eval.spec.config import SpecConfig  # noqa: E402
-from serve_eval.spec.metrics import ms_per_token  # noqa: E402
-from serve_eval.spec.policy import SpecPolicyConfig  # noqa: E402
+from serve_eval.speculative.config import SpecConfig  # noqa: E402
+from serve_eval.speculative.metrics import ms_per_token  # noqa: E402
+from serve_eval.speculative.policy import SpecPolicyConfig  # noqa: E402
 
 
 def find_inputs(artifacts: Path, target_arg: str | None) -> tuple[Path, dict[str, Path]]:

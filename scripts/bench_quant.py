@@ -106,8 +106,8 @@ def make_variants(drafts: dict[str, Path], out: Path, group_size: int, quantize_
 
 
 def build(target: Path, name: str, draft: Path | None, k: int, kv_gb: float) -> LLMEngine:
-    from serve_eval.spec.config import SpecConfig
-    from serve_eval.spec.policy import SpecPolicyConfig
+    from serve_eval.speculative.config import SpecConfig
+    from serve_eval.speculative.policy import SpecPolicyConfig
 
     cfg = EngineConfig(str(target), dtype="bfloat16", kv_cache_memory_gb=kv_gb, max_num_seqs=32)
     if draft is None:

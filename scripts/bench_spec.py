@@ -1,6 +1,6 @@
 """Issue 4 benchmark: speculative decoding in our engine, side by side.
 
-Batch 1, T = 0 and T = 1, per domain: ms/token (decode phase, serve_eval.spec.metrics) and speedup
+Batch 1, T = 0 and T = 1, per domain: ms/token (decode phase, serve_eval.speculative.metrics) and speedup
 over our own no-spec engine for no-spec, n-gram, standalone, Medusa, EAGLE-1, EAGLE-3, and
 transformers' generate(assistant_model=...) with the same standalone draft (ms/token = (time of n
 new tokens - time of 1) / (n - 1), so its prefill is excluded too). Then batch 16: speculation (with
@@ -31,8 +31,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from serve_eval.engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
-from serve_eval.spec.config import SpecConfig  # noqa: E402
-from serve_eval.spec.metrics import ms_per_token, speedup  # noqa: E402
+from serve_eval.speculative.config import SpecConfig  # noqa: E402
+from serve_eval.speculative.metrics import ms_per_token, speedup  # noqa: E402
 
 METHODS = ("nospec", "ngram", "standalone", "medusa", "eagle", "eagle3", "hf-assisted")
 
@@ -121,7 +121,7 @@ def engine_for(args, target: Path, method: str, drafts: dict[str, Path], fallbac
                        max_model_len=args.max_model_len)
     if method == "nospec":
         return LLMEngine(cfg)
-    from serve_eval.spec.policy import SpecPolicyConfig
+    from serve_eval.speculative.policy import SpecPolicyConfig
 
     spec = SpecConfig(method, draft_path=None if method == "ngram" else str(drafts[method]),
                       num_speculative_tokens=args.k, policy=SpecPolicyConfig(fallback=fallback))

@@ -31,7 +31,7 @@ from serve_eval.server.app import ServerConfig, create_app  # noqa: E402
 from serve_eval.server.prom import parse_text  # noqa: E402
 from serve_eval.server.run import build_speculative  # noqa: E402
 from serve_eval.server.testing import WORDS, ServerThread, build_tiny_checkpoint  # noqa: E402
-from serve_eval.spec.metrics import percentile  # noqa: E402
+from serve_eval.speculative.metrics import percentile  # noqa: E402
 
 INVALID = [  # (route, raw body): each must come back 400 (404 for the unknown model, as OpenAI's)
     ("completions", b'{"prompt": "hi", '),

@@ -10,8 +10,8 @@ from types import SimpleNamespace
 import torch
 
 from serve_eval.engine import EngineConfig, LLMEngine, SamplingParams
-from serve_eval.spec.proposers.base import Proposal, Proposer
-from serve_eval.spec.tree import DraftTree
+from serve_eval.speculative.proposers.base import Proposal, Proposer
+from serve_eval.speculative.tree import DraftTree
 
 VOCAB = 128
 # Tiny matmuls lose far more to intra-op thread hand-offs than they gain (10-20x slower on a
@@ -56,7 +56,7 @@ def feature_draft(kind: str, target_dir: Path, out_dir: Path, seed: int = 0, ini
 
 
 def proposer_available(method: str) -> bool:
-    from serve_eval.spec.proposers.registry import proposer_methods
+    from serve_eval.speculative.proposers.registry import proposer_methods
 
     return method in proposer_methods()
 

@@ -12,7 +12,7 @@ from drafts.export import export_draft, load_exported
 from drafts.io import load_draft
 from kernels.layers.checkpoint import load_target_embed_and_head
 from serve_eval.engine import EngineConfig, LLMEngine, SamplingParams
-from serve_eval.spec.config import SpecConfig
+from serve_eval.speculative.config import SpecConfig
 from tests.spec_helpers import feature_draft, make_llama, run_engine, workload
 
 ENGINE = dict(block_size=4, max_model_len=96, prefill_chunk_size=16, max_num_batched_tokens=96, num_gpu_blocks=200)

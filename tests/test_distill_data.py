@@ -6,7 +6,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from serve_eval.spec.metrics import simulated_tau
+from serve_eval.speculative.metrics import simulated_tau
 from train.distill.data import ShardedResumableSampler, collate_token_sequences, eval_shard_batches
 from train.distill.trainer import lr_factor
 

@@ -18,13 +18,13 @@ from drafts.io import save_draft
 from kernels.layers.checkpoint import load_target_embed_and_head
 from kernels.sampling import logits_to_probs, sample
 from serve_eval.engine.model_executor import ModelExecutor
-from serve_eval.spec.config import SpecConfig
-from serve_eval.spec.proposers.base import TargetFeatures
-from serve_eval.spec.proposers.eagle import EagleProposer
-from serve_eval.spec.proposers.eagle3 import Eagle3Proposer
-from serve_eval.spec.tree import DynamicTreeBuilder
+from serve_eval.speculative.config import SpecConfig
+from serve_eval.speculative.proposers.base import TargetFeatures
+from serve_eval.speculative.proposers.eagle import EagleProposer
+from serve_eval.speculative.proposers.eagle3 import Eagle3Proposer
+from serve_eval.speculative.tree import DynamicTreeBuilder
 from tests.spec_helpers import Seq, params
-from serve_eval.spec.verify import VerifyResult
+from serve_eval.speculative.verify import VerifyResult
 
 VOCAB, HIDDEN = 96, 32
 

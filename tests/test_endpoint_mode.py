@@ -15,7 +15,7 @@ import pytest
 from serve_eval.eval import endpoint
 from serve_eval.eval.endpoint import (parse_prometheus, read_spec_counters, run_endpoint_eval, spec_stats_of_run,
                                       stream_completion)
-from serve_eval.spec.metrics import SpecStats
+from serve_eval.speculative.metrics import SpecStats
 from serve_eval.eval.runners import RunSpec
 from serve_eval.schemas import EndpointEntry, EvalConfig
 

@@ -18,7 +18,7 @@ from serve_eval.eval.runners import RequestRecord, RunResult, RunSpec
 from serve_eval.eval.settings import load_settings
 from serve_eval.eval.sources import DraftSource, group_prompts, load_prompt_records
 from serve_eval.schemas import EngineSettings, EvalConfig
-from serve_eval.spec.metrics import SpecStats
+from serve_eval.speculative.metrics import SpecStats
 
 
 def _stats(rounds: list[tuple[int, int]]) -> SpecStats:
@@ -264,7 +264,7 @@ def test_evaluate_entry_labels_rows_by_draft_key_and_skips_unloadable(tiny_targe
     assert report.config["num_speculative_tokens"] == [4] and report.config["max_prompts_per_domain"] == 4
     assert {r.domain for r in report.results} == {"code"}
     assert any(s.method == "broken" and "vocab_size" in s.reason for s in report.skipped)
-    standalone_ready = importlib.util.find_spec("serve_eval.spec.proposers.standalone") is not None
+    standalone_ready = importlib.util.find_spec("serve_eval.speculative.proposers.standalone") is not None
     if standalone_ready:
         assert any(r.method == "old-standalone" and r.K == 4 for r in report.results), report.skipped
     else:

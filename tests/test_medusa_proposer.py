@@ -15,10 +15,10 @@ from drafts.io import save_draft
 from drafts.medusa import MedusaDraft
 from kernels.sampling import logits_to_probs, sample
 from serve_eval.engine.model_executor import ModelExecutor
-from serve_eval.spec.config import SpecConfig
-from serve_eval.spec.proposers.base import TargetFeatures
-from serve_eval.spec.proposers.medusa import MedusaProposer
-from serve_eval.spec.tree import TreeShape
+from serve_eval.speculative.config import SpecConfig
+from serve_eval.speculative.proposers.base import TargetFeatures
+from serve_eval.speculative.proposers.medusa import MedusaProposer
+from serve_eval.speculative.tree import TreeShape
 from tests.spec_helpers import Seq, params
 
 VOCAB, HIDDEN, HEADS = 80, 32, 4

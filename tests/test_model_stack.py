@@ -20,7 +20,7 @@ from drafts.standalone import StandaloneDraft
 from kernels.layers.causal_lm import CausalLM
 from serve_eval.engine import EngineConfig, LLMEngine, SamplingParams
 from serve_eval.engine.model_executor import ModelExecutor
-from serve_eval.spec.config import SpecConfig
+from serve_eval.speculative.config import SpecConfig
 from tests.spec_helpers import feature_draft, greedy_reference, run_engine, workload
 
 V, D, L = 128, 64, 4

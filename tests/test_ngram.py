@@ -1,4 +1,4 @@
-"""serve_eval.spec.proposers.ngram: prompt lookup, plus the Proposal / Proposer protocol basics."""
+"""serve_eval.speculative.proposers.ngram: prompt lookup, plus the Proposal / Proposer protocol basics."""
 
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kernels.sampling import logits_to_probs
-from serve_eval.spec.proposers.base import Proposal, Proposer, empty_proposal, sampling_arrays
-from serve_eval.spec.proposers.ngram import NgramProposer, lookup_continuation
-from serve_eval.spec.tree import DraftTree
-from serve_eval.spec.verify import verify_chain
+from serve_eval.speculative.proposers.base import Proposal, Proposer, empty_proposal, sampling_arrays
+from serve_eval.speculative.proposers.ngram import NgramProposer, lookup_continuation
+from serve_eval.speculative.tree import DraftTree
+from serve_eval.speculative.verify import verify_chain
 
 
 @dataclass

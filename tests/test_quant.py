@@ -15,7 +15,7 @@ from drafts.quantize_job import quantize_dir
 from drafts.standalone import StandaloneDraft
 from kernels.quant import QuantizedLinear, QuantScheme, QuantServingLinear, dequantize, quantize_weight
 from serve_eval.engine import EngineConfig, LLMEngine, SamplingParams
-from serve_eval.spec.config import SpecConfig
+from serve_eval.speculative.config import SpecConfig
 from tests.spec_helpers import feature_draft, make_llama, run_engine, workload
 
 KINDS = ("standalone", "medusa", "eagle", "eagle3")
@@ -190,8 +190,8 @@ def test_quantize_job_reports_bad_input_in_one_line(drafts, capsys):
 def test_quantized_medusa_proposes_the_quantized_heads_argmax(drafts, tmp_path):
     """The proposer casts features to the draft's dtype (its first parameter's): a quantized module must
     present a float dtype there, not uint8 / int8 (regression: INT4 Medusa proposed garbage, alpha 0)."""
-    from serve_eval.spec.proposers.base import TargetFeatures
-    from serve_eval.spec.proposers.medusa import MedusaProposer
+    from serve_eval.speculative.proposers.base import TargetFeatures
+    from serve_eval.speculative.proposers.medusa import MedusaProposer
     from tests.spec_helpers import Seq, params
 
     _, dirs = drafts

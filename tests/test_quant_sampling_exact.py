@@ -15,8 +15,8 @@ import pytest
 from drafts.quant import QuantConfig
 from drafts.quantize_job import quantize_dir
 from serve_eval.engine import EngineConfig, LLMEngine
-from serve_eval.spec.config import SpecConfig
-from serve_eval.spec.policy import SpecPolicyConfig
+from serve_eval.speculative.config import SpecConfig
+from serve_eval.speculative.policy import SpecPolicyConfig
 from tests.spec_helpers import make_llama, noisy_copy
 from tests.stats_helpers import chi_square_fit, total_variation, worst_case_perturbation
 from tests.test_spec_sampling_exact import (

@@ -128,7 +128,7 @@ def test_choice_passes_thresholds_and_is_best(rows):
 def test_policy_for_one_method_fits_the_engine_policy_config():
     """For a server running EAGLE: per-domain K where EAGLE passes, the rest listed as disabled, and the
     policy keys construct the engine's SpecPolicyConfig."""
-    from serve_eval.spec.policy import SpecPolicyConfig
+    from serve_eval.speculative.policy import SpecPolicyConfig
 
     snippet = policy_for_method(SCRIPTED, "eagle")
     assert snippet.policy["k_by_domain"] == {"code": 3, "math": 3}

@@ -6,7 +6,7 @@ import httpx
 
 from serve_eval.engine import EngineConfig, LLMEngine, SamplingParams
 from serve_eval.eval.recommend import DomainChoice, Recommendations, Thresholds, write_recommendations
-from serve_eval.spec.config import SpecConfig
+from serve_eval.speculative.config import SpecConfig
 from spec_helpers import feature_draft, greedy_reference, make_llama, run_engine, workload
 
 

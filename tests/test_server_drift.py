@@ -13,7 +13,7 @@ from serve_eval.eval.report import Report, ResultRow, TargetInfo
 from serve_eval.eval.report_files import write_report
 from serve_eval.server.drift import DriftConfig, DriftEvent, DriftMonitor, DriftSettings, wilson_upper
 from serve_eval.server.prom import parse_text
-from serve_eval.spec.metrics import SpecEngineStats, SpecStats
+from serve_eval.speculative.metrics import SpecEngineStats, SpecStats
 from server_helpers import make_engine, serve, tiny_checkpoint
 
 K = 4

@@ -460,12 +460,12 @@ def test_prometheus_exposition_round_trips():
 
 
 def test_spec_counters_are_exposed_per_domain_and_position():
-    """Engine spec stats (serve_eval.spec.metrics.SpecStats per domain) become vLLM-named
+    """Engine spec stats (serve_eval.speculative.metrics.SpecStats per domain) become vLLM-named
     counters: drafts = rounds, draft tokens = proposed, accepted, and accepted per 0-based
     position, each labelled by domain."""
     from serve_eval.engine.outputs import EngineStats
     from serve_eval.server.metrics import ServerMetrics
-    from serve_eval.spec.metrics import SpecEngineStats, SpecStats
+    from serve_eval.speculative.metrics import SpecEngineStats, SpecStats
 
     code, chat = SpecStats(), SpecStats()
     code.record_round(4, 3)
@@ -495,7 +495,7 @@ def test_spec_counters_are_exposed_per_domain_and_position():
 def test_speculative_server_matches_plain_greedy_and_counts_per_domain(ckpt, reference):
     """With n-gram speculation on, greedy outputs over HTTP still equal plain LLM.generate
     (exact verification), and the spec-decode counters move under the request's domain."""
-    from serve_eval.spec.config import SpecConfig
+    from serve_eval.speculative.config import SpecConfig
     from serve_eval.engine.llm_engine import EngineConfig, LLMEngine
 
     prompt = "one two three one two three one two three one two"

@@ -8,7 +8,7 @@ import shutil
 import pytest
 
 from serve_eval.engine import EngineConfig, LLMEngine, SamplingParams
-from serve_eval.spec.config import SpecConfig
+from serve_eval.speculative.config import SpecConfig
 from tests.spec_helpers import feature_draft, greedy_reference, make_llama, proposer_available, run_engine, workload
 from tests.test_executor import VOCAB
 from tests.test_target_families import family_model

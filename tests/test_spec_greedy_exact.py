@@ -9,8 +9,8 @@ import shutil
 import pytest
 
 from serve_eval.engine import EngineConfig, LLMEngine, SamplingParams
-from serve_eval.spec.config import SpecConfig
-from serve_eval.spec.strategy import SpeculativeStrategy
+from serve_eval.speculative.config import SpecConfig
+from serve_eval.speculative.strategy import SpeculativeStrategy
 from tests.spec_helpers import (OracleProposer, feature_draft, greedy_reference, make_llama, proposer_available,
                                 run_engine, workload)
 

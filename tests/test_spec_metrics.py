@@ -1,4 +1,4 @@
-"""serve_eval.spec.metrics: the DESIGN.md definitions on scripted rounds, values computed by hand."""
+"""serve_eval.speculative.metrics: the DESIGN.md definitions on scripted rounds, values computed by hand."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from serve_eval.spec.metrics import (
+from serve_eval.speculative.metrics import (
     SpecMetrics,
     SpecStats,
     latency_summary,

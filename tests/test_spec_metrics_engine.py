@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from serve_eval.engine import EngineConfig, LLMEngine, SamplingParams
-from serve_eval.spec.config import SpecConfig
-from serve_eval.spec.policy import SpecPolicyConfig
-from serve_eval.spec.proposers.base import Proposal, Proposer
-from serve_eval.spec.strategy import SpeculativeStrategy
-from serve_eval.spec.tree import DraftTree
+from serve_eval.speculative.config import SpecConfig
+from serve_eval.speculative.policy import SpecPolicyConfig
+from serve_eval.speculative.proposers.base import Proposal, Proposer
+from serve_eval.speculative.strategy import SpeculativeStrategy
+from serve_eval.speculative.tree import DraftTree
 from tests.spec_helpers import VOCAB, greedy_reference, make_llama, run_engine
 
 ENGINE = dict(block_size=4, max_model_len=120, num_gpu_blocks=200)

@@ -10,8 +10,8 @@ import torch
 from kernels.attention import AttentionMetadata
 from serve_eval.engine import EngineConfig, LLMEngine, SamplingParams, SequenceStatus
 from serve_eval.engine.model_executor import ModelExecutor
-from serve_eval.spec.config import SpecConfig
-from serve_eval.spec.strategy import SpeculativeStrategy
+from serve_eval.speculative.config import SpecConfig
+from serve_eval.speculative.strategy import SpeculativeStrategy
 from tests.spec_helpers import OracleProposer, greedy_reference, make_llama, noisy_copy, run_engine, workload
 
 ENGINE = dict(block_size=4, max_model_len=96, prefill_chunk_size=16, max_num_batched_tokens=96,

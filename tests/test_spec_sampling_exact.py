@@ -44,8 +44,8 @@ import torch
 
 from kernels.sampling import logits_to_probs
 from serve_eval.engine import EngineConfig, LLMEngine, SamplingParams
-from serve_eval.spec.config import SpecConfig
-from serve_eval.spec.policy import SpecPolicyConfig
+from serve_eval.speculative.config import SpecConfig
+from serve_eval.speculative.policy import SpecPolicyConfig
 from tests.spec_helpers import feature_draft, make_llama, noisy_copy
 from tests.stats_helpers import chi_square_fit, total_variation, worst_case_perturbation
 

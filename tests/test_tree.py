@@ -1,4 +1,4 @@
-"""serve_eval.spec.tree: draft tree structure, static shapes, dynamic (EAGLE-2-style) construction."""
+"""serve_eval.speculative.tree: draft tree structure, static shapes, dynamic (EAGLE-2-style) construction."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from serve_eval.spec.tree import DraftTree, DynamicTreeBuilder, TreeShape, check_node_budget
+from serve_eval.speculative.tree import DraftTree, DynamicTreeBuilder, TreeShape, check_node_budget
 
 
 def test_from_paths_orders_by_depth_and_links_parents():

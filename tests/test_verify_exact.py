@@ -28,8 +28,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kernels.sampling import logits_to_probs, sample
-from serve_eval.spec.tree import DraftTree, TreeShape
-from serve_eval.spec.verify import (
+from serve_eval.speculative.tree import DraftTree, TreeShape
+from serve_eval.speculative.verify import (
     BatchVerifyOutput,
     verify_batch,
     verify_chain,

@@ -28,8 +28,8 @@ from serve_eval.engine.threads import ThreadChoice, apply_threads, choose_thread
 
 
 if TYPE_CHECKING:   # the speculative package builds on the engine; the engine only names its types
-    from serve_eval.spec.config import SpecConfig
-    from serve_eval.spec.metrics import SpecEngineStats
+    from serve_eval.speculative.config import SpecConfig
+    from serve_eval.speculative.metrics import SpecEngineStats
 
 @dataclass
 class EngineConfig:

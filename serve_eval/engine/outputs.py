@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING, Callable
 
 if TYPE_CHECKING:   # the speculative package fills these; the engine only carries them
     from serve_eval.engine.logprobs import TokenLogprob
-    from serve_eval.spec.metrics import SpecEngineStats, SpecStats
+    from serve_eval.speculative.metrics import SpecEngineStats, SpecStats
 
 
 @dataclass

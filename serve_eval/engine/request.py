@@ -11,7 +11,7 @@ import torch
 from serve_eval.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from serve_eval.spec.metrics import SpecStats
+    from serve_eval.speculative.metrics import SpecStats
 
 
 class SequenceStatus(enum.Enum):

@@ -24,7 +24,7 @@ from typing import Any
 import httpx
 
 from serve_eval.eval.runners import RequestRecord, RunResult, RunSpec
-from serve_eval.spec.metrics import SpecStats
+from serve_eval.speculative.metrics import SpecStats
 
 METRIC_PREFIXES = ("vllm:", "draftsmith:", "sglang:")
 _SAMPLE_RE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})?\s+(\S+)(?:\s+\S+)?$')

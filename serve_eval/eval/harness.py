@@ -6,7 +6,7 @@ standalone draft as assistant, and `hf`, K=0, transformers' plain generate, its 
 Each cell runs `warmup` unmeasured requests, then `repetitions` passes over the domain's prompts,
 interleaved across methods with the order rotated each pass; ms/token is the median pass, and
 alpha, tau and speed-up carry 95% bootstrap intervals over prompts (serve_eval.eval.bootstrap).
-Every figure comes from serve_eval.spec.metrics; speed-ups divide by the no-spec ms/token of the
+Every figure comes from serve_eval.speculative.metrics; speed-ups divide by the no-spec ms/token of the
 same domain and temperature measured in this run (`assisted` by `hf`'s: same framework).
 A method, draft or domain that cannot run becomes a SkippedEntry with its reason; the rest still run.
 """
@@ -31,7 +31,7 @@ from serve_eval.eval.report_files import ReportFiles, log_to_wandb, write_report
 from serve_eval.eval.runners import RunResult, Runner, RunSpec
 from serve_eval.eval.sources import DraftSource
 from serve_eval.schemas import EvalConfig
-from serve_eval.spec import metrics as M
+from serve_eval.speculative import metrics as M
 
 log = logging.getLogger(__name__)
 

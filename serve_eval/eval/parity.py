@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from serve_eval.eval.report import ResultRow
-from serve_eval.spec.metrics import simulated_tau
+from serve_eval.speculative.metrics import simulated_tau
 
 GAP_THRESHOLD = 0.5        # tau: served below simulated by more than this is flagged
 MIN_COVERAGE = 0.95        # EAGLE-3 reduced vocabulary: token mass it should cover

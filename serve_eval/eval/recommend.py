@@ -250,7 +250,7 @@ def load_recommendations(path: str | Path) -> Recommendations:
 
 @dataclass
 class PolicySnippet:
-    """Settings for a server that runs one draft `method` (serve_eval.spec.policy.SpecPolicyConfig keys)."""
+    """Settings for a server that runs one draft `method` (serve_eval.speculative.policy.SpecPolicyConfig keys)."""
 
     policy: dict[str, Any]          # num_speculative_tokens, k_by_domain, fallback, min_alpha
     disabled_domains: list[str]     # domains where this method should not speculate at all

@@ -1,6 +1,6 @@
 """The evaluation report as a record: schema-versioned `Report` of `ResultRow`s, and its loader.
 
-The harness fills `ResultRow`s with numbers computed by serve_eval.spec.metrics; this module only
+The harness fills `ResultRow`s with numbers computed by serve_eval.speculative.metrics; this module only
 holds and validates them (no metric is computed here). Writing the files (report.json, report.md,
 plots, W&B tables) is `report_files`.
 """

@@ -1,6 +1,6 @@
 """Runners: run a list of prompts one way (our engine with or without speculation, or transformers'
 generate with an assistant) and hand back raw timings and counters. No metric is computed here;
-serve_eval.eval.harness turns RunResults into report rows with serve_eval.spec.metrics.
+serve_eval.eval.harness turns RunResults into report rows with serve_eval.speculative.metrics.
 """
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from serve_eval.spec.metrics import SpecStats
+from serve_eval.speculative.metrics import SpecStats
 
 
 @dataclass
@@ -155,8 +155,8 @@ def build_engine_runner(target_dir: Path, method: str, K: int, engine_settings: 
                        enable_prefix_caching=engine_settings.enable_prefix_caching, seed=seed)
     speculative = None
     if spec_method is not None:
-        from serve_eval.spec.config import SpecConfig
-        from serve_eval.spec.policy import SpecPolicyConfig
+        from serve_eval.speculative.config import SpecConfig
+        from serve_eval.speculative.policy import SpecPolicyConfig
 
         # Fallback off: the eval measures the method at this K, not the server's adaptive policy.
         speculative = SpecConfig(method=spec_method, draft_path=str(draft_path) if draft_path else None,

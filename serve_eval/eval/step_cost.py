@@ -37,8 +37,8 @@ class MethodCost:
 def build_engine(method: str, target: Path, drafts: dict[str, Path], k: int, dtype: str = "bfloat16",
                  kind: str | None = None, tree: dict | None = None) -> LLMEngine:
     """An engine for ``method`` (PLAIN: no speculation); ``kind`` defaults to the method's name."""
-    from serve_eval.spec.config import SpecConfig
-    from serve_eval.spec.policy import SpecPolicyConfig
+    from serve_eval.speculative.config import SpecConfig
+    from serve_eval.speculative.policy import SpecPolicyConfig
 
     cfg = EngineConfig(str(target), dtype=dtype, kv_cache_memory_gb=0.25)
     if method == PLAIN:

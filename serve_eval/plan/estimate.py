@@ -4,7 +4,7 @@ Follows the seed's method (chapter 18 worked examples): a decode step is bandwid
 step time = bytes of weights each GPU reads / that GPU's bandwidth; a speculative round is K draft
 steps plus one target verification (costed as one target step) and emits 1 + K*alpha tokens on
 average, so ms/token = (target step + draft cost per round) / (1 + K*alpha).  The speed-up formula
-itself lives in serve_eval.spec.metrics; this module only prices the steps.
+itself lives in serve_eval.speculative.metrics; this module only prices the steps.
 
 Units: GB = 1e9 bytes and TB/s = 1e12 bytes/s, as in the seed (140 GB = 2 x 70e9).
 """
@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from serve_eval.plan.block import BLOCK_ALPHA, block_row
-from serve_eval.spec.metrics import predicted_speedup
+from serve_eval.speculative.metrics import predicted_speedup
 
 GB = 1e9
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "fp8": 1, "int8": 1, "int4": 0.5}

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from serve_eval.server.drift import DriftMonitor
 from serve_eval.server.prom import Registry
 from serve_eval.engine.outputs import EngineStats
-from serve_eval.spec.metrics import DEFAULT_DOMAIN, SpecStats   # DEFAULT_DOMAIN: requests without a domain
+from serve_eval.speculative.metrics import DEFAULT_DOMAIN, SpecStats   # DEFAULT_DOMAIN: requests without a domain
 
 PREFIX = "draftsmith:"
 

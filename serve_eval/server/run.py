@@ -5,7 +5,7 @@ Two doors, one body (`serve`):
   `ServeConfig` is the schema of the `serve` group (`SCHEMAS` below, for serve_eval.schemas).
   serve_eval must not import train, so the Hydra wiring itself lives in train.cli.
 - Standalone: `python -m serve_eval.server.run --model DIR [--port 8000]
-  [--spec method=ngram,num_speculative_tokens=4]` (spec keys = serve_eval.spec.config.SpecConfig fields).
+  [--spec method=ngram,num_speculative_tokens=4]` (spec keys = serve_eval.speculative.config.SpecConfig fields).
 
 Binds 127.0.0.1 unless told otherwise; the API key comes from `--api-key` or
 DRAFTSMITH_API_KEY, and is compared in constant time (app.py).
@@ -60,7 +60,7 @@ class ServeConfig:
     # an eval's recommendations.yaml: several drafts, each request served by the one recommended for its
     # domain and temperature (instead of `spec`)
     recommendations: str | None = None
-    # speculate at a batch size only where it pays (serve_eval.spec.batch_gate): measured | off
+    # speculate at a batch size only where it pays (serve_eval.speculative.batch_gate): measured | off
     batch_gate: str = "measured"
 
 
@@ -98,7 +98,7 @@ def build_speculative(spec: str | None, batch_gate: str = "measured") -> Any:
     """The SpecConfig for `spec` ("key=value,..." over SpecConfig's fields), or None when off."""
     if not spec:
         return None
-    from serve_eval.spec.config import SpecConfig
+    from serve_eval.speculative.config import SpecConfig
     kwargs = parse_spec(spec)
     # A server must never decode slower than without speculation at its batch sizes (batch_gate=off
     # in the spec string turns the measured gate off).

@@ -22,7 +22,7 @@ from accelerate.utils import set_seed
 from torch import Tensor
 from torch.utils.data import DataLoader
 
-from serve_eval.spec.metrics import simulated_tau
+from serve_eval.speculative.metrics import simulated_tau
 from train.distill import checkpoint as ckpt
 from train.distill.data import ShardedResumableSampler, collate_token_sequences, eval_shard_batches
 from train.distill.launch import LauncherConfig, make_accelerator, shutdown_distributed, write_rank_report

@@ -17,19 +17,19 @@ from typing import TYPE_CHECKING
 import torch
 
 from serve_eval.eval.recommend import Recommendations, load_recommendations
-from serve_eval.spec.metrics import DEFAULT_DOMAIN
-from serve_eval.spec.proposers.base import (
+from serve_eval.speculative.metrics import DEFAULT_DOMAIN
+from serve_eval.speculative.proposers.base import (
     Proposal,
     Proposer,
     SequenceView,
     TargetFeatures,
 )
-from serve_eval.spec.proposers.registry import register_proposer
-from serve_eval.spec.verify import VerifyResult
+from serve_eval.speculative.proposers.registry import register_proposer
+from serve_eval.speculative.verify import VerifyResult
 
 if TYPE_CHECKING:
     from serve_eval.engine.llm_engine import LLMEngine
-    from serve_eval.spec.config import SpecConfig
+    from serve_eval.speculative.config import SpecConfig
 
 
 def recommended_k(recs: Recommendations) -> int:

@@ -31,7 +31,7 @@ from kernels.attention import AttentionMetadata, paged_attn_fn, write_kv
 from kernels.layers.decoder import AttnFn
 from kernels.sampling import logits_to_probs
 from serve_eval.engine.kv_cache_manager import cdiv
-from serve_eval.spec.proposers.base import (
+from serve_eval.speculative.proposers.base import (
     Proposal,
     Proposer,
     SequenceView,
@@ -40,9 +40,9 @@ from serve_eval.spec.proposers.base import (
     empty_proposal,
     sampling_arrays,
 )
-from serve_eval.spec.proposers.draft_cache import DEFAULT_DRAFT_BLOCKS, DraftKVCache
-from serve_eval.spec.proposers.eagle import _RequestState
-from serve_eval.spec.proposers.features import (
+from serve_eval.speculative.proposers.draft_cache import DEFAULT_DRAFT_BLOCKS, DraftKVCache
+from serve_eval.speculative.proposers.eagle import _RequestState
+from serve_eval.speculative.proposers.features import (
     check_features,
     draw_rows,
     engine_build_args,
@@ -50,8 +50,8 @@ from serve_eval.spec.proposers.features import (
     load_feature_draft,
     serving_form,
 )
-from serve_eval.spec.proposers.registry import register_proposer
-from serve_eval.spec.verify import VerifyResult
+from serve_eval.speculative.proposers.registry import register_proposer
+from serve_eval.speculative.verify import VerifyResult
 
 
 class LayeredKVCache(DraftKVCache):

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from serve_eval.spec.tree_geometry import tree_ancestors, tree_depths
+from serve_eval.speculative.tree_geometry import tree_ancestors, tree_depths
 
 
 def check_node_budget(num_nodes: int, max_nodes: int | None, what: str = "draft tree") -> None:

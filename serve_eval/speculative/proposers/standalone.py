@@ -21,15 +21,15 @@ from kernels.attention import AttentionMetadata
 from kernels.sampling import logits_to_probs, sample
 from serve_eval.engine.kv_cache_manager import KVCacheManager, cdiv
 from serve_eval.engine.model_executor import ModelExecutor
-from serve_eval.spec.proposers.base import (
+from serve_eval.speculative.proposers.base import (
     Proposal,
     Proposer,
     SequenceView,
     check_num_tokens,
     sampling_arrays,
 )
-from serve_eval.spec.proposers.registry import register_proposer
-from serve_eval.spec.verify import VerifyResult
+from serve_eval.speculative.proposers.registry import register_proposer
+from serve_eval.speculative.verify import VerifyResult
 
 
 @dataclass
@@ -70,7 +70,7 @@ class StandaloneProposer(Proposer):
         from drafts.quant import is_quantized
         from kernels.layers.checkpoint import load_config
         from serve_eval.engine.model_executor import resolve_dtype
-        from serve_eval.spec.config import expected_target
+        from serve_eval.speculative.config import expected_target
 
         # Raises naming both sides on a vocabulary mismatch; warns on a foreign target fingerprint.
         loaded = load_draft(config.draft_path, expected_target(engine), strict_fingerprint=config.strict_fingerprint)

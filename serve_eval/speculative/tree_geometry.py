@@ -1,7 +1,7 @@
 """Tree geometry from a parent array, vectorised: depths and ancestor matrices by pointer doubling.
 
 Rows are [root, node 0, ..., node N-1] (row i + 1 = node i); parents[i] == -1 is the root and
-parents[i] < i. Batched over any leading dimensions. serve_eval.spec.tree.DraftTree caches these
+parents[i] < i. Batched over any leading dimensions. serve_eval.speculative.tree.DraftTree caches these
 for one tree; the verifiers call them on padded batches.
 """
 

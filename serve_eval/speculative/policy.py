@@ -20,7 +20,7 @@ import math
 from collections import deque
 from dataclasses import dataclass, field
 
-from serve_eval.spec.metrics import DEFAULT_DOMAIN, expected_speedup
+from serve_eval.speculative.metrics import DEFAULT_DOMAIN, expected_speedup
 
 
 @dataclass

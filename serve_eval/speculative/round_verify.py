@@ -17,9 +17,9 @@ from torch import Tensor
 from torch.nn.utils.rnn import pad_sequence
 
 from kernels.sampling import argmax_rows, logits_to_probs
-from serve_eval.spec.tree import DraftTree
-from serve_eval.spec.verify import VerifyResult, verify_batch
-from serve_eval.spec.verify_fast import greedy_chain_accepted, greedy_tree_paths, sampled_chain_accept
+from serve_eval.speculative.tree import DraftTree
+from serve_eval.speculative.verify import VerifyResult, verify_batch
+from serve_eval.speculative.verify_fast import greedy_chain_accepted, greedy_tree_paths, sampled_chain_accept
 
 
 @dataclass

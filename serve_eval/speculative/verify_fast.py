@@ -7,7 +7,7 @@
   acceptance; the acceptance tests of all K nodes are independent given their uniforms and are evaluated
   at once, the first rejection fixes the emitted prefix, and only that one row's residual is built.
 
-Both give exactly what serve_eval.spec.verify.verify_reference gives, draw for draw: the same uniforms
+Both give exactly what serve_eval.speculative.verify.verify_reference gives, draw for draw: the same uniforms
 (row b draws num_nodes[b] from its own generator, none when greedy) and one residual / bonus sample per
 row from its generator (tests/test_verify_fast.py compares them token for token).
 """
@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from kernels.sampling import GeneratorArg, sample, uniforms
-from serve_eval.spec.tree import tree_ancestors
+from serve_eval.speculative.tree import tree_ancestors
 
 
 def _valid(num_nodes: Tensor | None, batch: int, width: int, device) -> tuple[Tensor, Tensor]:

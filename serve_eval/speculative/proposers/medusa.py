@@ -10,7 +10,7 @@ and the last fed hidden is at t = L - 2, so head k predicts draft token k (posit
   allows: each row is still the exact distribution its token was drawn from.
 * tree: a static Medusa tree (TreeShape); depth d's rank-c node is head d-1's c-th best token, a point mass.
 
-The helpers it shares with the other feature proposers are in serve_eval.spec.proposers.features.
+The helpers it shares with the other feature proposers are in serve_eval.speculative.proposers.features.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 
 from kernels.sampling import logits_to_probs
-from serve_eval.spec.proposers.base import (
+from serve_eval.speculative.proposers.base import (
     Proposal,
     Proposer,
     SequenceView,
@@ -32,7 +32,7 @@ from serve_eval.spec.proposers.base import (
     empty_proposal,
     sampling_arrays,
 )
-from serve_eval.spec.proposers.features import (
+from serve_eval.speculative.proposers.features import (
     check_features,
     draw_rows,
     engine_build_args,
@@ -40,9 +40,9 @@ from serve_eval.spec.proposers.features import (
     load_feature_draft,
     serving_form,
 )
-from serve_eval.spec.proposers.registry import register_proposer
-from serve_eval.spec.tree import TreeShape
-from serve_eval.spec.verify import VerifyResult
+from serve_eval.speculative.proposers.registry import register_proposer
+from serve_eval.speculative.tree import TreeShape
+from serve_eval.speculative.verify import VerifyResult
 
 @register_proposer("medusa")
 class MedusaProposer(Proposer):
@@ -60,7 +60,7 @@ class MedusaProposer(Proposer):
 
     @classmethod
     def from_spec_config(cls, spec_config: Any, engine: Any) -> "MedusaProposer":
-        """The registry's constructor (serve_eval.spec.config): the engine's target, device and dtype."""
+        """The registry's constructor (serve_eval.speculative.config): the engine's target, device and dtype."""
         return cls(*engine_build_args(spec_config, engine))
 
     @classmethod

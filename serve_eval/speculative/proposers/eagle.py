@@ -41,7 +41,7 @@ from kernels.attention import (
 )
 from kernels.sampling import logits_to_probs
 from serve_eval.engine.kv_cache_manager import cdiv
-from serve_eval.spec.proposers.base import (
+from serve_eval.speculative.proposers.base import (
     Proposal,
     Proposer,
     SequenceView,
@@ -50,8 +50,8 @@ from serve_eval.spec.proposers.base import (
     empty_proposal,
     sampling_arrays,
 )
-from serve_eval.spec.proposers.draft_cache import DEFAULT_DRAFT_BLOCKS, DraftKVCache, _CacheRecord
-from serve_eval.spec.proposers.features import (
+from serve_eval.speculative.proposers.draft_cache import DEFAULT_DRAFT_BLOCKS, DraftKVCache, _CacheRecord
+from serve_eval.speculative.proposers.features import (
     check_features,
     draw_rows,
     engine_build_args,
@@ -59,9 +59,9 @@ from serve_eval.spec.proposers.features import (
     load_feature_draft,
     serving_form,
 )
-from serve_eval.spec.proposers.registry import register_proposer
-from serve_eval.spec.tree import DynamicTreeBuilder
-from serve_eval.spec.verify import VerifyResult
+from serve_eval.speculative.proposers.registry import register_proposer
+from serve_eval.speculative.tree import DynamicTreeBuilder
+from serve_eval.speculative.verify import VerifyResult
 
 @dataclass
 class _RequestState:
@@ -110,7 +110,7 @@ class EagleProposer(Proposer):
 
     @classmethod
     def from_spec_config(cls, spec_config: Any, engine: Any) -> "EagleProposer":
-        """The registry's constructor (serve_eval.spec.config): the engine's target, device and dtype."""
+        """The registry's constructor (serve_eval.speculative.config): the engine's target, device and dtype."""
         return cls(*engine_build_args(spec_config, engine))
 
     @classmethod

@@ -1,4 +1,4 @@
-"""EAGLE-3 proposer: the EAGLE machinery (serve_eval.spec.proposers.eagle) with EAGLE-3's inputs and head.
+"""EAGLE-3 proposer: the EAGLE machinery (serve_eval.speculative.proposers.eagle) with EAGLE-3's inputs and head.
 
 Step 0 fuses the target's three aux layers (TargetFeatures.aux [n, 3 * d_t], HF hidden_states indexing,
 default [2, L//2, L-3]; the layers come from the draft's own config, i.e. what it was trained on); later
@@ -14,9 +14,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from serve_eval.spec.proposers.base import TargetFeatures
-from serve_eval.spec.proposers.eagle import EagleProposer
-from serve_eval.spec.proposers.registry import register_proposer
+from serve_eval.speculative.proposers.base import TargetFeatures
+from serve_eval.speculative.proposers.eagle import EagleProposer
+from serve_eval.speculative.proposers.registry import register_proposer
 
 
 @register_proposer("eagle3")

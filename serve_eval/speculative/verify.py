@@ -34,8 +34,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from kernels.sampling import GeneratorArg, sample, uniforms
-from serve_eval.spec.tree import DraftTree, tree_depths
-from serve_eval.spec.verify_fast import greedy_accept, sampled_chain_accept
+from serve_eval.speculative.tree import DraftTree, tree_depths
+from serve_eval.speculative.verify_fast import greedy_accept, sampled_chain_accept
 
 
 class VerifyResult(NamedTuple):
@@ -118,7 +118,7 @@ def verify_batch(
     num_nodes: Tensor | None = None,  # int64 [B]; nodes >= num_nodes[b] are padding
 ) -> BatchVerifyOutput:
     """Verify B draft trees (chains included): all-greedy batches and all-sampled chains take the closed
-    forms of serve_eval.spec.verify_fast, everything else the general verify_reference (same results)."""
+    forms of serve_eval.speculative.verify_fast, everything else the general verify_reference (same results)."""
     _check_inputs(tokens, parents, target_probs, draft_probs)
     greedy = _greedy_rows(greedy, tokens.shape[0], tokens.device)
     if bool(greedy.all()):

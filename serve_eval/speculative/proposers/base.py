@@ -20,8 +20,8 @@ from typing import NamedTuple, Protocol, runtime_checkable
 import torch
 from torch import Tensor
 
-from serve_eval.spec.tree import DraftTree
-from serve_eval.spec.verify import VerifyResult
+from serve_eval.speculative.tree import DraftTree
+from serve_eval.speculative.verify import VerifyResult
 
 
 class SamplingView(Protocol):

@@ -1,7 +1,7 @@
 """SpecConfig: which draft speculates, how far (K, tree), under which policy; and the proposer registry.
 
 `LLMEngine(config, speculative=SpecConfig(...))` calls `make_strategy(engine)`, which builds the
-proposer named by `method` and wraps it in the SpeculativeStrategy (serve_eval.spec.strategy).
+proposer named by `method` and wraps it in the SpeculativeStrategy (serve_eval.speculative.strategy).
 
 Proposer classes are registered by method name as "module:Class" strings and imported lazily, so a
 proposer module (Medusa / EAGLE, written elsewhere) plugs in by existing. A registered class builds
@@ -15,10 +15,10 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from drafts.kinds import KIND_NAMES
-from serve_eval.spec.batch_gate import BatchGateConfig
-from serve_eval.spec.policy import SpecPolicyConfig
-from serve_eval.spec.proposers.registry import proposer_class, proposer_methods
-from serve_eval.spec.tree import DynamicTreeBuilder, TreeShape, check_node_budget
+from serve_eval.speculative.batch_gate import BatchGateConfig
+from serve_eval.speculative.policy import SpecPolicyConfig
+from serve_eval.speculative.proposers.registry import proposer_class, proposer_methods
+from serve_eval.speculative.tree import DynamicTreeBuilder, TreeShape, check_node_budget
 
 if TYPE_CHECKING:
     from serve_eval.engine.llm_engine import LLMEngine
@@ -44,11 +44,11 @@ class SpecConfig:
     ngram_min_n: int = 1
     ngram_max_lookback: int | None = None
     policy: SpecPolicyConfig | None = None  # its num_speculative_tokens is replaced by the K above
-    # K caps by batch size (serve_eval.spec.batch_gate): "off" (always speculate, the default here),
+    # K caps by batch size (serve_eval.speculative.batch_gate): "off" (always speculate, the default here),
     # "measured" (the server's default: speculate where the measured step cost pays), or a config.
     batch_gate: BatchGateConfig | str | None = None
     # method="routed": an eval's recommendations.yaml; each request gets the draft and K recommended
-    # for its domain and temperature (serve_eval.spec.proposers.routed), several drafts in one engine.
+    # for its domain and temperature (serve_eval.speculative.proposers.routed), several drafts in one engine.
     routes: str | None = None
     proposer_kwargs: dict[str, Any] = field(default_factory=dict)  # extra, method-specific
     # Target-fingerprint rule when loading the draft (drafts.io.load_draft): None = error for feature
@@ -67,7 +67,7 @@ class SpecConfig:
                              f"method='routed' (got method={self.method!r})")
         if self.method == "routed":
             from serve_eval.eval.recommend import load_recommendations
-            from serve_eval.spec.proposers.routed import recommended_k
+            from serve_eval.speculative.proposers.routed import recommended_k
             self.num_speculative_tokens = recommended_k(load_recommendations(self.routes))
         if self.method in DRAFT_METHODS and not self.draft_path:
             raise ValueError(f"speculative method {self.method!r} needs draft_path (a draft dir)")
@@ -136,7 +136,7 @@ class SpecConfig:
         return proposer
 
     def make_strategy(self, engine: "LLMEngine"):
-        from serve_eval.spec.strategy import SpeculativeStrategy
+        from serve_eval.speculative.strategy import SpeculativeStrategy
 
         return SpeculativeStrategy(self, self.make_proposer(engine), engine)
 

@@ -15,7 +15,7 @@ from torch import Tensor
 from drafts.io import ExpectedTarget, LoadedDraft, load_draft
 from kernels.sampling import sample
 from serve_eval.engine.model_executor import resolve_dtype
-from serve_eval.spec.proposers.base import SequenceView, TargetFeatures
+from serve_eval.speculative.proposers.base import SequenceView, TargetFeatures
 
 
 def load_feature_draft(spec_config: Any, target_executor: Any, device, dtype, kinds: tuple[str, ...],

@@ -15,13 +15,13 @@ import numpy as np
 import torch
 from numpy.lib.stride_tricks import sliding_window_view
 
-from serve_eval.spec.proposers.base import (
+from serve_eval.speculative.proposers.base import (
     Proposal,
     Proposer,
     SequenceView,
     check_num_tokens,
 )
-from serve_eval.spec.proposers.registry import register_proposer
+from serve_eval.speculative.proposers.registry import register_proposer
 
 
 def lookup_continuation(

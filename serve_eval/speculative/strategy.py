@@ -29,18 +29,18 @@ from serve_eval.engine.llm_engine import StepResult
 from serve_eval.engine.logprobs import rows_logprobs
 from serve_eval.engine.request import Sequence, SequenceStatus
 from serve_eval.engine.scheduler import SchedulerOutput
-from serve_eval.spec.batch_gate import BatchGate
-from serve_eval.spec.metrics import SpecEngineStats, SpecMetrics
-from serve_eval.spec.policy import SpecPolicy
-from serve_eval.spec.round_logprobs import round_rows
-from serve_eval.spec.proposers.base import Proposal, TargetFeatures
-from serve_eval.spec.round_verify import RoundOutcome, SpecDraft, verify_round
-from serve_eval.spec.tree import DraftTree
-from serve_eval.spec.verify import VerifyResult
+from serve_eval.speculative.batch_gate import BatchGate
+from serve_eval.speculative.metrics import SpecEngineStats, SpecMetrics
+from serve_eval.speculative.policy import SpecPolicy
+from serve_eval.speculative.round_logprobs import round_rows
+from serve_eval.speculative.proposers.base import Proposal, TargetFeatures
+from serve_eval.speculative.round_verify import RoundOutcome, SpecDraft, verify_round
+from serve_eval.speculative.tree import DraftTree
+from serve_eval.speculative.verify import VerifyResult
 
 if TYPE_CHECKING:
     from serve_eval.engine.llm_engine import LLMEngine
-    from serve_eval.spec.config import SpecConfig
+    from serve_eval.speculative.config import SpecConfig
 
 
 def _as_draft(index: int, proposal: Proposal, limit: int) -> SpecDraft:
