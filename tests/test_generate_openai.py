@@ -85,3 +85,17 @@ def test_unreachable_endpoint_stops_before_any_shard(ckpt, tmp_path):
     with pytest.raises(EndpointError, match="127.0.0.1:9"):
         generate_dataset(ckpt, target_fingerprint(ckpt), RECORDS, data(str(out)), NONE, tmp_path, endpoint=cfg)
     assert not (out / "manifest.json").exists()
+
+
+def test_vocabulary_mismatch_is_one_line(ckpt):
+    """Ids the target's tokenizer does not have (another model behind the endpoint) stop the job, naming it."""
+    class SmallVocab:  # a target tokenizer of 3 ids
+        eos_token_id = None
+
+        def __len__(self):
+            return 3
+
+    with serve(make_engine(ckpt)) as srv:
+        gen = OpenAIGenerator(EndpointConfig(srv.base_url + "/v1", logprobs=1), SmallVocab(), data())
+        with pytest.raises(EndpointError, match="vocabulary mismatch"):
+            gen.answers([[5, 6, 7, 8]], [0])

@@ -92,6 +92,10 @@ class OpenAIGenerator:
         tokens = (lp or {}).get("tokens") or []
         if tokens and all(t.startswith("token_id:") for t in tokens):
             ids = [int(t.split(":", 1)[1]) for t in tokens]
+            bad = next((t for t in ids if not 0 <= t < len(self.tokenizer)), None)
+            if bad is not None:  # the endpoint serves another vocabulary than the target dir's tokenizer
+                raise EndpointError(f"endpoint {self.cfg.endpoint} ({self.model_id}): vocabulary mismatch, it returned "
+                                    f"token id {bad} outside the target tokenizer's {len(self.tokenizer)} ids")
         else:
             ids = self.tokenizer.encode(choice.get("text", ""), add_special_tokens=False)
             if reason == "stop" and self.tokenizer.eos_token_id is not None:
@@ -101,7 +105,7 @@ class OpenAIGenerator:
         return ids, reason, (lp or {}).get("top_logprobs")
 
     def sampling(self, prompt_len: int, example_id: int) -> dict:
-        from train.generate import answer_temperature
+        from drafts.schemas import answer_temperature
 
         d = self.data
         return {"temperature": answer_temperature(d, example_id), "top_p": d.top_p, "top_k": d.top_k,
