@@ -47,6 +47,13 @@ class DraftDataConfig:
     kv_cache_memory_gb: float = 0.5
 
 
+def answer_temperature(data: DraftDataConfig, example_id: int) -> float:
+    """The temperature prompt ``example_id`` is answered at: a low-discrepancy pick (golden-ratio steps) puts
+    ``sampled_fraction`` of any run of consecutive prompts, hence of every domain (they interleave), at
+    ``sampled_temperature``, the same however the prompts are sharded."""
+    return data.sampled_temperature if (example_id * 0.6180339887498949) % 1.0 < data.sampled_fraction else data.temperature
+
+
 @dataclass
 class StandaloneSchema:
     kind: str = "standalone"

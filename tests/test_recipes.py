@@ -15,7 +15,8 @@ from omegaconf import OmegaConf
 from drafts.schemas import DraftDataConfig, Eagle3Schema, StandaloneSchema
 from train.config import compose
 from train.distill.gendata import Manifest, StoredExtras, find_covering
-from train.generate import answer_temperature, cache_key, content_key
+from drafts.schemas import answer_temperature
+from train.generate import cache_key, content_key
 from train.pipeline import check_stage_configs
 from train.recipes import check_recipe, recipe_warnings, reduced_vocab_size
 

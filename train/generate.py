@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from drafts.schemas import MODES, SOURCES, DraftDataConfig
+from drafts.schemas import MODES, SOURCES, DraftDataConfig, answer_temperature
 from drafts.artifacts import Artifacts
 from drafts.files import stable_hash
 from drafts.identity import tokenizer_hash
@@ -97,13 +97,6 @@ def check_data_config(data: DraftDataConfig) -> None:
         raise ValueError(f"draft.data.topk_logits: {data.topk_logits} must be >= 0")
     if data.max_minutes is not None and data.max_minutes <= 0:
         raise ValueError(f"draft.data.max_minutes: {data.max_minutes} must be > 0 (or null: no cap)")
-
-
-def answer_temperature(data: DraftDataConfig, example_id: int) -> float:
-    """The temperature prompt ``example_id`` is answered at: a low-discrepancy pick (golden-ratio steps) puts
-    ``sampled_fraction`` of any run of consecutive prompts, hence of every domain (they interleave), at
-    ``sampled_temperature``, the same however the prompts are sharded."""
-    return data.sampled_temperature if (example_id * 0.6180339887498949) % 1.0 < data.sampled_fraction else data.temperature
 
 
 def prompt_token_ids(tokenizer: Any, records: list[dict[str, str]], data: DraftDataConfig) -> list[list[int]]:
