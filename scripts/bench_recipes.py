@@ -88,7 +88,8 @@ def base_context(args: argparse.Namespace) -> Any:
     from train.artifacts import artifacts_from_config
     from train.config import compose
     from train.logs import init_wandb
-    from train.pipeline import PipelineContext, stage_corpus, stage_target, stage_tokenizer
+    from train.pipeline.build import stage_corpus, stage_target, stage_tokenizer
+    from train.pipeline.context import PipelineContext
 
     cfg = compose([f"pipeline={args.profile}", f"artifacts_root={args.artifacts}", "wandb.mode=disabled",
                    *args.override])
@@ -105,11 +106,11 @@ def recipe_job(ctx: Any, recipe: Recipe, steps: int) -> Any:
     """The distill job config of one recipe: the profile's kind config + the recipe, at `steps` steps."""
     from omegaconf import open_dict
 
-    from train.pipeline_distill import draft_config, merge_checked, trainer_node
+    from train.pipeline.distill import draft_config, merge_checked, trainer_node
     from train.recipes import check_recipe
 
     job = ctx.cfg.copy()
-    with open_dict(job):  # as train.pipeline_distill.job_config, with the recipe merged on
+    with open_dict(job):  # as train.pipeline.distill.job_config, with the recipe merged on
         job.draft = merge_checked(draft_config(ctx.cfg, recipe.kind), {**recipe.draft, "data": recipe.data},
                                   f"recipe {recipe.kind}:{recipe.label}")
         job.train = merge_checked(trainer_node(ctx.cfg, recipe.kind), {"max_steps": steps, "max_minutes": None,
@@ -123,7 +124,7 @@ def dataset_for(ctx: Any, job: Any) -> Path:
     from drafts.schemas import DraftDataConfig
     from train.distill.run import dataset_needs
     from train.generate import generate_dataset
-    from train.pipeline_distill import as_dict, draft_config, union_extras
+    from train.pipeline.distill import as_dict, draft_config, union_extras
 
     target = ctx.results["target"]
     needs = dataset_needs(job.draft.kind, job.draft, int(target.shape["num_hidden_layers"]))
@@ -139,7 +140,7 @@ def train_recipe(ctx: Any, recipe: Recipe, steps: int) -> Path:
     from drafts.files import stable_hash
     from train.distill.gendata import Manifest
     from train.distill.run import Prepared, train_and_export
-    from train.pipeline_distill import as_dict
+    from train.pipeline.distill import as_dict
 
     target = ctx.results["target"]
     job = recipe_job(ctx, recipe, steps)
@@ -168,7 +169,7 @@ def evaluate(ctx: Any, drafts: dict[str, Path], args: argparse.Namespace) -> Any
     from serve_eval.eval.harness import run_eval
     from serve_eval.eval.settings import validate
     from serve_eval.eval.sources import collect_drafts, gather_prompts
-    from train.pipeline_distill import merge_checked
+    from train.pipeline.distill import merge_checked
 
     target = ctx.results["target"]
     node = merge_checked(ctx.cfg.eval, ctx.cfg.pipeline.eval, "pipeline.eval")
@@ -210,7 +211,7 @@ def main() -> None:
     t0 = time.perf_counter()
     ctx = base_context(args)
     if args.k <= 0:
-        from train.pipeline_cost import largest_eval_k
+        from train.pipeline.cost import largest_eval_k
 
         args.k = largest_eval_k(ctx)
     kinds = [k for k in args.kinds.split(",") if k]

@@ -115,8 +115,8 @@ def test_plan_prices_the_block_draft_as_one_forward_per_round():
 def test_pipeline_refuses_an_eval_k_above_the_block_before_any_stage():
     """The embedded profile plans the block draft; a block shorter than the eval's K stops the job at the checks."""
     from train.config import compose
-    from train.pipeline import check_stage_configs
-    from train.pipeline_distill import planned_kinds
+    from train.pipeline.run import check_stage_configs
+    from train.pipeline.distill import planned_kinds
 
     cfg = compose([])
     assert "block" in planned_kinds(cfg)

@@ -14,7 +14,7 @@ from transformers import BertConfig, LlamaConfig, LlamaForCausalLM
 
 from train.config import compose
 from train.corpus import load_records
-from train.pipeline import run
+from train.pipeline.run import run
 from train.target import validate_target_dir
 from train.tokenizer import train_tokenizer
 

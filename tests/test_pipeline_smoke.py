@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from train.config import compose
-from train.pipeline_distill import draft_config, job_config, planned_kinds, union_extras
-from train.pipeline_eval import render_table, summary_rows
+from train.pipeline.distill import draft_config, job_config, planned_kinds, union_extras
+from train.pipeline.evaluate import render_table, summary_rows
 
 REPO = Path(__file__).resolve().parent.parent
 KINDS = ["standalone", "medusa", "eagle", "eagle3"]

@@ -17,7 +17,7 @@ from train.config import compose
 from train.distill.gendata import Manifest, StoredExtras, find_covering
 from drafts.schemas import answer_temperature
 from train.generate import cache_key, content_key
-from train.pipeline import check_stage_configs
+from train.pipeline.run import check_stage_configs
 from train.recipes import check_recipe, recipe_warnings, reduced_vocab_size
 
 REPO = Path(__file__).resolve().parent.parent

@@ -91,7 +91,7 @@ class DataConfig:
 
 @dataclass
 class PipelineConfig:
-    """Which stages ``draftsmith pipeline`` runs, in order (names from train.pipeline.STAGES), and what
+    """Which stages ``draftsmith pipeline`` runs, in order (names from train.pipeline.run.STAGES), and what
     the stages after the target use. The dict fields are overrides onto other schemas, checked (ValueError
     naming the field) when their stage starts; they apply to the pipeline only, so a profile never
     changes what ``draftsmith distill`` or ``draftsmith eval`` do on their own."""

@@ -12,23 +12,21 @@ from __future__ import annotations
 
 from dataclasses import asdict
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from drafts.files import read_json, stable_hash, write_json
-
-if TYPE_CHECKING:
-    from train.pipeline import PipelineContext
+from train.pipeline.context import PipelineContext
 
 
 def largest_eval_k(ctx: PipelineContext) -> int:
-    from train.pipeline_eval import check_eval_settings
+    from train.pipeline.evaluate import check_eval_settings
 
     return max(check_eval_settings(ctx.cfg).num_speculative_tokens, default=4) or 4
 
 
 def stage_cost(ctx: PipelineContext) -> dict[str, Any]:
     from serve_eval.eval.step_cost import measure_costs, weights_read
-    from train.pipeline_eval import run_drafts
+    from train.pipeline.evaluate import run_drafts
 
     target = ctx.results["target"]
     drafts = run_drafts(ctx)

@@ -16,16 +16,20 @@ from __future__ import annotations
 import math
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from drafts.files import stable_hash
 from serve_eval.eval.report_files import fmt_with_interval
-from train.pipeline_distill import DONE_MARKER, STAGE_PREFIX, as_dict, merge_checked, planned_kinds
-
-if TYPE_CHECKING:
-    from train.pipeline import PipelineContext
+from train.pipeline.context import PipelineContext
+from train.pipeline.distill import (
+    DONE_MARKER,
+    STAGE_PREFIX,
+    as_dict,
+    merge_checked,
+    planned_kinds,
+)
 
 REPORT_SUFFIX = "-pipeline-"
 SUMMARY_FILE = "summary.md"

@@ -23,16 +23,14 @@ from __future__ import annotations
 import shutil
 from dataclasses import asdict
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
 from drafts.files import stable_hash
 from drafts.kinds import KIND_NAMES
-
-if TYPE_CHECKING:
-    from train.pipeline import PipelineContext
+from train.pipeline.context import PipelineContext
 
 STAGE_PREFIX = "distill_"
 DONE_MARKER = ".complete"  # written after a draft dir is fully exported
@@ -195,23 +193,3 @@ def distill(ctx: PipelineContext, kind: str) -> dict[str, Any]:
         if isinstance(metrics.get(name), (int, float)):
             fields[name.replace("eval/", "")] = round(float(metrics[name]), 4)
     return fields
-
-
-def stage_distill_standalone(ctx: PipelineContext) -> dict[str, Any]:
-    return distill(ctx, "standalone")
-
-
-def stage_distill_medusa(ctx: PipelineContext) -> dict[str, Any]:
-    return distill(ctx, "medusa")
-
-
-def stage_distill_eagle(ctx: PipelineContext) -> dict[str, Any]:
-    return distill(ctx, "eagle")
-
-
-def stage_distill_eagle3(ctx: PipelineContext) -> dict[str, Any]:
-    return distill(ctx, "eagle3")
-
-
-def stage_distill_block(ctx: PipelineContext) -> dict[str, Any]:
-    return distill(ctx, "block")

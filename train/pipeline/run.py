@@ -10,8 +10,9 @@ skips what is done; ``pipeline.force=[name, ...]`` redoes named stages. The job 
 summary, then one table: domain x method alpha, tau, ms/token, speed-up, and the report path.
 
 A stage is ``fn(ctx: PipelineContext) -> dict``: it reads earlier stages' outputs from ``ctx.results``,
-stores its own output under its name, and returns fields for its log line. ``STAGES`` names the built-in
-ones; ``pipeline.stages`` may also name ``"package.module:function"`` directly.
+stores its own output under its name, and returns fields for its log line. ``STAGES`` holds the built-in
+ones (one ``distill_<kind>`` per registered draft kind); ``pipeline.stages`` may also name
+``"package.module:function"`` directly.
 
     draftsmith pipeline                      # embedded default (conf/pipeline/embedded.yaml)
     draftsmith pipeline pipeline=smoke       # tiny, < 3 minutes
@@ -22,91 +23,38 @@ ones; ``pipeline.stages`` may also name ``"package.module:function"`` directly.
 
 from __future__ import annotations
 
-import importlib
-import os
+import functools
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 from omegaconf import DictConfig
 
-from drafts.artifacts import Artifacts
-
 from drafts.files import read_json
-
+from drafts.kinds import KIND_NAMES
 from train.artifacts import artifacts_from_config
 from train.config import hydra_app
 from train.logs import init_wandb, log_event, stage, warn_event
+from train.named import resolve
+from train.pipeline.build import stage_corpus, stage_target, stage_tokenizer
+from train.pipeline.context import PipelineContext
+from train.pipeline.cost import stage_cost
+from train.pipeline.distill import STAGE_PREFIX, distill, stage_generate
+from train.pipeline.evaluate import stage_eval, stage_register, stage_report
 
-STAGES: dict[str, str] = {
-    "corpus": "train.pipeline:stage_corpus",
-    "tokenizer": "train.pipeline:stage_tokenizer",
-    "target": "train.pipeline:stage_target",
-    "generate": "train.pipeline_distill:stage_generate",
-    "distill_standalone": "train.pipeline_distill:stage_distill_standalone",
-    "distill_medusa": "train.pipeline_distill:stage_distill_medusa",
-    "distill_eagle": "train.pipeline_distill:stage_distill_eagle",
-    "distill_eagle3": "train.pipeline_distill:stage_distill_eagle3",
-    "distill_block": "train.pipeline_distill:stage_distill_block",
-    "cost": "train.pipeline_cost:stage_cost",
-    "eval": "train.pipeline_eval:stage_eval",
-    "report": "train.pipeline_eval:stage_report",
-    "register": "train.pipeline_eval:stage_register",
+Stage = Callable[[PipelineContext], dict[str, Any]]
+STAGES: dict[str, Stage] = {
+    "corpus": stage_corpus, "tokenizer": stage_tokenizer, "target": stage_target, "generate": stage_generate,
+    **{f"{STAGE_PREFIX}{kind}": functools.partial(distill, kind=kind) for kind in KIND_NAMES},
+    "cost": stage_cost, "eval": stage_eval, "report": stage_report, "register": stage_register,
 }
 
 
-@dataclass
-class PipelineContext:
-    cfg: DictConfig
-    artifacts: Artifacts
-    run: Any  # W&B run (or a no-op stand-in)
-    results: dict[str, Any] = field(default_factory=dict)  # stage name -> its output
-    wall_s: dict[str, float] = field(default_factory=dict)  # stage name -> its wall time (printed at the end)
-
-    def forced(self, stage_name: str) -> bool:
-        return stage_name in self.cfg.pipeline.force
-
-
-def stage_corpus(ctx: PipelineContext) -> dict[str, Any]:
-    from train.corpus import build_corpus
-
-    corpus, cached = build_corpus(ctx.cfg, ctx.artifacts, force=ctx.forced("corpus"))
-    ctx.results["corpus"] = corpus
-    counts = {f"{split}_{domain}": n for split in ("distill", "eval") for domain, n in corpus.counts[split].items()}
-    return {"cached": cached, "hash": corpus.content_hash, "dir": corpus.dir, **counts}
-
-
-def stage_tokenizer(ctx: PipelineContext) -> dict[str, Any]:
-    if ctx.cfg.target.path:  # a user's checkpoint brings its own tokenizer
-        ctx.results["tokenizer"] = None
-        return {"skipped": True, "reason": "target.path set"}
-    from train.tokenizer import build_tokenizer
-
-    path, cached = build_tokenizer(ctx.cfg, ctx.results["corpus"], ctx.artifacts, force=ctx.forced("tokenizer"))
-    ctx.results["tokenizer"] = path
-    return {"cached": cached, "dir": path}
-
-
-def stage_target(ctx: PipelineContext) -> dict[str, Any]:
-    from train.target import build_target
-
-    result = build_target(ctx.cfg, ctx.results["corpus"], ctx.results.get("tokenizer"), ctx.artifacts,
-                          force=ctx.forced("target"), run=ctx.run)
-    ctx.results["target"] = result
-    ctx.run.summary.update({f"target/ppl_{d}": p for d, p in result.perplexity.items()})
-    return {"cached": result.cached, "fingerprint": result.fingerprint, "dir": result.model_dir,
-            **{f"ppl_{d}": round(p, 3) for d, p in result.perplexity.items()}}
-
-
-def resolve_stage(name: str) -> Callable[[PipelineContext], dict[str, Any]]:
-    spec = STAGES.get(name, name)
-    if ":" not in spec:
+def resolve_stage(name: str) -> Stage:
+    if name in STAGES:
+        return STAGES[name]
+    if ":" not in name:
         raise ValueError(f"pipeline.stages: unknown stage {name!r} (known: {', '.join(STAGES)}; or 'module:function')")
-    module_name, _, attr = spec.partition(":")
-    try:
-        return getattr(importlib.import_module(module_name), attr)
-    except (ModuleNotFoundError, AttributeError) as err:
-        raise ValueError(f"pipeline.stages: stage {name!r} -> {spec} is not available ({err})") from None
+    return resolve(name, "pipeline.stages")
 
 
 def print_target(ctx: PipelineContext) -> None:
@@ -135,7 +83,7 @@ def print_target(ctx: PipelineContext) -> None:
 
 def print_summary(ctx: PipelineContext) -> None:
     """Printed last: the target, the eval summary table and report path, each stage's wall time."""
-    from train.pipeline_eval import print_report
+    from train.pipeline.evaluate import print_report
 
     print_target(ctx)
     print_report(ctx)
@@ -146,12 +94,17 @@ def print_summary(ctx: PipelineContext) -> None:
 def check_stage_configs(cfg: DictConfig) -> list[str]:
     """The later stages' settings (pipeline.data/drafts/train/eval) fail now, not after the target trains;
     returns the recipe warnings (settings that work but waste a draft), logged here and kept for the report."""
-    from train.pipeline_distill import draft_config, planned_kinds, trainer_node
-    from train.recipes import check_eval_ks, check_recipe, planned_target_vocab, recipe_warnings
+    from train.pipeline.distill import draft_config, planned_kinds, trainer_node
+    from train.recipes import (
+        check_eval_ks,
+        check_recipe,
+        planned_target_vocab,
+        recipe_warnings,
+    )
 
     eval_ks: list[int] = []
     if "eval" in cfg.pipeline.stages:
-        from train.pipeline_eval import check_eval_settings
+        from train.pipeline.evaluate import check_eval_settings
 
         eval_ks = list(check_eval_settings(cfg).num_speculative_tokens)
     vocab, warnings = planned_target_vocab(cfg), []
@@ -195,7 +148,3 @@ def run(cfg: DictConfig) -> dict[str, Any]:
 
 
 main = hydra_app(run)
-
-if __name__ == "__main__":
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # torch is not loaded yet; see train.cli
-    main()
