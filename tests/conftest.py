@@ -1,11 +1,16 @@
-"""Shared test set-up: the tests' own helper modules (server_helpers, distill_fixtures, ...) and the
-scripts under test (scripts/demo_target_update.py) import by their bare names."""
+"""Shared test set-up. Tests mirror the package layout (tests/serve_eval/server/..., tests/train/hook/...);
+the helper modules at this folder's top (server_helpers, spec_helpers, stats_helpers, distill_fixtures,
+distill_toy), the test modules other tests build on (test_executor, test_target_families,
+test_spec_sampling_exact) and the scripts under test (scripts/demo_target_update.py) all import by
+their bare names, one way."""
 from __future__ import annotations
 
 import sys
 from pathlib import Path
 
 _TESTS = Path(__file__).resolve().parent
-for folder in (_TESTS, _TESTS.parent / "scripts"):
+_FOLDERS = [_TESTS, *sorted(p for p in _TESTS.rglob("*") if p.is_dir() and p.name != "__pycache__"),
+            _TESTS.parent / "scripts"]
+for folder in _FOLDERS:
     if str(folder) not in sys.path:
         sys.path.insert(0, str(folder))
