@@ -209,7 +209,7 @@ def test_a_body_over_the_limit_is_a_413_before_it_is_read(tmp_path_factory):
 def test_a_prompt_too_long_in_bytes_is_refused_before_tokenizing(server, client):
     """A prompt that cannot fit the context whatever its tokens is a 400 naming `prompt`, and
     the tokenizer never sees it (the bound is in bytes)."""
-    serving = server.app.state.serving
+    serving = server.app.state.serving.prompts   # the prompt checks, with their tokenizer
     calls = []
     real_tokenizer = serving.tokenizer
 
