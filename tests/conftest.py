@@ -8,9 +8,16 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import torch
+
 _TESTS = Path(__file__).resolve().parent
 _FOLDERS = [_TESTS, *sorted(p for p in _TESTS.rglob("*") if p.is_dir() and p.name != "__pycache__"),
             _TESTS.parent / "scripts"]
 for folder in _FOLDERS:
     if str(folder) not in sys.path:
         sys.path.insert(0, str(folder))
+
+# The one process-wide setting of the test session (no helper module sets it as a side effect of
+# being imported): tiny matmuls lose far more to intra-op thread hand-offs than they gain (10-20x
+# slower on a loaded 2-core box). Tests of the thread setting itself set and restore their own.
+torch.set_num_threads(1)

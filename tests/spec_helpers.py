@@ -14,9 +14,6 @@ from serve_eval.speculative.proposers.base import Proposal, Proposer
 from serve_eval.speculative.tree import DraftTree
 
 VOCAB = 128
-# Tiny matmuls lose far more to intra-op thread hand-offs than they gain (10-20x slower on a
-# loaded 2-core box); one thread keeps these tests fast.
-torch.set_num_threads(1)
 
 
 def make_llama(path: Path, vocab: int = VOCAB, hidden: int = 64, layers: int = 2, seed: int = 0,

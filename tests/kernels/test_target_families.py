@@ -12,7 +12,6 @@ from kernels.layers.family import layer_variants
 from serve_eval.engine.model_executor import ModelExecutor
 from test_executor import SCHEDULE, TOL, VOCAB, run_schedule_and_compare
 
-torch.set_num_threads(1)
 COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
               num_key_value_heads=2, head_dim=16, max_position_embeddings=256)
 MOE = dict(moe_intermediate_size=32, num_experts=6, num_experts_per_tok=2)
