@@ -103,7 +103,8 @@ class ToyObjective:
 
 def main() -> None:
     from train.distill.launch import LauncherConfig
-    from train.distill.trainer import Trainer, TrainerConfig
+    from train.distill.trainer import Trainer
+    from train.distill.trainer_config import TrainerConfig
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)

@@ -223,7 +223,7 @@ def prepare(cfg: DictConfig) -> Prepared:
 
 
 def trainer_config(cfg: DictConfig, output_dir: Path) -> Any:
-    from train.distill.trainer import TrainerConfig
+    from train.distill.trainer_config import TrainerConfig
 
     known = {f.name for f in fields(TrainerConfig)}
     values = {k: v for k, v in OmegaConf.to_container(cfg.train, resolve=True).items() if k in known}

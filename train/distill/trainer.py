@@ -8,11 +8,10 @@ W&B when given a run) and exact resume (`checkpoint.py`).
 from __future__ import annotations
 
 import json
-import math
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -27,57 +26,8 @@ from train.distill import checkpoint as ckpt
 from train.distill.data import ShardedResumableSampler, collate_token_sequences, eval_shard_batches
 from train.distill.launch import LauncherConfig, make_accelerator, shutdown_distributed, write_rank_report
 from train.distill.objective import Objective, PositionCounts
+from train.distill.trainer_config import TrainerConfig, lr_factor
 from train.logs import log_event, progress, warn_event
-
-LR_SCHEDULES = ("constant", "linear", "cosine")
-_VOLATILE = {"volatile": True}  # fields that cannot change the loss trajectory: left out of the config hash
-
-
-@dataclass
-class TrainerConfig:
-    """Schema of `conf/train/*.yaml` (the loop; objectives carry their own settings in `draft`)."""
-
-    output_dir: str = field(default="artifacts/distill/run", metadata=_VOLATILE)
-    max_steps: int = 100  # optimizer steps
-    batch_size: int = 8  # micro-batch per rank
-    gradient_accumulation_steps: int = 1
-    lr: float = 1e-3
-    weight_decay: float = 0.0
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
-    warmup_steps: int = 0
-    lr_schedule: str = "cosine"  # constant | linear | cosine (after warmup)
-    min_lr_ratio: float = 0.0
-    grad_clip: float = 1.0  # max global grad norm; 0 = off
-    mixed_precision: str = "no"  # no | bf16 | fp16
-    seed: int = 0
-    shuffle: bool = True
-    pad_token_id: int = 0
-    max_length: int | None = None
-    num_workers: int = 0
-    eval_every: int = field(default=0, metadata=_VOLATILE)  # 0: only at the end
-    eval_batch_size: int = field(default=8, metadata=_VOLATILE)
-    log_every: int = field(default=1, metadata=_VOLATILE)
-    checkpoint_every: int = field(default=0, metadata=_VOLATILE)  # 0: only at the end
-    keep_last: int = field(default=2, metadata=_VOLATILE)
-    resume: str = field(default="auto", metadata=_VOLATILE)  # auto | never | <checkpoint dir>
-    # Wall-clock cap (minutes of this fit call): training stops after the step that crosses it, saves, evaluates
-    # and logs that the cap cut in. Volatile: a rerun with another cap reuses the export.
-    max_minutes: float | None = field(default=None, metadata=_VOLATILE)
-
-    def validate(self) -> None:
-        for name in ("max_steps", "batch_size", "gradient_accumulation_steps", "eval_batch_size", "log_every"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"train.{name} must be >= 1, got {getattr(self, name)}")
-        if self.lr_schedule not in LR_SCHEDULES:
-            raise ValueError(f"train.lr_schedule: {self.lr_schedule!r} is not one of {LR_SCHEDULES}")
-        if not 0.0 <= self.min_lr_ratio <= 1.0:
-            raise ValueError(f"train.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
-        if self.warmup_steps < 0 or self.grad_clip < 0:
-            raise ValueError("train.warmup_steps and train.grad_clip must be >= 0")
-
-    def trajectory_fields(self) -> dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in fields(self) if not f.metadata.get("volatile")}
-
 
 class NonFiniteLossError(RuntimeError):
     """A NaN/inf loss or gradient: training stopped before the update; checkpoints are untouched."""
@@ -89,17 +39,6 @@ class NonFiniteLossError(RuntimeError):
             f"non-finite value at step {step} (epoch {epoch}, batch {batch_index}): {where}. Stopped before the "
             f"optimizer update; last good checkpoint: {last_checkpoint or 'none yet'} (left intact)"
         )
-
-
-def lr_factor(step: int, warmup_steps: int, max_steps: int, schedule: str, min_lr_ratio: float) -> float:
-    """Multiplier of the base LR for optimizer step `step` (0-based): linear warmup, then decay."""
-    if step < warmup_steps:
-        return (step + 1) / warmup_steps
-    if schedule == "constant":
-        return 1.0
-    progress_frac = min(1.0, (step - warmup_steps) / max(1, max_steps - warmup_steps))
-    decay = 1.0 - progress_frac if schedule == "linear" else 0.5 * (1.0 + math.cos(math.pi * progress_frac))
-    return min_lr_ratio + (1.0 - min_lr_ratio) * decay
 
 
 class JsonlMetrics:

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from serve_eval.speculative.metrics import simulated_tau
 from train.distill.data import ShardedResumableSampler, collate_token_sequences, eval_shard_batches
-from train.distill.trainer import lr_factor
+from train.distill.trainer_config import lr_factor
 
 
 def test_collate_pads_and_masks() -> None:

@@ -2,7 +2,6 @@
 trains like online mode; token-level KD from stored top-k and on-policy batches train; init_from warm-starts."""
 import json
 import os
-from pathlib import Path
 
 import pytest
 import torch

@@ -125,7 +125,8 @@ def test_reduced_vocab_is_sized_by_coverage():
 def test_trainer_wall_clock_cap_stops_saves_and_logs(tmp_path, caplog):
     sys.path.insert(0, str(REPO / "tests"))
     from distill_toy import ToyDraft, ToyObjective, toy_dataset
-    from train.distill.trainer import Trainer, TrainerConfig
+    from train.distill.trainer import Trainer
+    from train.distill.trainer_config import TrainerConfig
 
     config = TrainerConfig(output_dir=str(tmp_path), max_steps=100_000, batch_size=4, lr=1e-2, max_minutes=0.002)
     trainer = Trainer(config, ToyObjective(), {"draft": ToyDraft()}, toy_dataset(16, seed=1), toy_dataset(4, seed=2),
