@@ -7,7 +7,10 @@ answers are structured yet not trivially constant. Prompts are short word lists 
 from __future__ import annotations
 
 import json
+import os
 import random
+import subprocess
+import sys
 from pathlib import Path
 
 import torch
@@ -72,3 +75,22 @@ def overrides(tmp: Path, target: Path, corpus: Path, **extra: str) -> list[str]:
     }
     base.update(extra)
     return [f"{k}={v}" for k, v in base.items()]
+
+
+TOY = Path(__file__).resolve().parent / "distill_toy.py"
+TOY_ENV = {**os.environ, "DRAFTSMITH_NO_PROGRESS": "1", "OMP_NUM_THREADS": "1"}
+
+
+def train_toy(out: Path, *extra: str) -> subprocess.CompletedProcess:
+    """distill_toy.py in a fresh process: 9 steps, checkpoints every 4, eval every 3, accumulation 2."""
+    args = [sys.executable, str(TOY), "--out", str(out), "--max-steps", "9", "--checkpoint-every", "4",
+            "--eval-every", "3", "--accum", "2", *extra]
+    return subprocess.run(args, env=TOY_ENV, capture_output=True, text=True, timeout=120)
+
+
+def toy_records(out: Path) -> list[dict]:
+    """Its metrics.jsonl, without the wall-clock figure (everything else must match exactly across runs)."""
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    for record in records:
+        record.pop("tokens_per_s", None)
+    return records

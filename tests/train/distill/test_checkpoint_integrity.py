@@ -8,35 +8,17 @@ stops with one line naming the dir.
 from __future__ import annotations
 
 import json
-import os
 import pickle
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
+from distill_fixtures import toy_records, train_toy
 
 from train.distill import checkpoint as ckpt
 from train.distill.manifest import MANIFEST_FILE
-
-TOY = Path(__file__).resolve().parents[2] / "distill_toy.py"
-ENV = {**os.environ, "DRAFTSMITH_NO_PROGRESS": "1", "OMP_NUM_THREADS": "1"}
-
-
-def _train(out: Path, *extra: str) -> subprocess.CompletedProcess:
-    args = [sys.executable, str(TOY), "--out", str(out), "--max-steps", "9", "--checkpoint-every", "4",
-            "--eval-every", "3", "--accum", "2", *extra]
-    return subprocess.run(args, env=ENV, capture_output=True, text=True, timeout=120)
-
-
-def _records(out: Path) -> list[dict]:
-    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    for record in records:
-        record.pop("tokens_per_s", None)  # wall-clock dependent
-    return records
 
 
 def _truncate(path: Path) -> None:
@@ -60,7 +42,7 @@ CORRUPTIONS = {
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("uninterrupted")
-    done = _train(out)
+    done = train_toy(out)
     assert done.returncode == 0, done.stderr
     return out
 
@@ -69,7 +51,7 @@ def uninterrupted(tmp_path_factory) -> Path:
 def killed(tmp_path_factory) -> Path:
     """Killed in step 9 (train call 17 of 2 per step): checkpoints 4 and 8 on disk."""
     out = tmp_path_factory.mktemp("killed")
-    run = _train(out, "--kill-at-train-call", "17")
+    run = train_toy(out, "--kill-at-train-call", "17")
     assert run.returncode == -9, run.stderr
     assert [p.name for p in ckpt.list_checkpoints(out / "checkpoints")] == ["step-00000004", "step-00000008"]
     return out
@@ -86,14 +68,14 @@ def test_corrupt_newest_checkpoint_is_skipped_and_the_curve_reproduced(
     newest = run_dir / "checkpoints" / "step-00000008"
     CORRUPTIONS[corruption](newest)
 
-    resumed = _train(run_dir)
+    resumed = train_toy(run_dir)
     assert resumed.returncode == 0, resumed.stderr
     report = json.loads((run_dir / "report_rank0.json").read_text())
     assert "error" not in report, report
     skipped = [line for line in resumed.stderr.splitlines() if "status=checkpoint_skipped" in line]
     assert len(skipped) == 1 and str(newest) in skipped[0], resumed.stderr
     assert ("MANIFEST.json" if corruption == "partial" else "model.safetensors") in skipped[0]
-    assert _records(run_dir) == _records(uninterrupted)
+    assert toy_records(run_dir) == toy_records(uninterrupted)
     expected = torch.load(uninterrupted / "params_rank0.pt", weights_only=True)
     got = torch.load(run_dir / "params_rank0.pt", weights_only=True)
     assert all(torch.equal(expected[name], got[name]) for name in expected)
@@ -110,7 +92,7 @@ def test_no_intact_checkpoint_stops_with_one_line(killed: Path, tmp_path: Path) 
     (root / "step-00000008" / MANIFEST_FILE).unlink()
     before = (run_dir / "metrics.jsonl").read_text()
 
-    run = _train(run_dir)
+    run = train_toy(run_dir)
     report = json.loads((run_dir / "report_rank0.json").read_text())
     assert report["error"] == "CorruptCheckpointError" and issubclass(ckpt.CorruptCheckpointError, ValueError)
     assert "\n" not in report["message"] and str(root) in report["message"], report["message"]

@@ -2,37 +2,19 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from distill_fixtures import toy_records, train_toy
 
 from train.distill import checkpoint as ckpt
-
-TOY = Path(__file__).resolve().parents[2] / "distill_toy.py"
-ENV = {**os.environ, "DRAFTSMITH_NO_PROGRESS": "1", "OMP_NUM_THREADS": "1"}
-
-
-def _train(out: Path, *extra: str) -> subprocess.CompletedProcess:
-    args = [sys.executable, str(TOY), "--out", str(out), "--max-steps", "9", "--checkpoint-every", "4",
-            "--eval-every", "3", "--accum", "2", *extra]
-    return subprocess.run(args, env=ENV, capture_output=True, text=True, timeout=120)
-
-
-def _records(out: Path) -> list[dict]:
-    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    for record in records:
-        record.pop("tokens_per_s", None)  # wall-clock dependent; everything else must match exactly
-    return records
 
 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("uninterrupted")
-    done = _train(out)
+    done = train_toy(out)
     assert done.returncode == 0, done.stderr
     return out
 
@@ -43,14 +25,14 @@ def test_killed_run_resumes_on_the_same_loss_trajectory(uninterrupted: Path, tmp
     run's record for record (train losses per component, lr, grad norm, eval accuracies), bit for bit,
     and the final weights are identical. The toy objective draws from torch, python and numpy RNGs and
     uses dropout, so this needs model, optimizer, scheduler, all RNG streams and the data position."""
-    killed = _train(tmp_path, "--kill-at-train-call", "14")
+    killed = train_toy(tmp_path, "--kill-at-train-call", "14")
     assert killed.returncode == -9, killed.stderr
     assert [p.name for p in ckpt.list_checkpoints(tmp_path / "checkpoints")] == ["step-00000004"]
-    assert max(r["step"] for r in _records(tmp_path)) == 6  # it logged past the checkpoint before dying
+    assert max(r["step"] for r in toy_records(tmp_path)) == 6  # it logged past the checkpoint before dying
 
-    resumed = _train(tmp_path)
+    resumed = train_toy(tmp_path)
     assert resumed.returncode == 0, resumed.stderr
-    assert _records(tmp_path) == _records(uninterrupted)
+    assert toy_records(tmp_path) == toy_records(uninterrupted)
     for name, tensor in torch.load(uninterrupted / "params_rank0.pt", weights_only=True).items():
         assert torch.equal(tensor, torch.load(tmp_path / "params_rank0.pt", weights_only=True)[name]), name
 
@@ -72,7 +54,7 @@ def test_resume_with_another_config_is_refused(uninterrupted: Path, tmp_path: Pa
     import shutil
 
     shutil.copytree(uninterrupted / "checkpoints", tmp_path / "checkpoints")
-    run = _train(tmp_path, "--accum", "1", "--max-steps", "12")
+    run = train_toy(tmp_path, "--accum", "1", "--max-steps", "12")
     report = json.loads((tmp_path / "report_rank0.json").read_text())
     assert run.returncode == 0, run.stderr
     assert report["error"] == "ValueError"
