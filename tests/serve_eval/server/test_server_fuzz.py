@@ -14,15 +14,10 @@ from schemathesis import GenerationMode
 
 from serve_eval.engine.llm_engine import EngineConfig, LLMEngine
 from serve_eval.server.run import build_speculative
-from server_helpers import ENGINE_KWARGS, engine_call, kv_is_clean, serve, tiny_checkpoint
+from server_helpers import ENGINE_KWARGS, engine_call, kv_is_clean, serve
 
 MAX_EXAMPLES = 40          # per operation and mode
 CASES_SEEN: collections.Counter[tuple[str, str]] = collections.Counter()
-
-
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    return tiny_checkpoint(tmp_path_factory)
 
 
 @pytest.fixture(scope="module", params=["plain", "ngram-speculative"])

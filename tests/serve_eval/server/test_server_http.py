@@ -8,24 +8,13 @@ import threading
 import httpx
 import pytest
 
-from serve_eval.engine.llm import LLM
 from serve_eval.engine.sampling_params import SamplingParams
 from serve_eval.server.engine_loop import Aborted, EngineLoop
 from serve_eval.server.prom import parse_text
 from server_helpers import (ENGINE_KWARGS, SlowEngine, engine_call, kv_is_clean, make_engine, serve,
-                            tiny_checkpoint, wait_until)
+                            wait_until)
 
 PROMPTS = ["hello world", "tell me a story about the cat", "one two three four", "write python code"]
-
-
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    return tiny_checkpoint(tmp_path_factory)
-
-
-@pytest.fixture(scope="module")
-def reference(ckpt):
-    return LLM(str(ckpt), **ENGINE_KWARGS)
 
 
 @pytest.fixture(scope="module")

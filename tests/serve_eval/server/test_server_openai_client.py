@@ -4,21 +4,10 @@ from __future__ import annotations
 import openai
 import pytest
 
-from serve_eval.engine.llm import LLM
 from serve_eval.engine.sampling_params import SamplingParams
-from server_helpers import ENGINE_KWARGS, make_engine, serve, tiny_checkpoint
+from server_helpers import make_engine, serve
 
 API_KEY = "test-key"
-
-
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    return tiny_checkpoint(tmp_path_factory)
-
-
-@pytest.fixture(scope="module")
-def reference(ckpt):
-    return LLM(str(ckpt), **ENGINE_KWARGS)
 
 
 @pytest.fixture(scope="module")
