@@ -115,7 +115,7 @@ def recipe_job(ctx: Any, recipe: Recipe, steps: int) -> Any:
                                   f"recipe {recipe.kind}:{recipe.label}")
         job.train = merge_checked(trainer_node(ctx.cfg, recipe.kind), {"max_steps": steps, "max_minutes": None,
                                   "checkpoint_every": 0, "eval_every": 0}, "recipe train")
-    check_recipe(recipe.kind, job.draft, ctx.results["target"].shape.get("vocab_size"))
+    check_recipe(recipe.kind, job.draft, ctx.results.target.shape.get("vocab_size"))
     return job
 
 
@@ -126,13 +126,13 @@ def dataset_for(ctx: Any, job: Any) -> Path:
     from train.generate import generate_dataset
     from train.pipeline.distill import as_dict, draft_config, union_extras
 
-    target = ctx.results["target"]
+    target = ctx.results.target
     needs = dataset_needs(job.draft.kind, job.draft, int(target.shape["num_hidden_layers"]))
     # Hold the whole union the profile's kinds need, so every recipe on this data reads one cache.
     profile_needs = [dataset_needs(k, draft_config(ctx.cfg, k), int(target.shape["num_hidden_layers"]))
                      for k in ("standalone", "medusa", "eagle", "eagle3")]
     data = DraftDataConfig(**as_dict(job.draft.data))
-    return generate_dataset(Path(target.model_dir), target.fingerprint, ctx.results["corpus"].records("distill"),
+    return generate_dataset(Path(target.model_dir), target.fingerprint, ctx.results.corpus.records("distill"),
                             data, union_extras([needs, *profile_needs]), ctx.artifacts.data_dir(target.fingerprint))
 
 
@@ -142,7 +142,7 @@ def train_recipe(ctx: Any, recipe: Recipe, steps: int) -> Path:
     from train.distill.run import Prepared, train_and_export
     from train.pipeline.distill import as_dict
 
-    target = ctx.results["target"]
+    target = ctx.results.target
     job = recipe_job(ctx, recipe, steps)
     data_dir = dataset_for(ctx, job)
     key = stable_hash({"draft": as_dict(job.draft), "train": as_dict(job.train), "data": Manifest.read(data_dir).key,
@@ -171,12 +171,12 @@ def evaluate(ctx: Any, drafts: dict[str, Path], args: argparse.Namespace) -> Any
     from serve_eval.eval.sources import collect_drafts, gather_prompts
     from train.pipeline.distill import merge_checked
 
-    target = ctx.results["target"]
+    target = ctx.results.target
     node = merge_checked(ctx.cfg.eval, ctx.cfg.pipeline.eval, "pipeline.eval")
     node = merge_checked(node, {"methods": ["no-spec", "drafts"], "num_speculative_tokens": [args.k],
                                 "temperatures": [0.0, 1.0], "max_prompts_per_domain": args.prompts,
                                 "max_tokens": args.max_tokens, "repetitions": 1, "plots": False,
-                                "prompts": str(ctx.results["corpus"].path("eval")), "target": str(target.model_dir),
+                                "prompts": str(ctx.results.corpus.path("eval")), "target": str(target.model_dir),
                                 "drafts": {n: str(p) for n, p in drafts.items()}, "discover_drafts": False}, "eval")
     cfg = OmegaConf.to_object(node)
     validate(cfg)
@@ -216,7 +216,7 @@ def main() -> None:
         args.k = largest_eval_k(ctx)
     kinds = [k for k in args.kinds.split(",") if k]
     keep = {x for x in args.recipes.split(",") if x}
-    chosen = [r for r in recipes(int(ctx.results["target"].shape["vocab_size"]))
+    chosen = [r for r in recipes(int(ctx.results.target.shape["vocab_size"]))
               if r.kind in kinds and (not keep or r.label in keep)]
     if not chosen:
         raise SystemExit(f"no recipe matches --kinds {args.kinds} --recipes {args.recipes}")

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from drafts.files import read_json, stable_hash, write_json
-from train.pipeline.context import PipelineContext
+from train.pipeline.context import CostResult, PipelineContext, need
 
 
 def largest_eval_k(ctx: PipelineContext) -> int:
@@ -26,10 +26,7 @@ def largest_eval_k(ctx: PipelineContext) -> int:
 
 def stage_cost(ctx: PipelineContext) -> dict[str, Any]:
     from serve_eval.eval.step_cost import measure_costs, weights_read
-    from train.pipeline.evaluate import run_drafts
-
-    target = ctx.results["target"]
-    drafts = run_drafts(ctx)
+    target, drafts = need(ctx.results.target, "target"), dict(ctx.results.drafts)
     if not drafts:
         raise ValueError("pipeline.stages: 'cost' needs at least one distill_<kind> stage before it")
     k, steps, repeats = largest_eval_k(ctx), ctx.cfg.pipeline.cost_steps, ctx.cfg.pipeline.cost_repeats
@@ -44,11 +41,9 @@ def stage_cost(ctx: PipelineContext) -> dict[str, Any]:
                          "methods": [asdict(c) for c in costs],
                          "weight_share": {n: weights_read(p) / target_weights for n, p in drafts.items()}})
     record = read_json(out)
-    ctx.results["cost"] = record
-    ctx.results["cost_lines"] = cost_lines(record)  # printed with the target, kept in summary.md
-    fields: dict[str, Any] = {"cached": cached, "K": k, "file": out}
-    fields.update({f"c_{m['method']}": round(m["c"], 3) for m in record["methods"] if m["c"] is not None})
-    return fields
+    c = {m["method"]: float(m["c"]) for m in record["methods"] if m["c"] is not None}
+    ctx.results.cost = CostResult(out, c, cost_lines(record))  # the lines: printed with the target, in summary.md
+    return {"cached": cached, "K": k, "file": out, **{f"c_{kind}": round(v, 3) for kind, v in c.items()}}
 
 
 def cost_lines(record: dict[str, Any] | None) -> list[str]:

@@ -30,7 +30,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from drafts.files import stable_hash
 from drafts.kinds import KIND_NAMES
-from train.pipeline.context import PipelineContext
+from train.pipeline.context import PipelineContext, need
 
 STAGE_PREFIX = "distill_"
 DONE_MARKER = ".complete"  # written after a draft dir is fully exported
@@ -134,7 +134,7 @@ def stage_generate(ctx: PipelineContext) -> dict[str, Any]:
     from train.distill.run import dataset_needs
     from train.generate import generate_dataset
 
-    target, corpus = ctx.results["target"], ctx.results["corpus"]
+    target, corpus = need(ctx.results.target, "target"), need(ctx.results.corpus, "corpus")
     num_layers = _num_target_layers(target.model_dir)
     needs = [dataset_needs(kind, draft_config(ctx.cfg, kind), num_layers) for kind in planned_kinds(ctx.cfg)]
     extras = union_extras(needs)
@@ -149,7 +149,7 @@ def stage_generate(ctx: PipelineContext) -> dict[str, Any]:
         shutil.rmtree(data_dir)
         complete_before.discard(data_dir)
         data_dir = generate_dataset(Path(target.model_dir), target.fingerprint, records, data, extras, root)
-    ctx.results["generate"] = data_dir
+    ctx.results.dataset = data_dir
     manifest = Manifest.read(data_dir)
     return {"cached": data_dir in complete_before, "dir": data_dir, "examples": manifest.num_examples,
             "extras": ",".join(f"{k}={v}" for k, v in asdict(extras).items()).replace(" ", "")}
@@ -168,9 +168,7 @@ def distill(ctx: PipelineContext, kind: str) -> dict[str, Any]:
     from train.distill.launch import LauncherConfig
     from train.distill.run import Prepared, train_and_export
 
-    if "generate" not in ctx.results:
-        raise ValueError(f"pipeline.stages: {STAGE_PREFIX}{kind} needs the 'generate' stage before it")
-    target, data_dir = ctx.results["target"], Path(ctx.results["generate"])
+    target, data_dir = need(ctx.results.target, "target"), need(ctx.results.dataset, "generate")
     job = job_config(ctx.cfg, kind)
     launcher = LauncherConfig(**as_dict(job.launcher))
     if launcher.world_size > 1:
@@ -182,7 +180,7 @@ def distill(ctx: PipelineContext, kind: str) -> dict[str, Any]:
         shutil.rmtree(out_dir, ignore_errors=True)  # a half-written export of an interrupted run
         train_and_export(job, Prepared(str(target.model_dir), target.fingerprint, str(data_dir)), out_dir=out_dir)
         (out_dir / DONE_MARKER).write_text("")
-    ctx.results[f"{STAGE_PREFIX}{kind}"] = out_dir
+    ctx.results.drafts[kind] = out_dir
     from drafts.io import read_draft_meta
 
     metrics = read_draft_meta(out_dir).metrics

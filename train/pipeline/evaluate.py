@@ -22,25 +22,13 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from drafts.files import stable_hash
 from serve_eval.eval.report_files import fmt_with_interval
-from train.pipeline.context import PipelineContext
-from train.pipeline.distill import (
-    DONE_MARKER,
-    STAGE_PREFIX,
-    as_dict,
-    merge_checked,
-    planned_kinds,
-)
+from train.pipeline.context import PipelineContext, SummaryReport, need
+from train.pipeline.distill import DONE_MARKER, as_dict, merge_checked
 
 REPORT_SUFFIX = "-pipeline-"
 SUMMARY_FILE = "summary.md"
 # Eval settings that change where/how a report is written, not what it measures: left out of the key.
 _UNKEYED_EVAL_FIELDS = ("out_dir", "plots", "wandb")
-
-
-def run_drafts(ctx: PipelineContext) -> dict[str, Path]:
-    """kind -> draft dir of every distill stage that ran before this one."""
-    return {kind: Path(ctx.results[STAGE_PREFIX + kind]) for kind in planned_kinds(ctx.cfg)
-            if STAGE_PREFIX + kind in ctx.results}
 
 
 def check_eval_settings(cfg: DictConfig) -> Any:
@@ -54,26 +42,26 @@ def check_eval_settings(cfg: DictConfig) -> Any:
 
 def eval_node(ctx: PipelineContext) -> DictConfig:
     """The ``eval`` group + ``pipeline.eval``, aimed at this target, its held-out prompts and this run's drafts."""
-    cfg, target = ctx.cfg, ctx.results["target"]
+    cfg, target = ctx.cfg, need(ctx.results.target, "target")
     node = merge_checked(cfg.eval, cfg.pipeline.eval, "pipeline.eval")
-    drafts = {kind: str(path) for kind, path in run_drafts(ctx).items()}
-    prompts = node.prompts or str(ctx.results["corpus"].path("eval"))
+    drafts = {kind: str(path) for kind, path in ctx.results.drafts.items()}
+    prompts = node.prompts or str(need(ctx.results.corpus, "corpus").path("eval"))
     return merge_checked(node, {"target": str(target.model_dir), "prompts": prompts, "drafts": drafts,
                          "discover_drafts": False}, "eval")
 
 
 def eval_key(ctx: PipelineContext, node: DictConfig) -> str:
     settings = {k: v for k, v in as_dict(node).items() if k not in _UNKEYED_EVAL_FIELDS}
-    prompts = Path(node.prompts)
-    return stable_hash({"target": ctx.results["target"].fingerprint, "eval": settings,
-                        "prompts": ctx.results["corpus"].content_hash if prompts == ctx.results["corpus"].path("eval")
+    prompts, corpus = Path(node.prompts), need(ctx.results.corpus, "corpus")
+    return stable_hash({"target": need(ctx.results.target, "target").fingerprint, "eval": settings,
+                        "prompts": corpus.content_hash if prompts == corpus.path("eval")
                         else stable_hash(prompts.read_text() if prompts.is_file() else str(prompts))})
 
 
 def stage_eval(ctx: PipelineContext) -> dict[str, Any]:
     from serve_eval.eval.run import run as run_eval
 
-    target = ctx.results["target"]
+    target = need(ctx.results.target, "target")
     node = eval_node(ctx)
     key = eval_key(ctx, node)
     reports = ctx.artifacts.reports_dir(target.fingerprint)
@@ -89,7 +77,7 @@ def stage_eval(ctx: PipelineContext) -> dict[str, Any]:
             job.eval = merge_checked(node, {"out_dir": str(out_dir)}, "eval")
         run_eval(job)
         (out_dir / DONE_MARKER).write_text("")
-    ctx.results["eval"] = out_dir
+    ctx.results.eval_dir = out_dir
     return {"cached": cached, "dir": out_dir, "methods": ",".join([m for m in node.methods if m != "drafts"] + list(node.drafts)),
             "K": ",".join(map(str, node.num_speculative_tokens)), "T": ",".join(f"{t:g}" for t in node.temperatures)}
 
@@ -126,22 +114,19 @@ def render_table(header: list[str], rows: list[list[str]]) -> str:
 def stage_report(ctx: PipelineContext) -> dict[str, Any]:
     from serve_eval.eval.report import load_report
 
-    if "eval" not in ctx.results:
-        raise ValueError("pipeline.stages: 'report' needs the 'eval' stage before it")
-    out_dir = Path(ctx.results["eval"])
+    out_dir = need(ctx.results.eval_dir, "eval")
     report = load_report(out_dir / "report.json")
     header = ["domain", "method", "T", "K", "alpha [95% CI]", "tau [95% CI]", "ms/token", "speedup [95% CI]"]
     table = render_table(header, summary_rows(report))
-    skipped = [f"skipped: domain={s.domain} method={s.method}: {s.reason}" for s in report.skipped]
-    skipped += [f"warning: {line}" for line in ctx.results.get("recipe_warnings", [])]
-    skipped += [f"parity: {p['method']} {p['domain']} K={p['K']} T={p['temperature']:g}: served tau "
+    notes = [f"skipped: domain={s.domain} method={s.method}: {s.reason}" for s in report.skipped]
+    notes += [f"warning: {line}" for line in ctx.results.recipe_warnings]
+    notes += [f"parity: {p['method']} {p['domain']} K={p['K']} T={p['temperature']:g}: served tau "
                 f"{p['served_tau']:.2f} vs {p['simulated_tau']:.2f} from training: {p['flag']}"
                 for p in report.parity if p["flag"]]
-    cost = "\n".join(ctx.results.get("cost_lines", []))  # (the cost stage's lines, if it ran)
-    (out_dir / SUMMARY_FILE).write_text(f"```\n{table}\n```\n" + "".join(f"\n- {s}" for s in skipped) + "\n"
+    cost = "\n".join(ctx.results.cost.lines if ctx.results.cost else [])  # (the cost stage's lines, if it ran)
+    (out_dir / SUMMARY_FILE).write_text(f"```\n{table}\n```\n" + "".join(f"\n- {s}" for s in notes) + "\n"
                                         + (f"\n```\n{cost}\n```\n" if cost else ""))
-    ctx.results["report"] = {"table": table, "skipped": skipped, "json": out_dir / "report.json",
-                             "markdown": out_dir / "report.md"}
+    ctx.results.report = SummaryReport(table, notes, out_dir / "report.json", out_dir / "report.md")
     domains = sorted({r.domain for r in report.results})
     methods = sorted({r.method for r in report.results})
     return {"report": out_dir / "report.json", "domains": ",".join(domains), "methods": ",".join(methods),
@@ -149,17 +134,17 @@ def stage_report(ctx: PipelineContext) -> dict[str, Any]:
 
 
 def print_report(ctx: PipelineContext) -> None:
-    report = ctx.results.get("report")
+    report = ctx.results.report
     if report is None:
         return
     print("\nspeculative decoding on the held-out prompts (best K per method and temperature; "
           "speedup = no-spec ms/token / method ms/token, same run):")
-    print(report["table"])
-    for line in report["skipped"]:
+    print(report.table)
+    for line in report.notes:
         print(line)
-    print(f"report: {report['json']}\nreport (tables, plots): {report['markdown']}")
-    if "register" in ctx.results:
-        print(f"registry: {ctx.results['register']}")
+    print(f"report: {report.json}\nreport (tables, plots): {report.markdown}")
+    if ctx.results.registry_manifest is not None:
+        print(f"registry: {ctx.results.registry_manifest}")
 
 
 # ----------------------------------------------------------------------------- the registry
@@ -170,14 +155,12 @@ def stage_register(ctx: PipelineContext) -> dict[str, Any]:
     from train.registry.records import RegisteredTarget
     from train.registry.store import Registry
 
-    if "eval" not in ctx.results:
-        raise ValueError("pipeline.stages: 'register' needs the 'eval' stage before it")
-    target = ctx.results["target"]
-    report_path = (Path(ctx.results["eval"]) / "report.json").resolve()
+    target = need(ctx.results.target, "target")
+    report_path = (need(ctx.results.eval_dir, "eval") / "report.json").resolve()
     registry = Registry(ctx.artifacts.root)
     info = RegisteredTarget.from_dir(target.model_dir)
     fields: dict[str, Any] = {}
-    for kind, draft_dir in run_drafts(ctx).items():
+    for kind, draft_dir in ctx.results.drafts.items():
         path = str(Path(draft_dir).resolve())
         entry = next((e for e in registry.entries(info.fingerprint) if e.path == path and e.status != "retired"), None)
         if entry is None:
@@ -190,5 +173,5 @@ def stage_register(ctx: PipelineContext) -> dict[str, Any]:
             registry.update(entry.id, report_path=str(report_path), report_method=kind)
             entry = registry.promote(entry.id)
             fields[kind] = "promoted"
-    ctx.results["register"] = registry.manifest_path(info.fingerprint)
+    ctx.results.registry_manifest = registry.manifest_path(info.fingerprint)
     return {**fields, "manifest": registry.manifest_path(info.fingerprint)}

@@ -9,9 +9,10 @@ manifest + draft and trainer config; eval: target + prompts + eval settings + dr
 skips what is done; ``pipeline.force=[name, ...]`` redoes named stages. The job ends with the target's
 summary, then one table: domain x method alpha, tau, ms/token, speed-up, and the report path.
 
-A stage is ``fn(ctx: PipelineContext) -> dict``: it reads earlier stages' outputs from ``ctx.results``,
-stores its own output under its name, and returns fields for its log line. ``STAGES`` holds the built-in
-ones (one ``distill_<kind>`` per registered draft kind); ``pipeline.stages`` may also name
+A stage is ``fn(ctx: PipelineContext) -> dict``: it reads earlier stages' outputs from ``ctx.results``
+(``train.pipeline.context.StageResults``), sets its own field there, and returns fields for its log line.
+``STAGES`` holds the built-in ones in their usual order (one ``distill_<kind>`` per registered draft kind);
+a new stage is one entry there plus its field in StageResults. ``pipeline.stages`` may also name
 ``"package.module:function"`` directly.
 
     draftsmith pipeline                      # embedded default (conf/pipeline/embedded.yaml)
@@ -36,16 +37,22 @@ from train.config import hydra_app
 from train.logs import init_wandb, log_event, stage, warn_event
 from train.named import resolve
 from train.pipeline.build import stage_corpus, stage_target, stage_tokenizer
-from train.pipeline.context import PipelineContext
+from train.pipeline.context import MissingStageResult, PipelineContext, StageResults
 from train.pipeline.cost import stage_cost
 from train.pipeline.distill import STAGE_PREFIX, distill, stage_generate
 from train.pipeline.evaluate import stage_eval, stage_register, stage_report
 
 Stage = Callable[[PipelineContext], dict[str, Any]]
 STAGES: dict[str, Stage] = {
-    "corpus": stage_corpus, "tokenizer": stage_tokenizer, "target": stage_target, "generate": stage_generate,
+    "corpus": stage_corpus,
+    "tokenizer": stage_tokenizer,
+    "target": stage_target,
+    "generate": stage_generate,
     **{f"{STAGE_PREFIX}{kind}": functools.partial(distill, kind=kind) for kind in KIND_NAMES},
-    "cost": stage_cost, "eval": stage_eval, "report": stage_report, "register": stage_register,
+    "cost": stage_cost,
+    "eval": stage_eval,
+    "report": stage_report,
+    "register": stage_register,
 }
 
 
@@ -60,7 +67,7 @@ def resolve_stage(name: str) -> Stage:
 def print_target(ctx: PipelineContext) -> None:
     from train.target import TARGET_META_FILE
 
-    target = ctx.results.get("target")
+    target = ctx.results.target
     if target is None:
         return
     s = target.shape
@@ -69,7 +76,7 @@ def print_target(ctx: PipelineContext) -> None:
     print(f"target shape: {s.get('model_type')} layers={s.get('num_hidden_layers')} hidden={s.get('hidden_size')} "
           f"heads={s.get('num_attention_heads')} kv_heads={s.get('num_key_value_heads')} "
           f"ffn={s.get('intermediate_size')} vocab={s.get('vocab_size')} cached={target.cached}")
-    for line in ctx.results.get("cost_lines", []):
+    for line in ctx.results.cost.lines if ctx.results.cost else []:
         print(line)
     print("held-out perplexity per domain:")
     for domain, ppl in target.perplexity.items():
@@ -119,7 +126,18 @@ def check_stage_configs(cfg: DictConfig) -> list[str]:
     return warnings
 
 
-def run(cfg: DictConfig) -> dict[str, Any]:
+def run_stages(ctx: PipelineContext, stage_fns: list[tuple[str, Stage]]) -> None:
+    """Each stage in order, timed and logged; a stage reading an output no earlier stage made is named."""
+    for name, fn in stage_fns:
+        with stage(name) as fields:
+            try:
+                fields.update(fn(ctx))
+            except MissingStageResult as err:
+                raise err.read_by(name) from None
+        ctx.wall_s[name] = fields["wall_s"]
+
+
+def run(cfg: DictConfig) -> StageResults:
     """Run the configured stages; every stage's names are checked before the first one starts."""
     artifacts = artifacts_from_config(cfg)
     stage_fns = [(name, resolve_stage(name)) for name in cfg.pipeline.stages]
@@ -134,13 +152,9 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     log_event(job="pipeline", profile=cfg.pipeline.name, stages=",".join(cfg.pipeline.stages),
               artifacts_root=artifacts.root)
     wandb_run = init_wandb(cfg, job_type="pipeline", wandb_dir=artifacts.wandb_dir)
-    ctx = PipelineContext(cfg, artifacts, wandb_run)
-    ctx.results["recipe_warnings"] = warnings
+    ctx = PipelineContext(cfg, artifacts, wandb_run, StageResults(recipe_warnings=warnings))
     try:
-        for name, fn in stage_fns:
-            with stage(name) as fields:
-                fields.update(fn(ctx))
-            ctx.wall_s[name] = fields["wall_s"]
+        run_stages(ctx, stage_fns)
         print_summary(ctx)
     finally:
         wandb_run.finish()
