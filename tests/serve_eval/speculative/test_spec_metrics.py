@@ -1,4 +1,4 @@
-"""serve_eval.speculative.metrics: the DESIGN.md definitions on scripted rounds, values computed by hand."""
+"""serve_eval.speculative.metrics: the definitions in its module docstring on scripted rounds, values computed by hand."""
 
 from __future__ import annotations
 
