@@ -15,6 +15,8 @@ from pathlib import Path
 
 import torch
 
+from tiny_models import tiny_model, word_tokenizer
+
 VOCAB = 96
 EOS = VOCAB - 1
 DOMAINS = ("code", "prose", "math", "chat")
@@ -28,15 +30,9 @@ def rule_sequence(rng: random.Random, length: int, offset: int) -> list[int]:
 
 
 def make_target(path: Path, seed: int = 0, train_steps: int = 0) -> Path:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-
-    torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                         eos_token_id=EOS, bos_token_id=0, pad_token_id=0, tie_word_embeddings=False,
-                         initializer_range=0.1)
-    model = LlamaForCausalLM(config)
+    model = tiny_model("llama", seed, vocab_size=VOCAB, intermediate_size=128, num_hidden_layers=4,
+                       eos_token_id=EOS, bos_token_id=0, pad_token_id=0, initializer_range=0.1)
+    model.train()
     rng = random.Random(seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     for _ in range(train_steps):
@@ -48,10 +44,7 @@ def make_target(path: Path, seed: int = 0, train_steps: int = 0) -> Path:
     model.eval()
     path.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(path)
-    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(VOCAB)}, unk_token="w1"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.decoder = decoders.WordPiece(prefix="##")
-    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=f"w{EOS}", unk_token="w1", pad_token="w0").save_pretrained(path)
+    word_tokenizer(VOCAB, pad_token="w0").save_pretrained(path)
     return path
 
 

@@ -12,21 +12,18 @@ import torch
 from serve_eval.engine import EngineConfig, LLMEngine, SamplingParams
 from serve_eval.speculative.proposers.base import Proposal, Proposer
 from serve_eval.speculative.tree import DraftTree
+from tiny_models import save_tiny_model
 
 VOCAB = 128
 
 
 def make_llama(path: Path, vocab: int = VOCAB, hidden: int = 64, layers: int = 2, seed: int = 0,
                max_pos: int = 256, init: float = 0.1) -> Path:
-    """A random HF Llama checkpoint dir (fp32)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_pos,
-                      initializer_range=init, eos_token_id=vocab - 1, bos_token_id=0, pad_token_id=0)
-    LlamaForCausalLM(cfg).save_pretrained(path)
-    return Path(path)
+    """A random HF Llama checkpoint dir (fp32): the engine tests' target and draft shape (wide init, so greedy
+    argmaxes are decisive; EOS the last id)."""
+    return save_tiny_model(path, "llama", seed, vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
+                           num_hidden_layers=layers, max_position_embeddings=max_pos, initializer_range=init,
+                           eos_token_id=vocab - 1, bos_token_id=0, pad_token_id=0)
 
 
 def feature_draft(kind: str, target_dir: Path, out_dir: Path, seed: int = 0, init=None, block_opts=None) -> Path:

@@ -180,9 +180,10 @@ specs = [(6, 15), (1, 4), (4, 9)]
 q, kc, vc, meta, _ = make_case(specs, tree_masks=[_random_tree_mask(n, gen) for n, _ in specs], seed=9)
 diffs.append((triton_attention(q, kc, vc, meta, 0.25) - attention(q, kc, vc, meta, 0.25)).abs().max().item())
 # End to end: the executor on the triton backend gives the torch backend's logits over mixed steps.
-from test_executor import PagedRunner, tiny_model
+from test_executor import SHAPE, PagedRunner
+from tiny_models import tiny_model
 from serve_eval.engine.model_executor import ModelExecutor
-model = tiny_model()
+model = tiny_model(shape=SHAPE)
 runners = [PagedRunner(ModelExecutor.from_hf_model(model, attn_backend=b)) for b in ("torch", "triton")]
 worst = 0.0
 for work in ({"A": list(range(9)), "B": [4, 5, 6]}, {"A": [1, 2, 3], "B": [7]}, {"A": [8], "B": [9]}):

@@ -1,5 +1,5 @@
-"""One model stack (kernels.layers) for targets and drafts: a yarn-scaled target is served, every draft kind is
-built for it and runs (training form and serving form agree), and greedy speculative decoding with each kind
+"""One model stack (kernels.layers) for targets and drafts: a yarn-scaled target is served, every draft kind
+(drafts.kinds.KIND_NAMES) is built for it and runs (training form and serving form agree), and greedy speculative decoding with each kind
 equals plain greedy decoding token for token (fp32), with positions past the original context. The engine's
 target is the same CausalLM class as the standalone draft, fused without a second copy of its weights."""
 from __future__ import annotations
@@ -8,40 +8,37 @@ import copy
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaForCausalLM
 
+from drafts.block import BlockDraft
 from drafts.common import causal_attn_fn
 from drafts.eagle import EagleDraft
 from drafts.eagle3 import Eagle3Draft
 from drafts.identity import target_fingerprint
 from drafts.io import save_draft
+from drafts.kinds import KIND_NAMES
 from drafts.medusa import MedusaDraft
 from drafts.standalone import StandaloneDraft
 from kernels.layers.causal_lm import CausalLM
+from kernels.layers.checkpoint import load_target_embed_and_head
 from serve_eval.engine import EngineConfig, LLMEngine, SamplingParams
 from serve_eval.engine.model_executor import ModelExecutor
 from serve_eval.speculative.config import SpecConfig
 from spec_helpers import feature_draft, greedy_reference, run_engine, workload
 
 V, D, L = 128, 64, 4
-YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}
 ENGINE = dict(block_size=4, max_model_len=120, prefill_chunk_size=32, max_num_batched_tokens=128, num_gpu_blocks=400)
-KINDS = ("standalone", "medusa", "eagle", "eagle3")
-
-
-def yarn_config() -> LlamaConfig:
-    return LlamaConfig(vocab_size=V, hidden_size=D, intermediate_size=2 * D, num_hidden_layers=L, num_attention_heads=4,
-                       num_key_value_heads=2, max_position_embeddings=128, rope_scaling=dict(YARN),
-                       initializer_range=0.1, eos_token_id=V - 1, bos_token_id=0, pad_token_id=0)
+KINDS = KIND_NAMES  # every registered kind: a new one fails here until build() knows it
+AUX_LAYERS = [1, 2, 3]  # distinct target layers of the 4-layer target (EAGLE-3, block)
 
 
 @pytest.fixture(scope="module")
-def target(tmp_path_factory):
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(yarn_config()).eval()
-    path = tmp_path_factory.mktemp("yarn") / "target"
-    model.save_pretrained(path)
-    return model, path
+def target(tiny_target):
+    """The yarn Llama (factor 4 over 32 original positions, 128 served) and its dir."""
+    path = tiny_target("llama-yarn", vocab_size=V, hidden_size=D, intermediate_size=2 * D, num_hidden_layers=L,
+                       max_position_embeddings=128, initializer_range=0.1, eos_token_id=V - 1, bos_token_id=0,
+                       pad_token_id=0)
+    return LlamaForCausalLM.from_pretrained(path, dtype=torch.float32).eval(), path
 
 
 def build(kind: str, target_dir):
@@ -53,7 +50,13 @@ def build(kind: str, target_dir):
         return MedusaDraft.from_target_config(target_dir, num_heads=3)
     if kind == "eagle":
         return EagleDraft.from_target_config(target_dir)
-    return Eagle3Draft.from_target_config(target_dir, aux_layers=[1, 2, 3])
+    if kind == "eagle3":
+        return Eagle3Draft.from_target_config(target_dir, aux_layers=AUX_LAYERS)
+    if kind == "block":
+        draft = BlockDraft.from_target_config(target_dir, aux_layers=AUX_LAYERS)
+        draft.init_from_target(*load_target_embed_and_head(target_dir))  # its blocks are not pure noise
+        return draft
+    raise AssertionError(f"build: no test recipe for draft kind {kind!r}")
 
 
 def training_forward(kind: str, draft, ids: torch.Tensor) -> torch.Tensor:
@@ -66,7 +69,11 @@ def training_forward(kind: str, draft, ids: torch.Tensor) -> torch.Tensor:
         return draft(torch.randn(B, S, D, generator=gen))
     if kind == "eagle":
         return draft.forward_batch(ids, torch.randn(B, S, D, generator=gen))[1]
-    return draft.forward_batch(ids, torch.randn(B, S, 3 * D, generator=gen))[1]
+    aux = torch.randn(B, S, len(AUX_LAYERS) * D, generator=gen)
+    if kind == "block":  # blocks rooted at anchors, positions up to S - 1 + block_size (past 32)
+        anchors = torch.tensor([[0, S // 3, S - draft.config.block_size]] * B)
+        return draft.anchor_forward(ids, aux, anchors)
+    return draft.forward_batch(ids, aux)[1]
 
 
 def test_standalone_stack_matches_hf_under_yarn(target):
@@ -119,6 +126,9 @@ def drafts(target, tmp_path_factory):
     for kind in KINDS:
         if kind == "eagle3":
             out[kind] = feature_draft(kind, target_dir, root / kind)
+        elif kind == "block":
+            out[kind] = feature_draft(kind, target_dir, root / kind,
+                                      init=lambda d: d.init_from_target(*load_target_embed_and_head(target_dir)))
         else:
             out[kind] = root / kind
             save_draft(build(kind, target_dir), out[kind], kind, target_fingerprint(target_dir))

@@ -10,38 +10,12 @@ import torch
 
 from kernels.layers.family import layer_variants
 from serve_eval.engine.model_executor import ModelExecutor
-from test_executor import SCHEDULE, TOL, VOCAB, run_schedule_and_compare
+from test_executor import SCHEDULE, SHAPE, TOL, run_schedule_and_compare
+from tiny_models import MOE, WINDOW, tiny_model
 
-COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
-              num_key_value_heads=2, head_dim=16, max_position_embeddings=256)
-MOE = dict(moe_intermediate_size=32, num_experts=6, num_experts_per_tok=2)
+COMMON = dict(SHAPE, head_dim=16)  # the models' fields, for layer_variants over raw dicts
 LONGEST = max(sum(step.get(name, 0) for step in SCHEDULE) for name in "ABC")  # 17 tokens for A
-WINDOW = 6  # < LONGEST: the schedule's contexts outgrow it
-
-
-def family_model(kind: str, seed: int = 0, **extra):
-    """A tiny random transformers model of one family (fp32, eval); routers and norms randomised (HF inits
-    them to zeros / ones, which would leave routing ties and the norm weights untested)."""
-    import transformers as tf
-
-    classes = {"qwen3": ("Qwen3Config", "Qwen3ForCausalLM"), "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
-               "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM"), "mistral": ("MistralConfig", "MistralForCausalLM"),
-               "qwen2": ("Qwen2Config", "Qwen2ForCausalLM")}
-    cfg_name, model_name = classes[kind]
-    fields = dict(COMMON, **(MOE if kind.endswith("moe") else {}), **extra)
-    if kind == "qwen2_moe":
-        fields.setdefault("shared_expert_intermediate_size", 40)
-    torch.manual_seed(seed)
-    model = getattr(tf, model_name)(getattr(tf, cfg_name)(**fields))
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith(("mlp.gate.weight", "shared_expert_gate.weight")):
-                p.normal_(0, 1.0)
-            elif name.endswith(("q_norm.weight", "k_norm.weight")):
-                p.uniform_(0.5, 1.5)
-            elif name.endswith("bias"):
-                p.normal_(0, 0.3)
-    return model.eval()
+assert WINDOW < LONGEST  # the schedule's contexts outgrow the *-window families' window
 
 
 FAMILIES = {
@@ -51,9 +25,9 @@ FAMILIES = {
     "qwen3_moe-norm-topk": ("qwen3_moe", {"norm_topk_prob": True}),
     "qwen3_moe-dense-layers": ("qwen3_moe", {"mlp_only_layers": [0], "decoder_sparse_step": 2}),
     "qwen2_moe-shared": ("qwen2_moe", {}),
-    "mistral-window": ("mistral", {"sliding_window": WINDOW}),
-    "qwen2-window": ("qwen2", {"use_sliding_window": True, "sliding_window": WINDOW, "max_window_layers": 1}),
-    "qwen3-window": ("qwen3", {"use_sliding_window": True, "sliding_window": WINDOW, "max_window_layers": 0}),
+    "mistral-window": ("mistral-window", {}),
+    "qwen2-window": ("qwen2-window", {}),
+    "qwen3-window": ("qwen3-window", {}),
 }
 WORST: dict[str, float] = {}
 
@@ -63,7 +37,7 @@ def test_logits_match_transformers_over_mixed_steps(tmp_path, name):
     """Prefill, chunked prefill, decode and mixed batches equal HF's full-sequence logits (from the saved dir:
     per-expert safetensors names are stacked at load)."""
     kind, extra = FAMILIES[name]
-    model = family_model(kind, **extra)
+    model = tiny_model(kind, shape=SHAPE, **extra)
     model.save_pretrained(tmp_path)
     executor = ModelExecutor(tmp_path)
     worst = run_schedule_and_compare(model, executor)
@@ -76,12 +50,12 @@ def test_logits_match_transformers_over_mixed_steps(tmp_path, name):
 
 def test_variants_follow_the_config():
     """Which layers route to experts, slide, or norm q/k is read as transformers reads it."""
-    moe = family_model("qwen3_moe", mlp_only_layers=[0], decoder_sparse_step=2, num_hidden_layers=4).config
+    moe = tiny_model("qwen3_moe", shape=SHAPE, mlp_only_layers=[0], decoder_sparse_step=2, num_hidden_layers=4).config
     assert [v.moe is not None for v in layer_variants(moe)] == [False, True, False, True]
     assert all(v.qk_norm for v in layer_variants(moe))
-    qwen2 = family_model("qwen2", use_sliding_window=True, sliding_window=5, max_window_layers=2).config
+    qwen2 = tiny_model("qwen2", shape=SHAPE, use_sliding_window=True, sliding_window=5, max_window_layers=2).config
     assert [v.sliding_window for v in layer_variants(qwen2)] == [None, None, 5]
-    off = family_model("qwen2", use_sliding_window=False, sliding_window=5).config
+    off = tiny_model("qwen2", shape=SHAPE, use_sliding_window=False, sliding_window=5).config
     assert all(v.sliding_window is None for v in layer_variants(off))
     raw = dict(COMMON, model_type="qwen2", use_sliding_window=True, sliding_window=5, max_window_layers=1)
     assert [v.sliding_window for v in layer_variants(raw)] == [None, 5, 5]  # a hub config without layer_types
@@ -93,7 +67,7 @@ def test_greedy_generate_equals_transformers(tmp_path, name):
     from serve_eval.engine import LLM, SamplingParams
 
     kind, extra = FAMILIES[name]
-    model = family_model(kind, **extra)
+    model = tiny_model(kind, shape=SHAPE, **extra)
     model.generation_config.eos_token_id = None
     model.save_pretrained(tmp_path)
     prompts = [[5, 17, 33, 2, 9, 70, 11], [101, 4, 4, 8]]

@@ -4,32 +4,19 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from kernels.attention import AttentionMetadata
 from serve_eval.engine.model_executor import ModelExecutor
+from tiny_models import SHAPE as TINY_SHAPE, Init, tiny_model
 
 VOCAB = 160
 BLOCK_SIZE = 4
 TOL = 1e-4
 
 
-def tiny_model(kind: str = "llama", kv_heads: int = 2, tied: bool = False, rope_scaling: dict | None = None,
-               max_pos: int = 256, seed: int = 0):
-    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
-                  num_key_value_heads=kv_heads, max_position_embeddings=max_pos, tie_word_embeddings=tied)
-    torch.manual_seed(seed)
-    if kind == "qwen2":
-        model = Qwen2ForCausalLM(Qwen2Config(**common))
-        with torch.no_grad():  # HF initialises biases to zero, which would make the bias path untested
-            for layer in model.model.layers:
-                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
-                    proj.bias.normal_(0, 0.5)
-    elif kind == "mistral":
-        model = MistralForCausalLM(MistralConfig(**common, sliding_window=None))
-    else:
-        model = LlamaForCausalLM(LlamaConfig(**common, rope_scaling=rope_scaling))
-    return model.eval()
+# The executor tests' model shape (head_dim 16; 3 layers, so per-layer variants have a middle layer)
+SHAPE = dict(TINY_SHAPE, vocab_size=VOCAB, intermediate_size=96, num_hidden_layers=3)
+BIASED = Init(bias_std=0.5)  # HF initialises Qwen2's q/k/v biases to zero, which would leave the bias path untested
 
 
 def hf_logits(model, tokens: list[int]) -> torch.Tensor:
@@ -107,7 +94,7 @@ def run_schedule_and_compare(model, executor) -> float:
 ])
 def test_logits_match_transformers_over_mixed_steps(tmp_path, kind, kv_heads, tied):
     """Prefill, chunked prefill (3 chunks), decode and mixed batches give HF's full-sequence logits."""
-    model = tiny_model(kind, kv_heads=kv_heads, tied=tied)
+    model = tiny_model(kind, init=BIASED, shape=SHAPE, num_key_value_heads=kv_heads, tie_word_embeddings=tied)
     model.save_pretrained(tmp_path)
     executor = ModelExecutor(tmp_path)
     assert executor.model.tied == tied
@@ -122,14 +109,14 @@ def test_logits_match_transformers_over_mixed_steps(tmp_path, kind, kv_heads, ti
 ])
 def test_rope_scaling_matches_transformers(tmp_path, rope_scaling):
     """Linear, llama3 and yarn rope scaling read from the saved config reproduce HF logits."""
-    model = tiny_model(rope_scaling=rope_scaling)
+    model = tiny_model(shape=SHAPE, rope_scaling=rope_scaling)
     model.save_pretrained(tmp_path)
     assert run_schedule_and_compare(model, ModelExecutor(tmp_path)) < TOL
 
 
 def test_dynamic_rope_beyond_max_positions():
     """Dynamic NTK scaling: a 24-token prefill past max_position_embeddings=16 matches HF."""
-    model = tiny_model(rope_scaling={"rope_type": "dynamic", "factor": 2.0}, max_pos=16)
+    model = tiny_model(shape=SHAPE, rope_scaling={"rope_type": "dynamic", "factor": 2.0}, max_position_embeddings=16)
     runner = PagedRunner(ModelExecutor.from_hf_model(model))
     tokens = torch.randint(0, VOCAB, (24,), generator=torch.Generator().manual_seed(2)).tolist()
     rows, _ = runner.step({"A": tokens})
@@ -138,7 +125,7 @@ def test_dynamic_rope_beyond_max_positions():
 
 def test_sharded_checkpoint_loads(tmp_path):
     """A checkpoint split into shards with model.safetensors.index.json loads to the same logits."""
-    model = tiny_model()
+    model = tiny_model(shape=SHAPE)
     model.save_pretrained(tmp_path, max_shard_size="100KB")
     assert (tmp_path / "model.safetensors.index.json").is_file()
     assert run_schedule_and_compare(model, ModelExecutor(tmp_path)) < TOL
@@ -146,7 +133,7 @@ def test_sharded_checkpoint_loads(tmp_path):
 
 def test_aux_hidden_and_final_hidden_match_hf_hidden_states():
     """aux_hidden[i] equals HF output_hidden_states[i] (0 = embeddings, L = final norm); hidden = last_hidden_state."""
-    model = tiny_model()
+    model = tiny_model(shape=SHAPE)
     runner = PagedRunner(ModelExecutor.from_hf_model(model))
     gen = torch.Generator().manual_seed(3)
     work = {"A": torch.randint(0, VOCAB, (7,), generator=gen).tolist(),
@@ -166,7 +153,7 @@ def test_aux_hidden_and_final_hidden_match_hf_hidden_states():
 
 def test_logits_indices_select_rows():
     """logits_indices returns exactly those rows of the full logits."""
-    model = tiny_model()
+    model = tiny_model(shape=SHAPE)
     executor = ModelExecutor.from_hf_model(model)
     runner = PagedRunner(executor)
     toks = list(range(10))
@@ -209,7 +196,7 @@ def _path(parents, j):
 
 def test_tree_mask_verification_matches_per_path_reference():
     """With a tree mask and depth positions, node j's logits equal HF on prefix + its root-to-node path."""
-    model = tiny_model()
+    model = tiny_model(shape=SHAPE)
     _, prefix, nodes, parents, logits = _tree_fixture(model)
     for j in range(len(nodes)):
         path_tokens = prefix + [nodes[i] for i in _path(parents, j)]
@@ -218,7 +205,7 @@ def test_tree_mask_verification_matches_per_path_reference():
 
 def test_copy_slots_compacts_an_accepted_path():
     """After moving the accepted path's K/V to consecutive slots, decoding continues exactly as HF would."""
-    model = tiny_model()
+    model = tiny_model(shape=SHAPE)
     runner, prefix, nodes, parents, _ = _tree_fixture(model)
     accepted = _path(parents, 4)  # nodes 0, 1, 3, 4 -> slots must become prefix positions 6..9
     table = runner.tables["A"]
@@ -232,7 +219,7 @@ def test_copy_slots_compacts_an_accepted_path():
 
 def test_copy_blocks_and_swap_round_trip():
     """A sequence whose blocks were copied (CoW) or swapped out and back in to new blocks decodes unchanged."""
-    model = tiny_model()
+    model = tiny_model(shape=SHAPE)
     runner = PagedRunner(ModelExecutor.from_hf_model(model))
     executor = runner.executor
     runner.step({"A": list(range(11))})
@@ -251,7 +238,7 @@ def test_copy_blocks_and_swap_round_trip():
 
 def test_bfloat16_tracks_transformers_bfloat16():
     """bf16 executor logits stay close to HF's bf16 forward (same rounding points, loose tolerance)."""
-    model = tiny_model().to(torch.bfloat16)
+    model = tiny_model(shape=SHAPE).to(torch.bfloat16)
     runner = PagedRunner(ModelExecutor.from_hf_model(model, dtype="bfloat16"))
     toks = list(range(20, 33))
     rows, out = runner.step({"A": toks})
@@ -263,7 +250,7 @@ def test_bfloat16_tracks_transformers_bfloat16():
 
 def test_kv_cache_layout_and_bytes():
     """allocate_kv_cache makes [L, blocks, bs, KVH, D] tensors; kv_bytes_per_block matches their size."""
-    executor = ModelExecutor.from_hf_model(tiny_model())
+    executor = ModelExecutor.from_hf_model(tiny_model(shape=SHAPE))
     executor.allocate_kv_cache(5, 8)
     assert executor.k_cache.shape == (3, 5, 8, 2, 16)
     per_block = 2 * executor.k_cache[:, 0].numel() * executor.k_cache.element_size()
@@ -274,7 +261,7 @@ def test_bad_inputs(tmp_path):
     """Missing config, unsupported model type, forward before allocation and bad aux layers raise ValueError."""
     with pytest.raises(ValueError, match="config.json"):
         ModelExecutor(tmp_path)
-    model = tiny_model()
+    model = tiny_model(shape=SHAPE)
     model.save_pretrained(tmp_path)
     for f in tmp_path.glob("*.safetensors"):
         f.unlink()

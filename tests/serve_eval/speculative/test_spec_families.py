@@ -10,15 +10,14 @@ import pytest
 from serve_eval.engine import EngineConfig, LLMEngine, SamplingParams
 from serve_eval.speculative.config import SpecConfig
 from spec_helpers import feature_draft, greedy_reference, make_llama, proposer_available, run_engine, workload
-from test_executor import VOCAB
-from test_target_families import family_model
+from test_executor import SHAPE, VOCAB
 
 ENGINE = dict(block_size=4, max_model_len=96, prefill_chunk_size=16, max_num_batched_tokens=96)
 POOL = dict(num_gpu_blocks=40, swap_threshold_tokens=40, num_cpu_blocks=64)
-TARGETS = {
+TARGETS = {  # tiny_models family, fields
     "qwen3": ("qwen3", {}),
     "qwen3_moe": ("qwen3_moe", {"norm_topk_prob": True, "mlp_only_layers": [1]}),
-    "qwen3-window": ("qwen3", {"use_sliding_window": True, "sliding_window": 6, "max_window_layers": 1}),
+    "qwen3-window": ("qwen3-window", {"max_window_layers": 1}),
 }
 CASES = [
     ("ngram", {}),
@@ -33,13 +32,10 @@ CASES = [
 
 
 @pytest.fixture(scope="module", params=list(TARGETS))
-def setup(request, tmp_path_factory):
-    root = tmp_path_factory.mktemp(request.param)
-    kind, extra = TARGETS[request.param]
-    model = family_model(kind, initializer_range=0.1, num_hidden_layers=4, **extra)
-    model.generation_config.eos_token_id = None
-    model.save_pretrained(root / "target")
-    target = root / "target"
+def setup(request, tmp_path_factory, tiny_target):
+    family, extra = TARGETS[request.param]
+    target = tiny_target(family, shape=SHAPE, initializer_range=0.1, num_hidden_layers=4, **extra)
+    root = target.parent
     models = {"target": target, "standalone": make_llama(root / "draft", vocab=VOCAB, hidden=32, layers=1, seed=1)}
     shutil.copytree(target, root / "self")
     models["self"] = root / "self"
