@@ -25,11 +25,12 @@ from typing import Any
 from drafts.artifacts import Artifacts
 from serve_eval.eval.intervals import add_intervals
 from serve_eval.eval.parity import parity_rows
-from serve_eval.eval.recommend import Thresholds, recommend, write_recommendations
+from serve_eval.eval.recommend import DraftRoute, Recommendations, Thresholds, recommend, write_recommendations
 from serve_eval.eval.report import BASELINE_METHOD, Report, ResultRow, SkippedEntry, TargetInfo
 from serve_eval.eval.report_files import ReportFiles, log_to_wandb, write_report
 from serve_eval.eval.runners import RunResult, Runner, RunSpec
 from serve_eval.eval.sources import DraftSource
+from serve_eval.eval.variants import mark_variants
 from serve_eval.schemas import EvalConfig
 from serve_eval.speculative import metrics as M
 
@@ -99,6 +100,7 @@ def build_row(domain: str, method: str, K: int, temperature: float, runs: list[R
                 break
             a_k.append(a)
         predicted = _finite_or_none(stats.predicted_speedup())
+    draft_ms, cost = draft_cost(stats, K, baseline_ms_per_token if method != BASELINE_METHOD else None)
     busy = [run.busy_time_s for run in runs]
     draft_share = 0.0 if K == 0 and all(b is not None for b in busy) else _share([r.draft_time_s for r in runs], busy)
     speed = None
@@ -113,7 +115,18 @@ def build_row(domain: str, method: str, K: int, temperature: float, runs: list[R
         itl_p50=_finite_or_none(M.percentile(itls, 50)), itl_p99=_finite_or_none(M.percentile(itls, 99)),
         draft_time_share=draft_share, target_time_share=_share([r.target_time_s for r in runs], busy),
         repetitions=len(runs), spread=statistics.stdev(finite) if len(finite) > 1 else 0.0,
-        ms_per_token_samples=finite)
+        ms_per_token_samples=finite, draft_ms_per_round=draft_ms, cost_ratio=cost)
+
+
+def draft_cost(stats: M.SpecStats | None, K: int, baseline_ms_per_token: float | None) -> tuple[float | None, float | None]:
+    """(draft ms per round, c = that / (K x plain ms per token)); None where no draft time was measured.
+    At batch 1 a plain decode step emits one token, so its ms/token is the plain step's ms."""
+    if stats is None or not stats.num_rounds or not stats.draft_time_s:
+        return None, None
+    per_round = 1000 * stats.draft_time_s / stats.num_rounds
+    if baseline_ms_per_token is None or not math.isfinite(baseline_ms_per_token) or baseline_ms_per_token <= 0:
+        return per_round, None
+    return per_round, per_round / (K * baseline_ms_per_token)
 
 
 # ----------------------------------------------------------------------------- the plan
@@ -125,19 +138,28 @@ class MethodPlan:
     spec_method: str | None = None   # engine SpecConfig.method; None = plain decoding
     draft_path: Path | None = None
     framework: str = "engine"        # engine | hf
+    draft: DraftSource | None = None  # the draft this method runs (its dtype, memory, variant), if any
 
 
 # (plan) -> Runner; raises to skip the method. Tests pass scripted runners.
 RunnerFactory = Callable[[MethodPlan], Runner]
 
 
-def _check_draft(source: DraftSource, target_dir: Path, strict: bool | None) -> list[str]:
-    """Load the draft against the target (ValueError when it cannot serve it); returns warnings."""
+def _check_draft(source: DraftSource, target_dir: Path, cfg: EvalConfig) -> list[str]:
+    """Load the draft against the target (ValueError when it cannot serve it) and note its weight bytes at
+    the dtype it will run (int weights at their size); returns warnings."""
+    import torch
+
     from drafts.io import ExpectedTarget, load_draft
+    from drafts.quant import weight_bytes
+    from serve_eval.engine.model_executor import resolve_dtype
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        load_draft(source.path, ExpectedTarget.from_model_dir(target_dir), strict_fingerprint=strict)
+        loaded = load_draft(source.path, ExpectedTarget.from_model_dir(target_dir),
+                            strict_fingerprint=cfg.strict_fingerprint)
+    itemsize = torch.empty(0, dtype=resolve_dtype(source.draft_dtype or cfg.engine.dtype)).element_size()
+    source.weight_bytes = weight_bytes(loaded.model, float_itemsize=itemsize)
     return [str(w.message) for w in caught]
 
 
@@ -150,17 +172,18 @@ def plan_methods(cfg: EvalConfig, drafts: list[DraftSource], target_dir: Path,
         plans += [MethodPlan("ngram", k, "ngram") for k in ks]
     usable: list[DraftSource] = []
     if "drafts" in cfg.methods or ASSISTED in cfg.methods:
+        notes += mark_variants(drafts)
         for source in drafts:
             try:
-                notes += [f"{source.method}: {w}" for w in _check_draft(source, target_dir, cfg.strict_fingerprint)]
+                notes += [f"{source.method}: {w}" for w in _check_draft(source, target_dir, cfg)]
                 usable.append(source)
             except (ValueError, OSError) as e:
                 skipped.append(SkippedEntry("*", source.method, f"draft {source.path} cannot run on this target: {e}"))
     if "drafts" in cfg.methods:
         for source in usable:
-            plans += [MethodPlan(source.method, k, source.kind, source.path) for k in ks]
+            plans += [MethodPlan(source.method, k, source.kind, source.path, draft=source) for k in ks]
     if ASSISTED in cfg.methods:
-        standalone = [s for s in usable if s.kind == "standalone"]
+        standalone = [s for s in usable if s.kind == "standalone" and s.quantization is None]
         if standalone:
             plans.append(MethodPlan(HF_BASELINE, 0, framework="hf"))
             plans += [MethodPlan(ASSISTED, k, None, standalone[0].path, "hf") for k in ks]
@@ -259,6 +282,9 @@ def run_cells(cfg: EvalConfig, plans: list[MethodPlan], prompts: dict[str, list[
             skipped.append(SkippedEntry(cell.domain, cell.plan.method, str(e)))
             continue
         add_intervals(row, cell.runs, None if base is None else base.runs, cfg.seed)
+        if cell.plan.draft is not None:
+            draft = cell.plan.draft
+            row.draft_bytes, row.quantization, row.variant_of = draft.weight_bytes, draft.quantization, draft.variant_of
         if cell.plan.K == 0:
             baselines[(cell.plan.method, cell.domain, cell.temperature)] = cell
             baseline_ms[(cell.plan.method, cell.domain, cell.temperature)] = row.ms_per_token
@@ -282,7 +308,8 @@ def default_runner_factory(cfg: EvalConfig, target_dir: Path) -> RunnerFactory:
             e = cfg.engine
             shared["executor"] = ModelExecutor(target_dir, e.dtype, e.device, e.attn_backend)
         return runners.build_engine_runner(target_dir, plan.method, plan.K, cfg.engine, cfg.seed, plan.spec_method,
-                                           plan.draft_path, shared["executor"], cfg.strict_fingerprint)
+                                           plan.draft_path, shared["executor"], cfg.strict_fingerprint,
+                                           plan.draft.draft_dtype if plan.draft else None)
 
     return factory
 
@@ -297,7 +324,7 @@ def run_eval(cfg: EvalConfig, target_dir: Path, fingerprint: str, prompts: dict[
     rows = run_cells(cfg, plans, prompts, factory or default_runner_factory(cfg, Path(target_dir)), skipped, progress)
     notes.append(threads_note())
     return assemble_report(cfg, str(target_dir), fingerprint, prompts, rows, skipped, notes,
-                           {d.method: str(d.path) for d in drafts})
+                           {d.method: DraftRoute(str(d.path), d.kind, d.draft_dtype) for d in drafts})
 
 
 def threads_note() -> str:
@@ -310,11 +337,13 @@ def threads_note() -> str:
 
 def assemble_report(cfg: EvalConfig, target_path: str, fingerprint: str, prompts: dict[str, list[str]],
                     rows: list[ResultRow], skipped: list[SkippedEntry], notes: list[str],
-                    drafts: dict[str, str]) -> Report:
+                    drafts: dict[str, DraftRoute]) -> Report:
+    """The Report of measured rows; `drafts` (method -> what serves it) names what the recommendations load."""
     recs = recommend(rows, Thresholds(cfg.min_alpha, cfg.min_speedup), fingerprint, drafts=drafts)
+    paths = {method: route.path for method, route in drafts.items()}
     config = {**asdict(cfg), "notes": notes, "prompts_per_domain": {d: len(p) for d, p in sorted(prompts.items())},
-              "drafts": drafts}
-    parity = [p.to_dict() for p in parity_rows(rows, drafts)]
+              "drafts": paths, "draft_kinds": {method: route.kind for method, route in drafts.items() if route.kind}}
+    parity = [p.to_dict() for p in parity_rows(rows, paths)]
     return Report(TargetInfo(target_path, fingerprint), config, rows, skipped, recs.to_dict(), parity)
 
 
@@ -330,8 +359,9 @@ def report_dir(artifacts_root: str | Path, fingerprint: str, out_dir: str | None
 def write_outputs(report: Report, out_dir: Path, plots: bool = True, wandb_run: Any = None) -> ReportFiles:
     """report.json / report.md / PNGs, recommendations.yaml beside them, tables + plots to W&B."""
     files = write_report(report, out_dir, plots=plots)
-    recs = recommend(report.results, Thresholds(**report.recommendations.get("thresholds", {})),
-                     report.target.fingerprint, drafts=report.config.get("drafts") or {})
+    # The report's own choices (made with the drafts' kinds and dtypes); a report without any gets them from its rows.
+    recs = (Recommendations.from_dict(report.recommendations, "report.recommendations") if report.recommendations
+            else recommend(report.results, target_fingerprint=report.target.fingerprint))
     write_recommendations(recs, out_dir / RECOMMENDATIONS_FILE)
     log_to_wandb(report, files.plots, wandb_run)
     return files

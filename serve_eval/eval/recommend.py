@@ -7,7 +7,9 @@ where a row has no interval); the passing candidate with the best lower speed-up
 speculation is off where none passes. Each temperature is decided on its own, so a domain can
 speculate greedily and decode plainly when sampling. An enabled choice names its draft dir and
 carries its fallback: the server drops to direct decoding when live alpha falls below
-`fallback_below_alpha`.
+`fallback_below_alpha`. A quantized variant of a draft (`standalone@int4-g64`, serve_eval.eval.variants) is one
+more candidate: it is chosen where its speed-up lower bound beats its source's, and its choice names the
+proposer kind and the draft dtype it was measured with, so the server runs it as it was measured.
 """
 from __future__ import annotations
 
@@ -39,6 +41,16 @@ class Thresholds:
             raise ValueError(f"thresholds.min_speedup must be > 0, got {self.min_speedup}")
 
 
+@dataclass(frozen=True)
+class DraftRoute:
+    """What serves one draft method: its dir, the proposer kind (None: the method's name is the kind) and the
+    draft's dtype (None: the target's; bf16 for a quantized draft's int kernels)."""
+
+    path: str | None               # None: a method without a draft dir (ngram)
+    kind: str | None = None
+    dtype: str | None = None
+
+
 @dataclass
 class DomainChoice:
     speculate: bool
@@ -53,6 +65,12 @@ class DomainChoice:
     speedup: float | None = None
     speedup_low: float | None = None
     reason: str = ""
+    kind: str | None = None          # the proposer that runs `method` (None: `method` itself, e.g. ngram)
+    draft_dtype: str | None = None   # the draft's dtype as measured (None: the target's)
+
+    @property
+    def proposer(self) -> str:
+        return self.kind or self.method
 
 
 @dataclass
@@ -73,8 +91,12 @@ class Recommendations:
 
     def draft_paths(self) -> dict[str, str]:
         """method -> draft dir of every draft some choice speculates with."""
+        return {method: route.path for method, route in self.routes().items() if route.path}
+
+    def routes(self) -> dict[str, DraftRoute]:
+        """method -> (draft dir, proposer kind, draft dtype) of every method some choice speculates with."""
         every = [c for cs in [self.default, *self.domains.values()] for c in cs]
-        return {c.method: c.draft_path for c in every if c.speculate and c.draft_path}
+        return {c.method: DraftRoute(c.draft_path, c.proposer, c.draft_dtype) for c in every if c.speculate}
 
     def to_dict(self) -> dict[str, Any]:
         return {"schema_version": self.schema_version, "target_fingerprint": self.target_fingerprint,
@@ -163,14 +185,16 @@ def _off(t: Thresholds, temperature: float, reason: str, best: _Candidate | None
                         None if r is None else r.speedup, None if best is None else best.speedup_low, reason)
 
 
-def _on(t: Thresholds, c: _Candidate, drafts: dict[str, str], reason: str) -> DomainChoice:
+def _on(t: Thresholds, c: _Candidate, drafts: dict[str, DraftRoute], reason: str) -> DomainChoice:
     r = c.row
-    return DomainChoice(True, r.method, r.K, r.temperature, drafts.get(r.method), BASELINE_METHOD, t.min_alpha,
-                        r.alpha, c.alpha_low, r.speedup, c.speedup_low, reason)
+    route = drafts.get(r.method, DraftRoute(None))
+    return DomainChoice(True, r.method, r.K, r.temperature, route.path, BASELINE_METHOD, t.min_alpha,
+                        r.alpha, c.alpha_low, r.speedup, c.speedup_low, reason, route.kind, route.dtype)
 
 
 def choose_for_cell(rows: list[ResultRow], temperature: float, thresholds: Thresholds,
-                    drafts: dict[str, str] | None = None, exclude: frozenset[str] = NOT_SERVABLE) -> DomainChoice:
+                    drafts: dict[str, DraftRoute] | None = None,
+                    exclude: frozenset[str] = NOT_SERVABLE) -> DomainChoice:
     """Best passing (method, K) among one (domain, temperature)'s rows, or speculation off with the reason."""
     candidates = _candidates(rows, exclude)
     if not candidates:
@@ -184,7 +208,7 @@ def choose_for_cell(rows: list[ResultRow], temperature: float, thresholds: Thres
 
 
 def _default_choice(results: list[ResultRow], domains: list[str], temperature: float, thresholds: Thresholds,
-                    drafts: dict[str, str], exclude: frozenset[str]) -> DomainChoice:
+                    drafts: dict[str, DraftRoute], exclude: frozenset[str]) -> DomainChoice:
     """For unseen domains at one temperature: the (method, K) that passes in every measured domain with
     the best worst-case speed-up bound, so the default never slows down a domain we know about."""
     per_domain = {d: {(c.row.method, c.row.K): c for c in _candidates(
@@ -205,8 +229,8 @@ def _default_choice(results: list[ResultRow], domains: list[str], temperature: f
 
 def recommend(results: list[ResultRow], thresholds: Thresholds | None = None,
               target_fingerprint: str | None = None, exclude: frozenset[str] = NOT_SERVABLE,
-              drafts: dict[str, str] | None = None) -> Recommendations:
-    """One choice per (domain, measured temperature); `drafts` (method -> draft dir) names what to load."""
+              drafts: dict[str, DraftRoute] | None = None) -> Recommendations:
+    """One choice per (domain, measured temperature); `drafts` (method -> its route) names what to load."""
     thresholds, drafts = thresholds or Thresholds(), dict(drafts or {})
     for r in results:
         for name in ("alpha", "speedup"):

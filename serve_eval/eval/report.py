@@ -51,6 +51,15 @@ class ResultRow:
     tau_ci: list[float] | None = None
     speedup_ci: list[float] | None = None
     num_prompts: int = 0
+    # The draft's cost, measured in this run: draft ms per round (draft time / rounds) and
+    # c = that / (K x no-spec ms/token of the same domain and T); its weights as held in memory.
+    draft_ms_per_round: float | None = None
+    cost_ratio: float | None = None
+    draft_bytes: int | None = None
+    # A quantized variant (serve_eval.eval.variants): its label (e.g. "int4-g64") and the method row of
+    # the draft it was quantized from; None for every other row.
+    quantization: str | None = None
+    variant_of: str | None = None
 
 
 @dataclass
@@ -81,7 +90,7 @@ class Report:
         d = asdict(self)
         for row in d["results"]:
             # metrics.py answers nan for "no data" (e.g. no rounds); JSON has no nan, the schema has null.
-            for key in _OPTIONAL_FLOATS:
+            for key in (*_OPTIONAL_FLOATS, *_DRAFT_COST_FLOATS):
                 if isinstance(row[key], float) and not math.isfinite(row[key]):
                     row[key] = None
         # Key order as documented: version first, so a reader sees at once what it is looking at.
@@ -133,9 +142,12 @@ def row_key(row: ResultRow) -> tuple[str, str, int, float]:
 
 _OPTIONAL_FLOATS = ("alpha", "tau", "speedup", "predicted_speedup", "ttft_p50", "ttft_p99", "itl_p50", "itl_p99",
                     "draft_time_share", "target_time_share")
+_DRAFT_COST_FLOATS = ("draft_ms_per_round", "cost_ratio")
+_VARIANT_STRINGS = ("quantization", "variant_of")
 _UNIT_INTERVAL = ("alpha", "draft_time_share", "target_time_share")
 _INTERVALS = ("alpha_ci", "tau_ci", "speedup_ci")
-_OPTIONAL_FIELDS = {"ms_per_token_samples", *_INTERVALS, "num_prompts"}   # absent in older reports
+_OPTIONAL_FIELDS = {"ms_per_token_samples", *_INTERVALS, "num_prompts", *_DRAFT_COST_FLOATS, "draft_bytes",
+                    *_VARIANT_STRINGS}   # absent in older reports
 
 
 def _is_number(x: Any) -> bool:
@@ -161,6 +173,15 @@ def _row_from_dict(r: Any, where: str) -> ResultRow:
     for key in _OPTIONAL_FLOATS:
         if r[key] is not None and (not _is_number(r[key]) or r[key] < 0):
             raise ReportSchemaError(f"{where}.{key} must be null or a finite number >= 0, got {r[key]!r}")
+    for key in _DRAFT_COST_FLOATS:
+        if r.get(key) is not None and (not _is_number(r[key]) or r[key] < 0):
+            raise ReportSchemaError(f"{where}.{key} must be null or a finite number >= 0, got {r[key]!r}")
+    bytes_ = r.get("draft_bytes")
+    if bytes_ is not None and (not isinstance(bytes_, int) or isinstance(bytes_, bool) or bytes_ < 0):
+        raise ReportSchemaError(f"{where}.draft_bytes must be null or an integer >= 0, got {bytes_!r}")
+    for key in _VARIANT_STRINGS:
+        if r.get(key) is not None and (not isinstance(r[key], str) or not r[key]):
+            raise ReportSchemaError(f"{where}.{key} must be null or a non-empty string, got {r[key]!r}")
     for key in _UNIT_INTERVAL:
         if r[key] is not None and r[key] > 1:
             raise ReportSchemaError(f"{where}.{key} must be in [0, 1], got {r[key]!r}")

@@ -14,6 +14,7 @@ from typing import Any
 from serve_eval.eval.plots import write_plots
 from drafts.files import atomic_write_text
 from serve_eval.eval.report import BASELINE_METHOD, Report, ResultRow
+from serve_eval.eval.variants import variant_comparisons
 
 
 # ----------------------------------------------------------------------------- markdown
@@ -69,6 +70,7 @@ def render_markdown(report: Report, plot_files: dict[str, Path] | None = None) -
                 [r.method, str(r.K), f"{r.temperature:g}"] + [f"{a:.3f}" for a in r.a_k] + ["-"] * (width - len(r.a_k))
                 for r in spec_rows])
         lines.append("")
+    lines += _variants_md(report.results)
     lines += _recommendations_md(report.recommendations)
     lines += _parity_md(report.parity)
     if report.skipped:
@@ -80,6 +82,39 @@ def render_markdown(report: Report, plot_files: dict[str, Path] | None = None) -
         lines += [f"![{name}]({Path(p).name})" for name, p in plot_files.items()]
         lines.append("")
     return "\n".join(lines)
+
+
+def _mib(n: int | None) -> str:
+    return "-" if n is None else f"{n / 2**20:.2f}"
+
+
+def _variants_md(rows: list[ResultRow]) -> list[str]:
+    """Each quantized variant beside the draft it was quantized from, per domain, T and K."""
+    comparisons = variant_comparisons(rows)
+    if not comparisons:
+        return []
+    lines = ["## Quantized variants", "",
+             "Each variant beside its source draft (both run the draft at bf16, the int kernels' activation dtype). "
+             "alpha cost = source alpha - variant alpha (points); draft step x = source draft ms per round / the "
+             "variant's; c = draft ms per round / (K x no-spec ms/token); memory = the draft's weights as held.", ""]
+    header = ["domain", "T", "K", "method", "alpha [95% CI]", "alpha cost", "tau [95% CI]", "draft ms/round",
+              "draft step x", "c", "speed-up [95% CI]", "draft MiB"]
+    table: list[list[str]] = []
+    shown: set[tuple] = set()
+    for c in comparisons:
+        key = (c.domain, c.temperature, c.K, c.source.method)
+        for r, is_source in ((c.source, True), (c.variant, False)):
+            if is_source and key in shown:
+                continue
+            shown.add(key)
+            cost = None if is_source or c.alpha_cost is None else 100 * c.alpha_cost
+            step = None if is_source else c.draft_step_speedup
+            memory = _mib(r.draft_bytes) + ("" if is_source or c.memory_ratio is None else f" ({c.memory_ratio:.2f}x)")
+            table.append([c.domain, f"{c.temperature:g}", str(c.K), r.method, fmt_with_interval(r.alpha, r.alpha_ci),
+                          _fmt(cost, "+.1f"), fmt_with_interval(r.tau, r.tau_ci, ".2f"),
+                          _fmt(r.draft_ms_per_round, ".2f"), _fmt(step, ".2f"), _fmt(r.cost_ratio, ".3f"),
+                          fmt_with_interval(r.speedup, r.speedup_ci, ".2f"), memory])
+    return lines + _table(header, table) + [""]
 
 
 def _recommendations_md(recs: dict[str, Any]) -> list[str]:

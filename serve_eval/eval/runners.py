@@ -140,9 +140,11 @@ def _draft_limited_len(target_dir: Path, draft_dir: Path, K: int) -> int | None:
 
 def build_engine_runner(target_dir: Path, method: str, K: int, engine_settings: Any, seed: int,
                         spec_method: str | None = None, draft_path: Path | None = None,
-                        executor: Any = None, strict_fingerprint: bool | None = None) -> EngineRunner:
+                        executor: Any = None, strict_fingerprint: bool | None = None,
+                        draft_dtype: str | None = None) -> EngineRunner:
     """An engine for one (method, K). spec_method None = no speculation. The executor (target
-    weights) can be shared between engines; each engine allocates its own KV cache on it."""
+    weights) can be shared between engines; each engine allocates its own KV cache on it.
+    draft_dtype: the draft's dtype (None = the target's; bf16 for quantized drafts' int kernels)."""
     from serve_eval.engine.llm_engine import EngineConfig, LLMEngine
 
     max_model_len = engine_settings.max_model_len
@@ -161,7 +163,7 @@ def build_engine_runner(target_dir: Path, method: str, K: int, engine_settings: 
         # Fallback off: the eval measures the method at this K, not the server's adaptive policy.
         speculative = SpecConfig(method=spec_method, draft_path=str(draft_path) if draft_path else None,
                                  num_speculative_tokens=K, policy=SpecPolicyConfig(fallback=False),
-                                 strict_fingerprint=strict_fingerprint)
+                                 strict_fingerprint=strict_fingerprint, draft_dtype=draft_dtype)
     return EngineRunner(LLMEngine(cfg, speculative=speculative, executor=executor), method, K)
 
 

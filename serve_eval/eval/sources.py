@@ -142,6 +142,11 @@ class DraftSource:
     path: Path
     kind: str | None     # from draftsmith.json; None when unreadable (loading will say why)
     notes: list[str] = field(default_factory=list)
+    # Set by serve_eval.eval.variants for quantized drafts and the drafts they were quantized from:
+    quantization: str | None = None   # e.g. "int4-g64" (None: not quantized)
+    variant_of: str | None = None     # the method label of this variant's unquantized source
+    draft_dtype: str | None = None    # the draft's activation dtype in the engine (None: the target's)
+    weight_bytes: int | None = None   # the draft's weights as the engine holds them (set when it is checked)
 
 
 def _kind(path: Path) -> str | None:
@@ -150,6 +155,18 @@ def _kind(path: Path) -> str | None:
         return json.loads(meta.read_text()).get("kind") if meta.is_file() else None
     except (OSError, json.JSONDecodeError):
         return None
+
+
+def _label(path: Path) -> str:
+    """A discovered draft's label: its kind (e.g. standalone), kind@quantization for a quantized copy
+    (standalone@int4-g64, the label serve_eval.eval.variants gives), else the dir name."""
+    from drafts.quant import QuantRecord
+
+    kind = _kind(path)
+    if kind is None:
+        return path.name
+    record = QuantRecord.read(path)
+    return kind if record is None else f"{kind}@{record.config.label}"
 
 
 def discover_drafts(artifacts_root: str | Path, fingerprint: str) -> dict[str, Path]:
@@ -169,7 +186,7 @@ def discover_drafts(artifacts_root: str | Path, fingerprint: str) -> dict[str, P
     for p in paths:
         unique.setdefault(p.resolve(), p)
     found = list(unique.values())
-    kinds = [_kind(p) or p.name for p in found]
+    kinds = [_label(p) for p in found]
     return {(k if kinds.count(k) == 1 else p.name): p for k, p in zip(kinds, found)}
 
 

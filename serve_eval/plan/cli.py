@@ -104,6 +104,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the draft's weight dtype (int8 / int4: a quantized draft; default: the target's)")
     d.add_argument("--alpha-cost-from", default=None, metavar="JSON",
                    help="scripts/bench_quant.py --json figures: the measured alpha cost of that dtype")
+    d.add_argument("--report", default=None, metavar="PATH",
+                   help="an eval report (report.json or its dir) with quantized variants: the measured alpha "
+                        "cost of that dtype (else the built-in estimate; the notes say which)")
     o = p.add_argument_group("step-cost overrides (measured or the seed's rounded figures)")
     o.add_argument("--target-step-ms", type=float)
     o.add_argument("--standalone-step-ms", type=float)
@@ -136,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
         from serve_eval.plan.quant import quantized_alphas
 
         alphas, quant_notes = quantized_alphas({n: getattr(args, f"alpha_{n}") for n in [*SEED_ALPHA, "block"]},
-                                               args.draft_dtype, args.alpha_cost_from)
+                                               args.draft_dtype, args.alpha_cost_from, args.report)
         drafts = DraftOptions(args.K, args.standalone_params, args.eagle_params, args.medusa_heads,
                               args.medusa_layers, alphas, args.target_step_ms, args.standalone_step_ms,
                               args.eagle_step_ms, args.medusa_round_ms,

@@ -55,9 +55,11 @@ class RoutedProposer(Proposer):
     def from_spec_config(cls, config: "SpecConfig", engine: "LLMEngine") -> "RoutedProposer":
         recs = load_recommendations(config.routes)
         children: dict[str, Proposer] = {}
-        for method in sorted(_methods(recs)):
-            child = replace(config, method=method, draft_path=recs.draft_paths().get(method), routes=None,
-                            num_speculative_tokens=recommended_k(recs))
+        for method, route in sorted(recs.routes().items()):
+            # A method label need not be a proposer's name (standalone@int4-g64 runs the standalone proposer
+            # on the quantized dir, at the dtype the eval measured it with).
+            child = replace(config, method=route.kind, draft_path=route.path, routes=None,
+                            draft_dtype=route.dtype or config.draft_dtype, num_speculative_tokens=recommended_k(recs))
             children[method] = child.make_proposer(engine)
         return cls(recs, children)
 
@@ -128,7 +130,3 @@ class RoutedProposer(Proposer):
         child.add_features(request_id, TargetFeatures(features.start_pos, features.hidden,
                                                       aux if child.aux_layers else None))
 
-
-def _methods(recs: Recommendations) -> set[str]:
-    every = [c for cs in [recs.default, *recs.domains.values()] for c in cs]
-    return {c.method for c in every if c.speculate}

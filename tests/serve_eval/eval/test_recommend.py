@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from serve_eval.eval.recommend import (Recommendations, Thresholds, choose_for_cell, load_recommendations,
+from serve_eval.eval.recommend import (DraftRoute, Recommendations, Thresholds, choose_for_cell, load_recommendations,
                                        policy_for_method, recommend, to_yaml, write_recommendations)
 from serve_eval.eval.report import ResultRow
 
@@ -31,7 +31,7 @@ SCRIPTED = [
 def test_best_passing_method_and_k_per_domain():
     """code -> eagle K=3 (best speed-up; the non-servable 'assisted' reference is ignored); math -> eagle K=3
     because the faster ngram has alpha < 0.5; chat -> off (alpha 0.45 < 0.5, ngram's speed-up 0.9 < 1)."""
-    recs = recommend(SCRIPTED, target_fingerprint="fp", drafts={"eagle": "/d/eagle"})
+    recs = recommend(SCRIPTED, target_fingerprint="fp", drafts={"eagle": DraftRoute("/d/eagle", "eagle")})
     [code], [chat], [math] = recs.domains["code"], recs.domains["chat"], recs.domains["math"]
     assert (code.speculate, code.method, code.K, code.speedup, code.alpha) == (True, "eagle", 3, 1.8, 0.70)
     assert (math.speculate, math.method, math.K) == (True, "eagle", 3)
