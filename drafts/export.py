@@ -19,8 +19,15 @@ Formats (weights always safetensors):
   ``medusa_head.{k}.{j}.linear.*`` residual blocks and ``medusa_head.{k}.{num_layers}.weight`` LM heads).
 * ``hf``: standalone drafts are plain HF LlamaForCausalLM dirs already.
 
+Every field an engine reads is written with its value, never left to the reader's default (vLLM reads a missing
+``norm_before_residual`` as True): the one-layer LlamaConfig of the draft layer in full (``head_dim`` included,
+which Qwen3 sets apart from hidden_size / heads; ``torch_dtype``), ``draft_vocab_size`` with the ``d2t`` / ``t2d``
+weights, the aux layer ids. The draft layer is Llama-style for Qwen3 and Qwen3-MoE targets as well, which is
+how SpecForge lays out its Qwen3 EAGLE-3 drafts for SGLang (LlamaForCausalLMEagle3).
+
 The verifier (``--verifier``) is written absolute when it names a local directory: engines take anything
-else for a hub repo id. A ``draftsmith_export.json`` beside them records the source draft's metadata and
+else for a hub repo id. Its architecture (speculators' ``verifier.architectures``) is read from a local
+verifier's config.json, or given (``--verifier-architecture Qwen3ForCausalLM``; drafts/export_verifier.py). A ``draftsmith_export.json`` beside them records the source draft's metadata and
 the format.
 """
 
@@ -38,6 +45,8 @@ from torch import Tensor, nn
 
 from drafts.eagle import EagleConfig, EagleDraft
 from drafts.eagle3 import Eagle3Config, Eagle3Draft
+from drafts.export_verifier import Verifier, local_dir, resolve_verifier_info
+from drafts.export_verifier import resolve_verifier as resolve_verifier  # (drafts.quant_export imports it from here)
 from drafts.files import write_json
 from drafts.io import draft_state_dict, load_draft, write_safetensors
 from drafts.medusa import MedusaConfig, MedusaDraft
@@ -51,41 +60,27 @@ SPECULATORS_VERSION = "0.9.0"  # the speculators config schema we write against 
 MEDUSA_WEIGHTS = "medusa_lm_head.safetensors"
 
 
-def _layer_config(decoder_cfg, vocab_size: int) -> dict:
-    return {"model_type": "llama", "num_hidden_layers": 1, "vocab_size": vocab_size, "tie_word_embeddings": False, **decoder_cfg.to_llama_dict()}
+def _layer_config(decoder_cfg, vocab_size: int, dtype: str | None = None) -> dict:
+    """The one-layer LlamaConfig an EAGLE-style draft layer is (for Qwen3 targets too: the draft layer has no q/k
+    norm, and head_dim is written since Qwen3's differs from hidden_size / heads). Every field explicit."""
+    layer = {"model_type": "llama", "num_hidden_layers": 1, "vocab_size": vocab_size, "tie_word_embeddings": False,
+             **decoder_cfg.to_llama_dict()}
+    return {**layer, "torch_dtype": dtype} if dtype else layer
 
 
-def _speculators_config(algorithm: str, verifier: str | None, num_speculative_tokens: int) -> dict:
+def _dtype_name(model: nn.Module) -> str:
+    return str(next(model.parameters()).dtype).removeprefix("torch.")
+
+
+def _speculators_config(algorithm: str, verifier: Verifier, num_speculative_tokens: int) -> dict:
     return {
         "algorithm": algorithm,
         "default_proposal_method": "greedy",
         "proposal_methods": [
             {"proposal_type": "greedy", "speculative_tokens": num_speculative_tokens, "verifier_accept_k": 1, "accept_tolerance": 0.0}
         ],
-        "verifier": {"name_or_path": verifier, "architectures": ["LlamaForCausalLM"]},
+        "verifier": {"name_or_path": verifier.name_or_path, "architectures": list(verifier.architectures)},
     }
-
-
-def resolve_verifier(verifier: str | None) -> str | None:
-    """An existing local path made absolute (engines resolve a relative one as a hub repo id, not against
-    the export dir); a hub id (``name`` or ``org/name``) kept as is; a path-like name that exists nowhere
-    is an error now rather than a failed download at serve time."""
-    if not verifier:
-        return None
-    path = Path(verifier).expanduser()
-    if path.exists():
-        return str(path.resolve())
-    if path.is_absolute() or verifier.startswith((".", "~")) or verifier.count("/") > 1:
-        raise ValueError(f"export: --verifier {verifier!r} is not an existing directory (a hub id is 'name' or 'org/name')")
-    return verifier
-
-
-def _local_dir(name: str | None) -> Path | None:
-    """The verifier recorded in an export, where it is a directory on this machine (else None: a hub id)."""
-    if not name:
-        return None
-    path = Path(name).expanduser()
-    return path.resolve() if path.is_dir() else None
 
 
 def _rename(state: dict[str, Tensor], rules: Sequence[tuple[str, str]]) -> dict[str, Tensor]:
@@ -103,31 +98,34 @@ def _rename(state: dict[str, Tensor], rules: Sequence[tuple[str, str]]) -> dict[
 # ------------------------------------------------------------------------------------------------ writers
 
 
-def _export_eagle_vllm(model: EagleDraft, verifier: str | None, k: int) -> tuple[dict, dict]:
+def _export_eagle_vllm(model: EagleDraft, verifier: Verifier, k: int) -> tuple[dict, dict]:
     cfg = model.config
     if cfg.fc_bias:  # vLLM's EagleLlamaForCausalLM builds fc without a bias: it would refuse (or drop) fc.bias
         raise ValueError("export: format='vllm' holds EAGLE-1 drafts without an fc bias (vLLM's fc has none); "
                          "train with draft.fc_bias=false")
     config = {
         "architectures": ["LlamaForCausalLM"],  # vLLM's eagle method maps it to EagleLlamaForCausalLM
-        **_layer_config(cfg.decoder, cfg.vocab_size),
-        "base_model_name_or_path": verifier,
+        **_layer_config(cfg.decoder, cfg.vocab_size, _dtype_name(model)),
+        "base_model_name_or_path": verifier.name_or_path,
     }
     state = {k: v for k, v in draft_state_dict(model).items() if k != "lm_head.weight"}  # the verifier's head is used
     return config, state
 
 
-def _export_eagle3_speculators(model: Eagle3Draft, verifier: str | None, k: int) -> tuple[dict, dict]:
+def _export_eagle3_speculators(model: Eagle3Draft, verifier: Verifier, k: int) -> tuple[dict, dict]:
     cfg = model.config
     config = {
         "architectures": ["Eagle3Speculator"],
         "speculators_model_type": "eagle3",
         "speculators_version": SPECULATORS_VERSION,
-        "transformer_layer_config": _layer_config(cfg.decoder, cfg.vocab_size),
+        "transformer_layer_config": _layer_config(cfg.decoder, cfg.vocab_size, _dtype_name(model)),
         "draft_vocab_size": cfg.draft_vocab_size,
         "target_hidden_size": cfg.target_hidden_size,
+        # vLLM reads a missing norm_before_residual as True: always written
         "norm_before_residual": cfg.norm_before_residual,
         "eagle_aux_hidden_state_layer_ids": list(cfg.aux_layers),
+        "embed_requires_grad": False,  # the embedding is the target's, frozen in training
+        "enable_sp_ulysses": False,  # (a speculators training option; our layer is trained whole)
         "draftsmith_fc_bias": cfg.fc_bias,
         "speculators_config": _speculators_config("eagle3", verifier, k),
     }
@@ -135,29 +133,31 @@ def _export_eagle3_speculators(model: Eagle3Draft, verifier: str | None, k: int)
     return config, _rename(draft_state_dict(model), rules)
 
 
-def _export_eagle3_sglang(model: Eagle3Draft, verifier: str | None, k: int) -> tuple[dict, dict]:
+def _export_eagle3_sglang(model: Eagle3Draft, verifier: Verifier, k: int) -> tuple[dict, dict]:
+    """SGLang's (and SpecForge's) EAGLE-3 layout, the same for Llama and Qwen3 / Qwen3-MoE targets: SpecForge's
+    Qwen3 drafts are LlamaForCausalLMEagle3 too, a one-layer Llama with the target's head_dim and rope."""
     cfg = model.config
     config = {
         "architectures": ["LlamaForCausalLMEagle3"],
-        **_layer_config(cfg.decoder, cfg.vocab_size),
+        **_layer_config(cfg.decoder, cfg.vocab_size, _dtype_name(model)),
         "draft_vocab_size": cfg.draft_vocab_size,
         "target_hidden_size": cfg.target_hidden_size,
         "bias": cfg.fc_bias,  # SGLang reads fc's bias flag from here
         "norm_before_residual": cfg.norm_before_residual,
         "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(cfg.aux_layers), "use_aux_hidden_state": True},
-        "base_model_name_or_path": verifier,
+        "base_model_name_or_path": verifier.name_or_path,
     }
     return config, draft_state_dict(model)
 
 
-def _export_medusa(model: MedusaDraft, verifier: str | None, k: int) -> tuple[dict, dict]:
+def _export_medusa(model: MedusaDraft, verifier: Verifier, k: int) -> tuple[dict, dict]:
     cfg = model.config
     config = {
         "architectures": ["MedusaModel"],
         "model_type": "medusa",
         "medusa_num_heads": cfg.num_heads,
         "medusa_num_layers": cfg.num_layers,
-        "base_model_name_or_path": verifier,
+        "base_model_name_or_path": verifier.name_or_path,
         "hidden_size": cfg.hidden_size,
         "vocab_size": cfg.vocab_size,
         "draftsmith_shared_lm_head": cfg.shared_lm_head,
@@ -172,7 +172,7 @@ def _export_medusa(model: MedusaDraft, verifier: str | None, k: int) -> tuple[di
     return config, state
 
 
-def _export_block_speculators(model, verifier: str | None, k: int) -> tuple[dict, dict]:
+def _export_block_speculators(model, verifier: Verifier, k: int) -> tuple[dict, dict]:
     from drafts.export_block import export_block_speculators  # the DFlash layout lives beside its draft
 
     return export_block_speculators(model, verifier, k, _layer_config, _speculators_config, SPECULATORS_VERSION)
@@ -187,8 +187,10 @@ WRITERS = {
 }
 
 
-def export_draft(src: str | Path, fmt: str, out: str | Path, verifier: str | None = None, num_speculative_tokens: int = 5) -> Path:
-    """Export the draft dir `src` as `fmt` into `out`. verifier: the target's name/path written into the config."""
+def export_draft(src: str | Path, fmt: str, out: str | Path, verifier: str | None = None, num_speculative_tokens: int = 5,
+                 verifier_architecture: str | None = None) -> Path:
+    """Export the draft dir `src` as `fmt` into `out`. verifier: the target's name/path written into the config;
+    verifier_architecture: its HF architecture (default: read from a local verifier dir, see resolve_verifier_info)."""
     if fmt not in FORMATS:
         raise ValueError(f"export: format={fmt!r} is not one of {sorted(FORMATS)}")
     loaded = load_draft(src)
@@ -198,13 +200,13 @@ def export_draft(src: str | Path, fmt: str, out: str | Path, verifier: str | Non
                          f"(a {loaded.kind!r} draft exports as format={hint[0]!r})")
     if num_speculative_tokens <= 0:
         raise ValueError(f"export: num_speculative_tokens must be > 0, got {num_speculative_tokens}")
-    verifier = resolve_verifier(verifier)  # before anything is written: a bad path leaves no half export
+    target = resolve_verifier_info(verifier, verifier_architecture)  # before anything is written: no half export
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     if fmt == "hf":
         config, state, weights_file = loaded.model.config.to_hf_dict(), draft_state_dict(loaded.model), "model.safetensors"
     else:
-        config, state = WRITERS[(fmt, loaded.kind)](loaded.model, verifier, num_speculative_tokens)
+        config, state = WRITERS[(fmt, loaded.kind)](loaded.model, target, num_speculative_tokens)
         weights_file = MEDUSA_WEIGHTS if fmt == "medusa" else "model.safetensors"
     write_safetensors(out / weights_file, state)
     write_json(out / "config.json", config)
@@ -271,7 +273,7 @@ def load_exported(
 def _load_eagle_vllm(path: Path, config: dict, target_embed_and_head: tuple[Tensor, Tensor] | None,
                      target_dir: str | Path | None) -> EagleDraft:
     state = read_file(path / "model.safetensors")
-    source = target_dir or _local_dir(config.get("base_model_name_or_path"))
+    source = target_dir or local_dir(config.get("base_model_name_or_path"))
     if target_embed_and_head is None and source is None:
         raise ValueError(f"{path}: a vLLM EAGLE-1 dir has no LM head (vLLM uses the verifier's) and its verifier "
                          f"{config.get('base_model_name_or_path')!r} is no local dir; pass target_embed_and_head or target_dir")
@@ -346,10 +348,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--format", required=True, choices=sorted(FORMATS))
     parser.add_argument("--out", required=True, help="output dir")
     parser.add_argument("--verifier", default=None, help="target hub id or local path written into the exported config (a local path is stored absolute)")
+    parser.add_argument("--verifier-architecture", default=None,
+                        help="the target's HF architecture, e.g. Qwen3ForCausalLM (default: read from a local --verifier dir, "
+                             "else LlamaForCausalLM)")
     parser.add_argument("--num-speculative-tokens", type=int, default=5)
     args = parser.parse_args(_normalise_argv(sys.argv[1:] if argv is None else argv))
     try:
-        out = export_draft(args.src, args.format, args.out, args.verifier, args.num_speculative_tokens)
+        out = export_draft(args.src, args.format, args.out, args.verifier, args.num_speculative_tokens,
+                           args.verifier_architecture)
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -27,7 +27,7 @@ ARCHITECTURE = "DFlashDraftModel"
 MODEL_TYPE = "dflash"
 
 
-def export_block_speculators(model: BlockDraft, verifier: str | None, k: int, layer_config, speculators_config,
+def export_block_speculators(model: BlockDraft, verifier, k: int, layer_config, speculators_config,
                              version: str) -> tuple[dict, dict[str, Tensor]]:
     """(config.json dict, weights) of the speculators DFlash layout. k: the proposal length written."""
     cfg = model.config
