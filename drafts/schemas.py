@@ -17,7 +17,7 @@ STANDALONE_LOSSES = ("sequence_kd", "token_kd")
 
 @dataclass
 class DraftDataConfig:
-    """The distillation dataset (built by ``train.generate``, cached under the target's fingerprint)."""
+    """The distillation dataset (built by ``train.distill.dataset``, cached under the target's fingerprint)."""
 
     source: str = "target"  # target | corpus (the corpus-only baseline)
     path: str | None = None  # an existing cache dir to use instead of the keyed one

@@ -123,7 +123,7 @@ def dataset_for(ctx: Any, job: Any) -> Path:
     """The recipe's dataset: the profile's data + the recipe's data fields, covering its needs (cached)."""
     from drafts.schemas import DraftDataConfig
     from train.distill.run import dataset_needs
-    from train.generate import generate_dataset
+    from train.distill.dataset.build import generate_dataset
     from train.pipeline.distill import as_dict, draft_config, union_extras
 
     target = ctx.results.target

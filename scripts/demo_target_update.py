@@ -104,7 +104,7 @@ def demo_target(cfg: DemoConfig, overrides: list[str]) -> tuple[Path, Any]:
     from train.artifacts import artifacts_from_config
     from train.config import compose
     from train.corpus import build_corpus
-    from train.generate import ensure_target
+    from train.distill.dataset.job import ensure_target
 
     job = compose([o for o in overrides if not o.startswith(("draft.", "++train.", "eval."))]
                   + ([f"target.path={cfg.target}"] if cfg.target else []))

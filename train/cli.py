@@ -15,7 +15,7 @@ import sys
 # job name -> ("module:function", one-line description). The function is a Hydra app (train.config.hydra_app).
 JOBS: dict[str, tuple[str, str]] = {
     "pipeline": ("train.pipeline.run:main", "main job: corpus -> tokenizer -> target -> generate -> distill -> eval -> report"),
-    "generate": ("train.generate:main", "regenerate answers to the distill prompts with the target"),
+    "generate": ("train.distill.dataset.job:main", "regenerate answers to the distill prompts with the target"),
     "distill": ("train.distill.run:main", "train a draft (draft=standalone|medusa|eagle|eagle3)"),
     "eval": ("train.jobs:eval_main", "measure drafts per domain: alpha, tau, ms/token, speedup ('eval compare A B')"),
     "plan": ("serve_eval.plan.cli:main", "predict speedups and memory from a target config and the hardware"),

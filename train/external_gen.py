@@ -39,7 +39,7 @@ class EndpointError(ValueError):
 
 
 class OpenAIGenerator:
-    """Same interface as train.generate's in-process generator: answers(prompts, ids) -> [(answer ids, reason)]."""
+    """Same interface as train.distill.dataset's in-process generator: answers(prompts, ids) -> [(answer ids, reason)]."""
 
     def __init__(self, cfg: EndpointConfig, tokenizer: Any, data: Any) -> None:
         import httpx

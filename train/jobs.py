@@ -36,7 +36,7 @@ def serve_job(cfg: DictConfig) -> None:
     """Blocking: the OpenAI-compatible server over the configured target until SIGINT/SIGTERM."""
     from serve_eval.server.run import serve_from_config
     from train.artifacts import artifacts_from_config
-    from train.generate import ensure_target
+    from train.distill.dataset.job import ensure_target
 
     model_dir, fingerprint, _ = ensure_target(cfg, artifacts_from_config(cfg))
     print(f"draftsmith serve: target {model_dir} (fingerprint {fingerprint}) on http://{cfg.serve.host}:{cfg.serve.port}",

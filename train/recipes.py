@@ -17,7 +17,7 @@ VOCAB_MULTIPLE = 64  # a coverage-sized vocabulary is rounded up to this (matmul
 
 def check_recipe(kind: str, dcfg: Any, target_vocab: int | None) -> None:
     """ValueError for a setting of draft ``kind`` that cannot work (``target_vocab``: None when unknown yet)."""
-    from train.generate import check_data_config, data_config
+    from train.distill.dataset.settings import check_data_config, data_config
 
     check_data_config(data_config(dcfg))
     topk = int(dcfg.data.topk_logits)

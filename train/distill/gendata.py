@@ -1,4 +1,4 @@
-"""The on-disk distillation dataset that ``train.generate`` writes and ``train.distill`` reads.
+"""The on-disk distillation dataset that ``train.distill.dataset`` writes and ``train.distill`` reads.
 
 Layout of one cache dir (``artifacts/targets/<fingerprint>/data/<key>/``)::
 

@@ -1,7 +1,7 @@
 """``draftsmith distill draft=standalone|medusa|eagle|eagle3`` / ``python -m train.distill.run``.
 
 One Hydra job for every draft kind: resolve the target (the pipeline's cached corpus -> tokenizer -> target),
-build or reuse the distillation data (train.generate), build the draft and its objective, train with the
+build or reuse the distillation data (train.distill.dataset), build the draft and its objective, train with the
 generic trainer (train.distill.trainer; DDP/FSDP/DeepSpeed from conf/launcher), and export a draft dir with
 draftsmith.json into ``artifacts/targets/<fingerprint>/drafts/<kind>-<run key>/``.
 
@@ -75,7 +75,7 @@ def needs_teacher(kind: str, dcfg: Any) -> bool:
 
 
 def dataset_needs(kind: str, dcfg: Any, num_target_layers: int) -> StoredExtras:
-    from train.generate import extras_for
+    from train.distill.dataset.settings import extras_for
 
     stored = extras_for(dcfg, num_target_layers)
     if kind == "standalone":
@@ -202,7 +202,7 @@ def prepare(cfg: DictConfig) -> Prepared:
     """Target + data cache (both cached; built here once, before any rank starts)."""
 
     from drafts.identity import tokenizer_hash
-    from train.generate import dataset_for_job, ensure_target
+    from train.distill.dataset.job import dataset_for_job, ensure_target
 
     kind = cfg.draft.get("kind")
     if kind not in KINDS:

@@ -5,7 +5,7 @@
     regenerate(*, target_dir, plan, out_dir, overrides) -> data dir
     distill(*, kind, target_dir, data, init_from, out_dir, parent_run, overrides) -> draft dir
 
-``train.generate`` and ``train.distill.run`` are Hydra jobs that pick their own cache dirs from the
+``train.distill.dataset.job`` and ``train.distill.run`` are Hydra jobs that pick their own cache dirs from the
 config; these thin adapters compose the same config (``overrides`` are the hook's pass-through
 ``key=value`` tokens, e.g. ``artifacts_root=``, ``++train.max_steps=``) and steer the jobs' building
 blocks to the directories the hook chose, so a hook run never reuses or resumes someone else's
@@ -42,7 +42,7 @@ def planned_records(records: list[dict[str, str]], plan: dict[str, float], limit
     So a regressed domain (share 1.0) gets exactly the prompts a from-scratch job would, and a replayed
     one a prefix of them.
     """
-    from train.generate import interleave_domains
+    from train.distill.dataset.settings import interleave_domains
 
     unknown = [d for d, share in plan.items() if not 0.0 <= share <= 1.0]
     if unknown:
@@ -69,14 +69,15 @@ def regenerate(*, target_dir: str | Path, plan: dict[str, float], out_dir: str |
     """Answer the planned share of each domain's distill prompts with ``target_dir``; data goes to ``out_dir``.
 
     The stored extras follow the ``draft`` in ``overrides`` (none by default: online-mode drafts and
-    sequence-level KD read only the answers); the dataset format is train.generate's.
+    sequence-level KD read only the answers); the dataset format is train.distill.gendata's.
     """
     from transformers import AutoConfig
 
     from drafts.identity import target_fingerprint
     from train.artifacts import artifacts_from_config
     from train.corpus import build_corpus
-    from train.generate import data_config, extras_for, generate_dataset
+    from train.distill.dataset.build import generate_dataset
+    from train.distill.dataset.settings import data_config, extras_for
 
     target_dir, out_dir = Path(target_dir), Path(out_dir)
     # The data block lives in the draft schemas (the same for every kind); without a draft in the overrides,

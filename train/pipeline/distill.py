@@ -132,7 +132,7 @@ def stage_generate(ctx: PipelineContext) -> dict[str, Any]:
     from drafts.schemas import DraftDataConfig
     from train.distill.gendata import Manifest
     from train.distill.run import dataset_needs
-    from train.generate import generate_dataset
+    from train.distill.dataset.build import generate_dataset
 
     target, corpus = need(ctx.results.target, "target"), need(ctx.results.corpus, "corpus")
     num_layers = _num_target_layers(target.model_dir)

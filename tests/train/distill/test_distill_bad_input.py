@@ -25,7 +25,7 @@ def world(tmp_path_factory):
 def job(world, fn="distill", **extra):
     from train.config import compose
     from train.distill.run import run
-    from train.generate import run as generate
+    from train.distill.dataset.job import run as generate
 
     tmp, target, corpus = world
     cfg = compose(overrides(tmp, target, corpus, **{**FAST, **extra}))

@@ -1,4 +1,4 @@
-"""train.generate: answers are the target's own greedy continuations through the engine; stored hidden
+"""train.distill.dataset (draftsmith generate): answers are the target's own greedy continuations through the engine; stored hidden
 states / top-k are one teacher-forced forward of the target; shards resume; the manifest names the target."""
 import json
 import os
@@ -20,7 +20,7 @@ def world(tmp_path_factory):
 
 def generate(world, **extra):
     from train.config import compose
-    from train.generate import run
+    from train.distill.dataset.job import run
 
     tmp, target, corpus = world
     base = {"draft": "eagle3", "draft.mode": "offline", "draft.data.topk_logits": "4", "draft.data.max_new_tokens": "6",

@@ -13,7 +13,7 @@ from drafts.identity import target_fingerprint
 from drafts.schemas import DraftDataConfig
 from train.distill.gendata import Manifest, StoredExtras, shard_complete
 from train.external_gen import EndpointConfig, EndpointError, OpenAIGenerator
-from train.generate import generate_dataset
+from train.distill.dataset.build import generate_dataset
 from server_helpers import make_engine, serve, tiny_checkpoint
 
 NONE = StoredExtras(final_hidden=False, aux_layers=[], topk=0)

@@ -120,7 +120,7 @@ def test_demo_table_carries_the_record_figures(demo):
 def test_planned_records_keep_the_full_jobs_prompts_per_share():
     """A regressed domain (share 1) gets exactly the prompts a from-scratch job would use; a replayed one
     (share 0.25) a prefix of them; a domain outside the plan none; a share outside [0, 1] is refused."""
-    from train.generate import interleave_domains
+    from train.distill.dataset.settings import interleave_domains
     from train.hook.jobs import planned_records
 
     records = [{"domain": d, "prompt": f"{d}{i}", "reference": ""} for d in ("code", "math", "chat") for i in range(10)]

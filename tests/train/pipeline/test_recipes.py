@@ -16,7 +16,7 @@ from drafts.schemas import DraftDataConfig, Eagle3Schema, StandaloneSchema
 from train.config import compose
 from train.distill.gendata import Manifest, StoredExtras, find_covering
 from drafts.schemas import answer_temperature
-from train.generate import cache_key, content_key
+from train.distill.dataset.settings import cache_key, content_key
 from train.pipeline.run import check_stage_configs
 from train.recipes import check_recipe, recipe_warnings, reduced_vocab_size
 
