@@ -43,6 +43,60 @@ def _pad_aligned(values: list[Tensor], total_length: int) -> Tensor:
     return out
 
 
+def _token_rows(examples: Sequence[Mapping[str, Any]], max_length: int | None) -> tuple[list[list[int]], list[list[bool]]]:
+    """Each example's token ids and loss mask, checked and cut to ``max_length``."""
+    token_lists, mask_lists = [], []
+    for row, example in enumerate(examples):
+        if "input_ids" not in example:
+            raise ValueError(f"example {row}: missing field 'input_ids' (fields: {sorted(example)})")
+        ids = [int(t) for t in _as_1d_list(example["input_ids"], "input_ids", row)]
+        if not ids:
+            raise ValueError(f"example {row}: field 'input_ids' is empty")
+        mask = _loss_mask_for(example, len(ids), row)
+        if max_length is not None:
+            ids, mask = ids[:max_length], mask[:max_length]
+        token_lists.append(ids)
+        mask_lists.append(mask)
+    return token_lists, mask_lists
+
+
+def _padded_tokens(token_lists: list[list[int]], mask_lists: list[list[bool]], pad_token_id: int,
+                   total_length: int) -> dict[str, Tensor]:
+    """input_ids, attention_mask, loss_mask and position_ids, right-padded to ``total_length``."""
+    batch_size = len(token_lists)
+    input_ids = torch.full((batch_size, total_length), pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros((batch_size, total_length), dtype=torch.bool)
+    loss_mask = torch.zeros((batch_size, total_length), dtype=torch.bool)
+    for row, (ids, mask) in enumerate(zip(token_lists, mask_lists)):
+        input_ids[row, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+        attention_mask[row, : len(ids)] = True
+        loss_mask[row, : len(ids)] = torch.tensor(mask, dtype=torch.bool)
+    return {
+        "input_ids": input_ids,
+        "attention_mask": attention_mask,
+        "loss_mask": loss_mask,
+        "position_ids": torch.arange(total_length).expand(batch_size, -1).clone(),
+    }
+
+
+def _extra_field(examples: Sequence[Mapping[str, Any]], field: str, token_lists: list[list[int]],
+                 total_length: int) -> Tensor:
+    """One non-token field of the batch: scalars stacked, per-position tensors aligned with the tokens."""
+    values = [example.get(field) for example in examples]
+    if any(v is None for v in values):
+        raise ValueError(f"field '{field}' is present in some examples of the batch but not all")
+    tensors = [v if isinstance(v, Tensor) else torch.as_tensor(v) for v in values]
+    if tensors[0].dim() == 0:
+        return torch.stack(tensors)
+    for row, (tensor, ids) in enumerate(zip(tensors, token_lists)):
+        if tensor.shape[0] < len(ids):
+            raise ValueError(
+                f"example {row}: field '{field}' has {tensor.shape[0]} rows along the sequence, "
+                f"'input_ids' has {len(ids)}"
+            )
+    return _pad_aligned([t[: len(ids)] for t, ids in zip(tensors, token_lists)], total_length)
+
+
 def collate_token_sequences(
     examples: Sequence[Mapping[str, Any]],
     pad_token_id: int,
@@ -58,54 +112,14 @@ def collate_token_sequences(
     """
     if not examples:
         raise ValueError("collate_token_sequences: empty batch")
-    token_lists, mask_lists = [], []
-    for row, example in enumerate(examples):
-        if "input_ids" not in example:
-            raise ValueError(f"example {row}: missing field 'input_ids' (fields: {sorted(example)})")
-        ids = [int(t) for t in _as_1d_list(example["input_ids"], "input_ids", row)]
-        if not ids:
-            raise ValueError(f"example {row}: field 'input_ids' is empty")
-        mask = _loss_mask_for(example, len(ids), row)
-        if max_length is not None:
-            ids, mask = ids[:max_length], mask[:max_length]
-        token_lists.append(ids)
-        mask_lists.append(mask)
-
+    token_lists, mask_lists = _token_rows(examples, max_length)
     total_length = max(len(ids) for ids in token_lists)
     if pad_to_multiple_of:
         total_length = -(-total_length // pad_to_multiple_of) * pad_to_multiple_of
-    batch_size = len(examples)
-    input_ids = torch.full((batch_size, total_length), pad_token_id, dtype=torch.long)
-    attention_mask = torch.zeros((batch_size, total_length), dtype=torch.bool)
-    loss_mask = torch.zeros((batch_size, total_length), dtype=torch.bool)
-    for row, (ids, mask) in enumerate(zip(token_lists, mask_lists)):
-        input_ids[row, : len(ids)] = torch.tensor(ids, dtype=torch.long)
-        attention_mask[row, : len(ids)] = True
-        loss_mask[row, : len(ids)] = torch.tensor(mask, dtype=torch.bool)
-    batch = {
-        "input_ids": input_ids,
-        "attention_mask": attention_mask,
-        "loss_mask": loss_mask,
-        "position_ids": torch.arange(total_length).expand(batch_size, -1).clone(),
-    }
-
+    batch = _padded_tokens(token_lists, mask_lists, pad_token_id, total_length)
     for field in examples[0]:
-        if field in ("input_ids", "loss_mask", "prompt_length"):
-            continue
-        values = [example.get(field) for example in examples]
-        if any(v is None for v in values):
-            raise ValueError(f"field '{field}' is present in some examples of the batch but not all")
-        tensors = [v if isinstance(v, Tensor) else torch.as_tensor(v) for v in values]
-        if tensors[0].dim() == 0:
-            batch[field] = torch.stack(tensors)
-            continue
-        for row, (tensor, ids) in enumerate(zip(tensors, token_lists)):
-            if tensor.shape[0] < len(ids):
-                raise ValueError(
-                    f"example {row}: field '{field}' has {tensor.shape[0]} rows along the sequence, "
-                    f"'input_ids' has {len(ids)}"
-                )
-        batch[field] = _pad_aligned([t[: len(ids)] for t, ids in zip(tensors, token_lists)], total_length)
+        if field not in ("input_ids", "loss_mask", "prompt_length"):
+            batch[field] = _extra_field(examples, field, token_lists, total_length)
     return batch
 
 
