@@ -4,13 +4,13 @@ from serve_eval.engine.kv_cache_manager import KVCacheManager
 from serve_eval.engine.llm import LLM
 from serve_eval.engine.llm_engine import (BatchInputs, DefaultStrategy, EngineConfig, LLMEngine, StepResult,
                                           StepStrategy)
-from serve_eval.engine.outputs import EngineStats, RequestMetrics, RequestOutput
+from serve_eval.engine.outputs import CompletionOutput, EngineStats, RequestMetrics, RequestOutput
 from serve_eval.engine.request import Sequence, SequenceStatus
 from serve_eval.engine.sampling_params import SamplingParams
 from serve_eval.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 
 __all__ = [
-    "BatchInputs", "BlockPool", "DefaultStrategy", "EngineConfig", "EngineStats", "KVCacheManager", "LLM",
+    "BatchInputs", "BlockPool", "CompletionOutput", "DefaultStrategy", "EngineConfig", "EngineStats", "KVCacheManager", "LLM",
     "LLMEngine", "RequestMetrics", "RequestOutput", "SamplingParams", "Scheduler", "SchedulerConfig",
     "SchedulerOutput", "Sequence", "SequenceStatus", "StepResult", "StepStrategy",
 ]

@@ -21,7 +21,8 @@ class LLM:
     def generate(self, prompts: str | list[int] | Seq[str | list[int]],
                  params: SamplingParams | Seq[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
-        """One output per prompt, in prompt order. A prompt is text or a list of token ids."""
+        """One output per prompt, in prompt order (with SamplingParams.n completions each). A prompt is text or a
+        list of token ids."""
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = params or SamplingParams()

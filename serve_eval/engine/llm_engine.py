@@ -11,25 +11,26 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, NamedTuple, Protocol
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
 from kernels.attention import AttentionMetadata
 from kernels.sampling import logits_to_probs, sample
 from serve_eval.engine.kv_cache_manager import KVCacheManager, cdiv
-from serve_eval.engine.logprobs import MAX_LOGPROBS, TokenLogprob, rows_logprobs
+from serve_eval.engine.logprobs import MAX_LOGPROBS
 from serve_eval.engine.model_executor import ModelExecutor
-from serve_eval.engine.outputs import EngineStats, RequestMetrics, RequestOutput
+from serve_eval.engine.outputs import CompletionOutput, EngineStats, RequestMetrics, RequestOutput
+from serve_eval.engine.parallel_sampling import SampleGroup, check_n, draw_first_tokens, fork_samples, stream_id
 from serve_eval.engine.request import Sequence
 from serve_eval.engine.sampling_params import SamplingParams
 from serve_eval.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+# StepResult / StepStrategy / DefaultStrategy live in step_strategy; importable from here as before.
+from serve_eval.engine.step_strategy import DefaultStrategy, StepResult, StepStrategy  # noqa: F401
 from serve_eval.engine.threads import ThreadChoice, apply_threads, choose_threads, estimate_num_params
-
 
 if TYPE_CHECKING:   # the speculative package builds on the engine; the engine only names its types
     from serve_eval.speculative.config import SpecConfig
-    from serve_eval.speculative.metrics import SpecEngineStats
 
 @dataclass
 class EngineConfig:
@@ -50,6 +51,7 @@ class EngineConfig:
     max_model_len: int | None = None     # None = the config's max_position_embeddings
     device: str = "cpu"
     num_threads: int | str = "auto"      # intra-op threads: a count, or "auto" (serve_eval.engine.threads)
+    max_samples_per_request: int = 64    # largest SamplingParams.n (parallel sampling) add_request takes
 
 
 class BatchInputs(NamedTuple):
@@ -57,59 +59,6 @@ class BatchInputs(NamedTuple):
     positions: torch.Tensor        # int64 [T]
     meta: AttentionMetadata
     query_lens: list[int]          # new tokens per sequence (scheduled + extra)
-
-
-class StepResult(NamedTuple):
-    new_token_ids: list[list[int]]   # per scheduled seq: emitted tokens ([] mid-prefill)
-    # Per scheduled seq: how many of its reserved lookahead slots hold no accepted token
-    # (lookahead - accepted drafts, unproposed slots included). The engine first counts all
-    # n + lookahead slots as computed, then rolls these back (freeing emptied blocks).
-    num_rejected_slots: list[int]
-    # Per scheduled seq: one record per emitted token (requests with SamplingParams.logprobs); None = nobody asked.
-    logprobs: list[list[TokenLogprob]] | None = None
-
-
-class StepStrategy(Protocol):
-    """The engine's seam for how a step runs: plain decoding (DefaultStrategy) or speculative."""
-    max_lookahead_tokens: int           # KV slots a sequence may reserve beyond its scheduled tokens
-
-    def before_schedule(self, engine: "LLMEngine") -> None: ...
-    def execute(self, engine: "LLMEngine", out: SchedulerOutput) -> StepResult: ...
-    def after_step(self, engine: "LLMEngine", out: SchedulerOutput, outputs: list[RequestOutput]) -> None: ...
-    def stats(self) -> "SpecEngineStats | None": ...
-
-
-class DefaultStrategy:
-    """Non-speculative decoding: one forward, one sampled token per sequence that finished its prompt."""
-    max_lookahead_tokens = 0
-
-    def before_schedule(self, engine: "LLMEngine") -> None:
-        pass
-
-    def after_step(self, engine: "LLMEngine", out: SchedulerOutput, outputs: list[RequestOutput]) -> None:
-        pass
-
-    def stats(self) -> None:
-        return None
-
-    def execute(self, engine: "LLMEngine", out: SchedulerOutput) -> StepResult:
-        batch = engine.prepare_batch(out)
-        # Only sequences whose scheduled chunk reaches their last token produce a token.
-        cu = 0
-        rows, sampled = [], []
-        for i, (seq, n) in enumerate(zip(out.seqs, out.num_scheduled_tokens)):
-            cu += batch.query_lens[i]
-            if seq.num_computed_tokens + n == seq.num_tokens:
-                rows.append(cu - 1)
-                sampled.append(i)
-        # A step of partial prefill chunks only still runs: it fills the cache.
-        logits = engine.run_forward(batch, rows).logits
-        new_tokens: list[list[int]] = [[] for _ in out.seqs]
-        if rows:
-            for i, tok in zip(sampled, engine.sample([out.seqs[i] for i in sampled], logits)):
-                new_tokens[i] = [tok]
-        logprobs = rows_logprobs(out.seqs, logits, {i: [r] for r, i in enumerate(sampled)}, new_tokens)
-        return StepResult(new_tokens, [0] * len(out.seqs), logprobs)
 
 
 class LLMEngine:
@@ -138,7 +87,8 @@ class LLMEngine:
                                                    config.prefill_chunk_size, config.swap_threshold_tokens), self.kv)
         self.eos_token_ids = self._eos_ids(model_cfg)
         self.generator = torch.Generator().manual_seed(config.seed)   # for unseeded requests
-        self.requests: dict[str, Sequence] = {}
+        self.requests: dict[str, Sequence] = {}   # every live sequence by its stream id (parallel_sampling)
+        self.sample_groups: dict[str, SampleGroup] = {}   # n > 1 requests by request id
         self.num_steps = 0
         self.forward_time_s = 0.0     # inside executor.forward
         self.step_time_s = 0.0        # whole step() calls
@@ -187,12 +137,10 @@ class LLMEngine:
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
-        if request_id in self.requests:
-            raise ValueError(f"request_id {request_id!r} is already in use")
+        self._check_request_id(request_id, params.n)
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise ValueError(f"priority must be an int, got {priority!r}")
-        if params.n != 1:
-            raise ValueError(f"n={params.n}: this engine serves n=1 per request (submit copies instead)")
+        check_n(params, self.config.max_samples_per_request, self.config.max_num_seqs)
         if params.logprobs is not None and params.logprobs > MAX_LOGPROBS:
             raise ValueError(f"logprobs={params.logprobs}: at most {MAX_LOGPROBS} top alternatives per token")
         if params.stop and self.tokenizer is None:
@@ -204,9 +152,22 @@ class LLMEngine:
         if len(prompt_ids) + params.max_tokens > self.max_model_len:
             raise ValueError(f"max_tokens={params.max_tokens} plus the {len(prompt_ids)}-token prompt exceeds "
                              f"the model's max length {self.max_model_len}")
-        seq = Sequence(request_id, prompt_ids, params, priority, domain)
-        self.requests[request_id] = seq
+        if params.n == 1:
+            seq = Sequence(request_id, prompt_ids, params, priority, domain)
+        else:
+            group = SampleGroup(request_id, params)
+            seq = group.new_parent(prompt_ids, priority, domain)
+            self.sample_groups[request_id] = group
+        self.requests[seq.request_id] = seq
         self.scheduler.add(seq)
+
+    def _check_request_id(self, request_id: str, n: int) -> None:
+        """Neither the id nor any of its samples' stream ids may clash with a live request's."""
+        taken = set(self.requests) | set(self.sample_groups)
+        taken.update(g.stream_id(i) for g in self.sample_groups.values() for i in range(g.n))
+        mine = {request_id} if n == 1 else {request_id, *(stream_id(request_id, i) for i in range(n))}
+        if mine & taken:
+            raise ValueError(f"request_id {request_id!r} is already in use")
 
     def _tokenize(self, prompt) -> list[int]:
         if isinstance(prompt, str):
@@ -225,14 +186,23 @@ class LLMEngine:
         return ids
 
     def abort(self, request_id: str) -> None:
-        seq = self.requests.pop(request_id, None)
-        if seq is not None and not seq.is_finished:
-            self.scheduler.abort(seq)
-            seq.finished_time = time.perf_counter()
+        """Abort a request, every sample of an n > 1 one; unknown or finished ids are ignored."""
+        group = self.sample_groups.pop(request_id, None)
+        if group is not None:
+            seqs = group.samples
+        else:
+            seq = self.requests.get(request_id)
+            seqs = [seq] if seq is not None and seq.group is None else []   # not a sample's stream id
+        now = time.perf_counter()
+        for seq in seqs:
+            self.requests.pop(seq.request_id, None)
+            if not seq.is_finished:
+                self.scheduler.abort(seq)
+                seq.finished_time = now
 
     def abort_all(self) -> list[str]:
         """Abort every request the engine holds (after a failed step); returns their ids."""
-        request_ids = list(self.requests)
+        request_ids = [rid for rid, seq in self.requests.items() if seq.group is None] + list(self.sample_groups)
         for request_id in request_ids:
             self.abort(request_id)
         return request_ids
@@ -313,6 +283,9 @@ class LLMEngine:
         # Greedy rows take the argmax directly: the same rule as logits_to_probs' temperature-0
         # rows, without the sort, softmax and noise that only the sampled rows need.
         tokens = logits.argmax(dim=-1).tolist()
+        for i, seq in enumerate(seqs):   # an n > 1 request's other samples draw from this same row
+            if seq.group is not None and seq.group.awaits_first_draw(seq):
+                seq.group.first_draw = draw_first_tokens(seq.group, logits[i], self.generator)
         rows = [i for i, s in enumerate(seqs) if s.params.temperature != 0]
         if not rows:
             return tokens
@@ -330,7 +303,7 @@ class LLMEngine:
 
     def _update(self, out: SchedulerOutput, result: StepResult) -> list[RequestOutput]:
         now = time.perf_counter()
-        outputs = []
+        emitted: dict[int, tuple[Sequence, list[int]]] = {}   # seq id -> (seq, its tokens this step)
         records = result.logprobs or [None] * len(out.seqs)
         for seq, n, la, new, rejected, lps in zip(out.seqs, out.num_scheduled_tokens, out.num_lookahead_tokens,
                                                   result.new_token_ids, result.num_rejected_slots, records):
@@ -339,26 +312,32 @@ class LLMEngine:
             seq.num_computed_tokens += n + la
             if rejected:
                 self.kv.rollback(seq, rejected)
-            emitted = []
+            tokens: list[int] = []
             for j, tok in enumerate(new):
                 seq.append_token(tok, now)
                 if lps:
                     seq.logprobs.append(lps[j])
-                emitted.append(tok)
-                reason = self._stop_reason(seq, tok)
-                if reason is not None:
-                    self.scheduler.finish(seq, reason)
-                    seq.finished_time = now
+                tokens.append(tok)
+                if seq.group is not None and not seq.group.forked:   # before the parent may finish
+                    for child in fork_samples(seq.group, self.scheduler):
+                        self.requests[child.request_id] = child
+                        emitted[child.seq_id] = (child, [child.token_ids[-1]])
+                        self._check_stop(child, child.token_ids[-1], now)
+                if self._check_stop(seq, tok, now):
                     break
             if not seq.is_finished:
                 self.kv.cache_full_blocks(seq)
-            if emitted:
-                outputs.append(self._output(seq, emitted))
+            if tokens:
+                emitted[seq.seq_id] = (seq, tokens)
         self.scheduler.drop_finished()
-        for o in outputs:
-            if o.finished:
-                self.requests.pop(o.request_id, None)
-        return outputs
+        return self._outputs(emitted.values())
+
+    def _check_stop(self, seq: Sequence, tok: int, now: float) -> bool:
+        reason = self._stop_reason(seq, tok)
+        if reason is not None:
+            self.scheduler.finish(seq, reason)
+            seq.finished_time = now
+        return reason is not None
 
     def _stop_reason(self, seq: Sequence, tok: int) -> str | None:
         p = seq.params
@@ -374,17 +353,38 @@ class LLMEngine:
             return "length"
         return None
 
-    def _output(self, seq: Sequence, new: list[int]) -> RequestOutput:
+    def _outputs(self, emitted) -> list[RequestOutput]:
+        """One RequestOutput per request that advanced, in batch order; an n > 1 one carries all n
+        completions (those that did not advance with no new tokens). Finished requests are forgotten."""
+        outputs: dict[str, RequestOutput] = {}
+        for seq, tokens in emitted:
+            if seq.is_finished:
+                self.requests.pop(seq.request_id, None)
+            group = seq.group
+            if group is None:
+                outputs[seq.request_id] = RequestOutput(seq.request_id, seq.prompt_token_ids,
+                                                        [self._completion(seq, tokens)], seq.is_finished)
+                continue
+            if group.request_id not in outputs:
+                completions = [self._completion(s, []) for s in group.samples]
+                outputs[group.request_id] = RequestOutput(group.request_id, seq.prompt_token_ids, completions,
+                                                          group.finished)
+            outputs[group.request_id].completions[seq.sample_index].new_token_ids = tokens
+        for request_id, output in outputs.items():
+            if output.finished:
+                self.sample_groups.pop(request_id, None)
+        return list(outputs.values())
+
+    def _completion(self, seq: Sequence, new: list[int]) -> CompletionOutput:
         detok = None
         if self.tokenizer is not None:
             tok = self.tokenizer
             detok = lambda ids: tok.decode(ids, skip_special_tokens=True)   # noqa: E731
         metrics = RequestMetrics(seq.arrival_time, seq.first_token_time, seq.token_times, seq.finished_time)
-        return RequestOutput(seq.request_id, seq.prompt_token_ids, seq.output_token_ids, new,
-                             seq.is_finished, seq.finish_reason, metrics,
-                             spec=seq.spec_stats,   # set by a speculative strategy
-                             logprobs=list(seq.logprobs) if seq.params.logprobs is not None else None,
-                             _detokenize=detok, _text_limit=seq.stop_text_len)
+        return CompletionOutput(seq.sample_index, seq.output_token_ids, new, seq.is_finished, seq.finish_reason,
+                                metrics, spec=seq.spec_stats,   # set by a speculative strategy
+                                logprobs=list(seq.logprobs) if seq.params.logprobs is not None else None,
+                                _detokenize=detok, _text_limit=seq.stop_text_len)
 
     # -- stats ---------------------------------------------------------------------------
     def stats(self) -> EngineStats:

@@ -26,15 +26,15 @@ class RequestMetrics:
 
 
 @dataclass
-class RequestOutput:
-    request_id: str
-    prompt_token_ids: list[int]
-    output_token_ids: list[int]         # all output tokens so far
-    new_token_ids: list[int]            # tokens added this step
+class CompletionOutput:
+    """One of a request's n samples (SamplingParams.n), as it stands after a step."""
+    index: int                          # which sample, 0 .. n - 1
+    output_token_ids: list[int]         # all its output tokens so far
+    new_token_ids: list[int]            # tokens it added this step ([] when it did not advance)
     finished: bool
     finish_reason: str | None           # "stop" | "length" | "abort" | None
     metrics: RequestMetrics
-    spec: "SpecStats | None" = None     # this request's rounds when speculative decoding runs
+    spec: "SpecStats | None" = None     # this sample's rounds when speculative decoding runs
     # One TokenLogprob (engine.logprobs) per output token so far, when SamplingParams.logprobs is set; else None.
     logprobs: "list[TokenLogprob] | None" = None
     # Decoding every request every step would cost more than the scheduler; text is
@@ -50,6 +50,57 @@ class RequestOutput:
             if self._text_limit is not None:
                 self._text = self._text[:self._text_limit]
         return self._text
+
+
+@dataclass
+class RequestOutput:
+    """A request after a step: its n completions (one for n == 1), each with what it added this step.
+
+    The per-completion fields (output_token_ids, new_token_ids, finish_reason, metrics, spec, logprobs,
+    text) read the only completion of an n == 1 request; for n > 1 they raise: read `completions`."""
+    request_id: str
+    prompt_token_ids: list[int]
+    completions: list[CompletionOutput]   # by index
+    finished: bool                        # every completion has finished
+
+    @property
+    def num_new_tokens(self) -> int:
+        """Tokens all completions added this step."""
+        return sum(len(c.new_token_ids) for c in self.completions)
+
+    def _only(self, what: str) -> CompletionOutput:
+        if len(self.completions) != 1:
+            raise ValueError(f"RequestOutput.{what}: request {self.request_id!r} has n={len(self.completions)} "
+                             "completions; read .completions")
+        return self.completions[0]
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self._only("output_token_ids").output_token_ids
+
+    @property
+    def new_token_ids(self) -> list[int]:
+        return self._only("new_token_ids").new_token_ids
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self._only("finish_reason").finish_reason
+
+    @property
+    def metrics(self) -> RequestMetrics:
+        return self._only("metrics").metrics
+
+    @property
+    def spec(self) -> "SpecStats | None":
+        return self._only("spec").spec
+
+    @property
+    def logprobs(self) -> "list[TokenLogprob] | None":
+        return self._only("logprobs").logprobs
+
+    @property
+    def text(self) -> str:
+        return self._only("text").text
 
 
 @dataclass

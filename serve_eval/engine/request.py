@@ -11,6 +11,7 @@ import torch
 from serve_eval.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from serve_eval.engine.parallel_sampling import SampleGroup
     from serve_eval.speculative.metrics import SpecStats
 
 
@@ -25,7 +26,9 @@ _seq_counter = itertools.count()
 
 
 class Sequence:
-    """Token ids + progress counters of one request (n == 1: one sequence per request).
+    """Token ids + progress counters of one generation stream: a whole n == 1 request, or one sample of
+    an n > 1 request (then `request_id` is the stream's own id, `<request id>#<i>`, and `group` the
+    request's SampleGroup; serve_eval.engine.parallel_sampling).
 
     Invariant: the KV cache holds positions [0, num_computed_tokens); token_ids beyond
     that still need a forward pass. The last sampled token is in token_ids but not yet
@@ -69,6 +72,8 @@ class Sequence:
         self.spec_stats: SpecStats | None = None   # this request's speculative rounds (set by the strategy)
         self.finished_time: float | None = None
         self.logprobs: list = []   # one engine.logprobs.TokenLogprob per output token (params.logprobs set)
+        self.group: SampleGroup | None = None   # the n > 1 request this sequence samples for
+        self.sample_index = 0                   # its index among the group's n samples
 
     # -- views ---------------------------------------------------------------------
     @property
@@ -89,6 +94,11 @@ class Sequence:
         return self.num_tokens - self.num_computed_tokens > 1
 
     @property
+    def num_pending_samples(self) -> int:
+        """Running sequences this one stands for: n while an n > 1 request has not forked yet, else 1."""
+        return 1 if self.group is None or self.group.forked else self.group.n
+
+    @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
 
@@ -98,16 +108,29 @@ class Sequence:
             self.first_token_time = now
         self.token_times.append(now)
 
-    def fork(self, request_id: str) -> "Sequence":
-        """A child with the same tokens and progress; the KV manager shares its blocks."""
-        child = Sequence(request_id, self.prompt_token_ids, self.params, self.priority,
+    def replace_last_token(self, token_id: int) -> None:
+        """Swap the last (not yet computed) token: a forked sample's own first token."""
+        assert self.num_computed_tokens < self.num_tokens, "the last token is already in the KV cache"
+        self.token_ids[-1] = token_id
+        # The hashes are a pure function of the tokens: recomputed lazily, equal for unchanged blocks.
+        self.block_hashes = []
+
+    def fork(self, request_id: str, params: SamplingParams | None = None,
+             generator: torch.Generator | None = None) -> "Sequence":
+        """A child with the same tokens and progress; the KV manager shares its blocks. It samples with
+        `params` (default: the parent's) and `generator` (default: a fresh one from params.seed)."""
+        child = Sequence(request_id, self.prompt_token_ids, params or self.params, self.priority,
                          self.domain, self.arrival_time)
         child.token_ids = list(self.token_ids)
         child.num_computed_tokens = self.num_computed_tokens
         child.block_hashes = list(self.block_hashes)
+        child.num_cached_prefix_tokens = self.num_cached_prefix_tokens
+        child.first_token_time = self.first_token_time
+        child.token_times = list(self.token_times)
+        child.logprobs = list(self.logprobs)
         child.status = self.status
-        if self.generator is not None:
-            child.generator = torch.Generator().manual_seed(self.params.seed + child.seq_id)
+        if generator is not None:
+            child.generator = generator
         return child
 
     def __repr__(self) -> str:

@@ -13,8 +13,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+import torch
+
 from serve_eval.engine.kv_cache_manager import KVCacheManager, cdiv
 from serve_eval.engine.request import Sequence, SequenceStatus
+from serve_eval.engine.sampling_params import SamplingParams
 
 
 @dataclass
@@ -104,10 +107,11 @@ class Scheduler:
     def drop_finished(self) -> None:
         self.running = [s for s in self.running if s.status is SequenceStatus.RUNNING]
 
-    def fork(self, parent: Sequence, request_id: str) -> Sequence:
+    def fork(self, parent: Sequence, request_id: str, params: SamplingParams | None = None,
+             generator: torch.Generator | None = None) -> Sequence:
         """A running copy of `parent` sharing its blocks (copy-on-write on the next write)."""
         assert parent.status is SequenceStatus.RUNNING, "only running sequences fork"
-        child = parent.fork(request_id)
+        child = parent.fork(request_id, params, generator)
         self.kv.fork(parent, child)
         child.status = SequenceStatus.RUNNING
         self.running.append(child)
@@ -137,7 +141,10 @@ class Scheduler:
         """(tokens to compute, lookahead slots) for seq within `budget`."""
         remaining = seq.num_tokens - seq.num_computed_tokens
         num_new = min(remaining, self.config.prefill_chunk_size, budget)
-        lookahead = min(seq.num_lookahead_tokens, budget - num_new) if remaining == 1 else 0
+        # The first output token is always a plain sample of the prompt's last row, however the prompt
+        # was chunked: an n > 1 request draws its n first tokens from that one row (parallel_sampling).
+        decoding = remaining == 1 and seq.num_output_tokens > 0
+        lookahead = min(seq.num_lookahead_tokens, budget - num_new) if decoding else 0
         return num_new, lookahead
 
     def _priority_preemption(self, swap_out: list, preempted: list) -> None:
@@ -199,7 +206,7 @@ class Scheduler:
     def _schedule_swapped(self, plan: "_StepPlan") -> None:
         """(3) swapped sequences return before any new admission."""
         for seq in sorted(self.swapped, key=_order_key):
-            if plan.budget <= 0 or len(self.running) >= self.config.max_num_seqs:
+            if plan.budget <= 0 or len(self.running) + seq.num_pending_samples > self.config.max_num_seqs:
                 break
             n, la = self._next_chunk(seq, plan.budget)
             extra = cdiv(seq.num_computed_tokens + n + la, self.kv.block_size) - len(self.kv.cpu_tables[seq.seq_id])
@@ -218,6 +225,8 @@ class Scheduler:
         top_swapped = max((s.priority for s in self.swapped), default=None)
         while self.waiting and plan.budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
+            if len(self.running) + seq.num_pending_samples > self.config.max_num_seqs:
+                break   # an unforked n > 1 request becomes n running sequences at its first token
             if top_swapped is not None and seq.priority <= top_swapped:
                 break
             assert seq.num_computed_tokens == 0, "waiting sequences hold no KV"

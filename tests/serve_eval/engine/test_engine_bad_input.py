@@ -1,6 +1,5 @@
 """Bad input fails with a ValueError naming the field, and the engine keeps serving everyone else."""
 import pytest
-import torch
 
 from serve_eval.engine import EngineConfig, LLM, LLMEngine, SamplingParams
 
@@ -8,15 +7,8 @@ MAX_POS = 64
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=MAX_POS)
-    path = tmp_path_factory.mktemp("tiny_llama_bad")
-    LlamaForCausalLM(config).save_pretrained(path)
-    return str(path)
+def model_dir(tiny_target):
+    return str(tiny_target("llama", hidden_size=32, intermediate_size=64, max_position_embeddings=MAX_POS))
 
 
 @pytest.mark.parametrize("kwargs, field", [
@@ -67,7 +59,7 @@ def test_add_request_rejects_and_engine_keeps_serving(model_dir):
         (("stop", [1], SamplingParams(stop=["x"])), "stop"),
         (("good", [1], ok), "request_id"),
         (("p", [1], {"temperature": 0}), "params"),
-        (("n", [1], SamplingParams(n=2)), "n="),
+        (("n", [1], SamplingParams(n=65, max_tokens=5)), "n=65: at most 64 samples"),
     ]
     for args, field in cases:
         with pytest.raises(ValueError, match=field):
