@@ -17,7 +17,9 @@ import os
 import statistics
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -53,7 +55,20 @@ def find_model(arg: str | None, workdir: Path) -> tuple[Path, str]:
     return workdir, "random weights, embedded-target shape"
 
 
-def main() -> None:
+BLOCK_SIZE = 16
+WARMUP_STEPS = 5
+
+
+@dataclass
+class Timings:
+    """Per variant: wall and process-CPU seconds of each timed step, and max |logit diff| against transformers."""
+
+    wall: dict[str, list[float]]
+    cpu: dict[str, list[float]]
+    max_diff: dict[str, float]
+
+
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", help="HF checkpoint dir (default: trained target or random embedded shape)")
     parser.add_argument("--context", type=int, default=128, help="tokens already in the cache before timing")
@@ -61,11 +76,12 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     parser.add_argument("--compile", action="store_true", help="also time the executor with torch.compile")
     parser.add_argument("--bandwidth-mb", type=int, default=1024, help="size of the bandwidth probe tensor")
-    args = parser.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    return parser.parse_args()
 
-    from transformers import AutoModelForCausalLM, DynamicCache
+
+def load_variants(args: argparse.Namespace) -> tuple[Path, str, Any, dict[str, ModelExecutor]]:
+    """(model dir, where it came from, transformers' model, our executors by variant name)."""
+    from transformers import AutoModelForCausalLM
 
     with tempfile.TemporaryDirectory() as tmp:
         model_dir, origin = find_model(args.model, Path(tmp))
@@ -73,55 +89,63 @@ def main() -> None:
         variants = {"ours": ModelExecutor(model_dir, dtype=torch.bfloat16)}
         if args.compile:
             variants["ours+compile"] = ModelExecutor(model_dir, dtype=torch.bfloat16, compile=True)
+    return model_dir, origin, hf, variants
 
-    block_size = 16
-    total = args.context + args.steps + 16
-    table = list(range(-(-total // block_size)))
-    prompt = torch.randint(0, hf.config.vocab_size, (args.context,), generator=torch.Generator().manual_seed(0))
+
+def prefill(hf: Any, variants: dict[str, ModelExecutor], context: int, table: list[int]) -> Any:
+    """The same random prompt into every executor's paged cache and transformers' DynamicCache (returned)."""
+    from transformers import DynamicCache
+
+    prompt = torch.randint(0, hf.config.vocab_size, (context,), generator=torch.Generator().manual_seed(0))
     for executor in variants.values():
-        executor.allocate_kv_cache(len(table), block_size)
-        executor.forward(prompt, torch.arange(args.context),
-                         AttentionMetadata.build([args.context], [args.context], [table], block_size))
+        executor.allocate_kv_cache(len(table), BLOCK_SIZE)
+        executor.forward(prompt, torch.arange(context), AttentionMetadata.build([context], [context], [table], BLOCK_SIZE))
     with torch.inference_mode():
         cache = DynamicCache(config=hf.config)
         hf(prompt[None], cache=cache, use_cache=True)
+    return cache
 
-    def hf_step(token: int) -> torch.Tensor:
-        return hf(torch.tensor([[token]]), cache=cache, use_cache=True).logits[0, -1]
+
+def time_steps(hf: Any, cache: Any, variants: dict[str, ModelExecutor], args: argparse.Namespace,
+               table: list[int]) -> Timings:
+    """Decode steps interleaved variant by variant, so every variant sees the same machine load."""
 
     def our_step(executor: ModelExecutor, length: int, token: int) -> torch.Tensor:
         # Metadata construction is inside the timed region: it is part of what a decode step costs us.
-        meta = AttentionMetadata.build([1], [length], [table], block_size)
+        meta = AttentionMetadata.build([1], [length], [table], BLOCK_SIZE)
         return executor.forward(torch.tensor([token]), torch.tensor([length - 1]), meta).logits[0]
 
     # Wall time, and process CPU time: on a shared, oversubscribed machine the CPU time of a single-threaded
     # run is what the step would take on an idle core (wall time then also counts waiting for a core).
-    times: dict[str, list[float]] = {"transformers": [], **{name: [] for name in variants}}
-    cpu_times: dict[str, list[float]] = {name: [] for name in times}
-    max_diff: dict[str, float] = {}
-    warmup = 5
+    names = ["transformers", *variants]
+    timings = Timings({name: [] for name in names}, {name: [] for name in names}, {})
     with torch.inference_mode():
-        for step in range(warmup + args.steps):
+        for step in range(WARMUP_STEPS + args.steps):
             length = args.context + step + 1
             token = step % hf.config.vocab_size
             start, cpu_start = time.perf_counter(), time.process_time()
-            reference = hf_step(token)
+            reference = hf(torch.tensor([[token]]), cache=cache, use_cache=True).logits[0, -1]
             elapsed = {"transformers": (time.perf_counter() - start, time.process_time() - cpu_start)}
             for name, executor in variants.items():
                 start, cpu_start = time.perf_counter(), time.process_time()
                 logits = our_step(executor, length, token)
                 elapsed[name] = (time.perf_counter() - start, time.process_time() - cpu_start)
                 # Same tokens, same weights: bf16 logits agree up to rounding (a sanity check, not a test).
-                max_diff[name] = max(max_diff.get(name, 0.0), (logits - reference.float()).abs().max().item())
-            if step >= warmup:
+                diff = (logits - reference.float()).abs().max().item()
+                timings.max_diff[name] = max(timings.max_diff.get(name, 0.0), diff)
+            if step >= WARMUP_STEPS:
                 for name, (wall, cpu) in elapsed.items():
-                    times[name].append(wall)
-                    cpu_times[name].append(cpu)
+                    timings.wall[name].append(wall)
+                    timings.cpu[name].append(cpu)
+    return timings
 
+
+def print_roofline(args: argparse.Namespace, model_dir: Path, origin: str, ours: ModelExecutor,
+                   timings: Timings) -> None:
     bandwidth = read_bandwidth(args.bandwidth_mb << 20)
     cpu_bandwidth = read_bandwidth(args.bandwidth_mb << 20, clock=time.process_time)
-    weights = variants["ours"].weight_bytes()
-    kv_read = variants["ours"].kv_bytes_per_block(1) * args.context
+    weights = ours.weight_bytes()
+    kv_read = ours.kv_bytes_per_block(1) * args.context
     resident = read_bandwidth(max(weights, 1 << 20), repeats=20)
     roofline = weights / bandwidth
     cpu_roofline = weights / cpu_bandwidth
@@ -137,12 +161,24 @@ def main() -> None:
           + ("  <- machine is shared and busy: wall figures include waiting for a core" if load > 1.5 else ""))
     header = f"{'variant':<16}{'wall ms':>10}{'p10':>9}{'% roofline':>12}{'cpu ms':>10}{'% cpu roofline':>16}"
     print(header + f"{'max |dlogit| vs HF':>20}")
-    for name, samples in times.items():
-        wall, cpu = statistics.median(samples), statistics.median(cpu_times[name])
+    for name, samples in timings.wall.items():
+        wall, cpu = statistics.median(samples), statistics.median(timings.cpu[name])
         p10 = sorted(samples)[len(samples) // 10]
-        diff = f"{max_diff[name]:.4f}" if name in max_diff else "-"
+        diff = f"{timings.max_diff[name]:.4f}" if name in timings.max_diff else "-"
         print(f"{name:<16}{wall * 1e3:>10.3f}{p10 * 1e3:>9.3f}{100 * roofline / wall:>11.1f}%"
               f"{cpu * 1e3:>10.3f}{100 * cpu_roofline / cpu:>15.1f}%{diff:>20}")
+
+
+def main() -> None:
+    args = parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model_dir, origin, hf, variants = load_variants(args)
+    total = args.context + args.steps + 16
+    table = list(range(-(-total // BLOCK_SIZE)))
+    cache = prefill(hf, variants, args.context, table)
+    timings = time_steps(hf, cache, variants, args, table)
+    print_roofline(args, model_dir, origin, variants["ours"], timings)
 
 
 if __name__ == "__main__":

@@ -178,7 +178,7 @@ def hf_assisted_ms_per_token(args, target: Path, draft: Path, prompts: list, tem
     return ms_per_token(wall, tokens)
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", type=Path)
     ap.add_argument("--artifacts", type=Path, default=ROOT / "artifacts")
@@ -192,13 +192,11 @@ def main() -> None:
     ap.add_argument("--kv-gb", type=float, default=0.5)
     ap.add_argument("--batch16-prompts", type=int, default=16, help="0 skips the batch-16 comparison")
     ap.add_argument("--temperatures", default="0,1")
-    args = ap.parse_args()
-    methods = [m for m in args.methods.split(",") if m]
-    unknown = sorted(set(methods) - set(METHODS))
-    if unknown:
-        raise SystemExit(f"--methods: unknown {unknown} (choose from {METHODS})")
+    return ap.parse_args()
 
-    tmp = Path(tempfile.mkdtemp(prefix="bench_spec_"))
+
+def resolve_inputs(args: argparse.Namespace, tmp: Path) -> tuple[Path, dict[str, Path], dict[str, list]]:
+    """Target, drafts and prompts per domain (found under --artifacts, else untrained / synthetic); printed."""
     target = args.target or find_target(args.artifacts)
     target_source = "given" if args.target else ("embedded (artifacts)" if target else "untrained (no artifacts)")
     target = target or untrained_target(tmp)
@@ -212,7 +210,26 @@ def main() -> None:
     print(f"target: {target} [{target_source}]; drafts: {draft_source}; prompts: {prompt_source}; "
           f"dtype {args.dtype}, device {args.device}, K={args.k}, max_tokens={args.max_tokens}; "
           f"engine threads {threads.count} ({threads.reason})")
+    return target, drafts, prompts
 
+
+def method_ms_per_token(args: argparse.Namespace, target: Path, method: str, drafts: dict[str, Path], prompts: list,
+                        params: SamplingParams) -> float:
+    """One (method, domain, temperature) cell at batch 1; NaN when the method cannot run here."""
+    try:
+        if method == "hf-assisted":
+            return hf_assisted_ms_per_token(args, target, drafts["standalone"], prompts, params.temperature)
+        engine = engine_for(args, target, method, drafts, fallback=False)
+        # warm-up: lazy allocations, first-call kernels
+        decode_ms_per_token(engine, prompts[:1], SamplingParams(temperature=0, max_tokens=4), 1)
+        return decode_ms_per_token(engine, prompts, params, batch=1)
+    except (ValueError, ImportError) as exc:
+        print(f"  {method}: skipped ({exc})")
+        return math.nan
+
+
+def batch1_table(args: argparse.Namespace, target: Path, methods: list[str], drafts: dict[str, Path],
+                 prompts: dict[str, list]) -> None:
     # Process-wide warm-up (allocator, first-use kernel setup) so the first measured cell is not charged for it.
     first = next(iter(prompts.values()))[:1]
     decode_ms_per_token(engine_for(args, target, "nospec", drafts), first,
@@ -221,20 +238,8 @@ def main() -> None:
     for temperature in [float(t) for t in args.temperatures.split(",")]:
         params = SamplingParams(temperature=temperature, max_tokens=args.max_tokens, ignore_eos=True, seed=0)
         for domain, domain_prompts in prompts.items():
-            results = {}
-            for method in methods:
-                try:
-                    if method == "hf-assisted":
-                        results[method] = hf_assisted_ms_per_token(args, target, drafts["standalone"], domain_prompts,
-                                                                   temperature)
-                    else:
-                        engine = engine_for(args, target, method, drafts, fallback=False)
-                        # warm-up: lazy allocations, first-call kernels
-                        decode_ms_per_token(engine, domain_prompts[:1], SamplingParams(temperature=0, max_tokens=4), 1)
-                        results[method] = decode_ms_per_token(engine, domain_prompts, params, batch=1)
-                except (ValueError, ImportError) as exc:
-                    print(f"  {method}: skipped ({exc})")
-                    results[method] = math.nan
+            results = {method: method_ms_per_token(args, target, method, drafts, domain_prompts, params)
+                       for method in methods}
             for method in methods:
                 rows.append((f"T={temperature:g}", domain, method, results[method],
                              speedup(results.get("nospec", math.nan), results[method])))
@@ -243,23 +248,37 @@ def main() -> None:
     for temp, domain, method, ms, sp in rows:
         print(f"{temp:<6} {domain:<14} {method:<12} {ms:>10.2f} {sp:>8.2f}x")
 
+
+def batch16_comparison(args: argparse.Namespace, target: Path, methods: list[str], drafts: dict[str, Path],
+                       prompts: dict[str, list]) -> None:
+    flat = [p for ps in prompts.values() for p in ps]
+    batch_prompts = (flat * (args.batch16_prompts // max(len(flat), 1) + 1))[:args.batch16_prompts]
+    params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
+    base_ms = decode_ms_per_token(engine_for(args, target, "nospec", drafts), batch_prompts, params, batch=16)
+    print(f"\nbatch 16, T=0: nospec {base_ms:.2f} ms/token")
+    for method in [m for m in methods if m not in ("nospec", "hf-assisted")]:
+        try:
+            # The server's default policy: fallback on, and the batch gate measuring what pays at 16.
+            ms = decode_ms_per_token(engine_for(args, target, method, drafts, fallback=True,
+                                                batch_gate="measured"), batch_prompts, params, batch=16)
+        except (ValueError, ImportError) as exc:
+            print(f"  {method}: skipped ({exc})")
+            continue
+        ratio = speedup(base_ms, ms)
+        print(f"batch 16, T=0: {method:<12} {ms:.2f} ms/token  {ratio:.2f}x of no-spec "
+              f"({'meets' if ratio >= 0.95 else 'BELOW'} the 0.95x floor)")
+
+
+def main() -> None:
+    args = parse_args()
+    methods = [m for m in args.methods.split(",") if m]
+    unknown = sorted(set(methods) - set(METHODS))
+    if unknown:
+        raise SystemExit(f"--methods: unknown {unknown} (choose from {METHODS})")
+    target, drafts, prompts = resolve_inputs(args, Path(tempfile.mkdtemp(prefix="bench_spec_")))
+    batch1_table(args, target, methods, drafts, prompts)
     if args.batch16_prompts:
-        flat = [p for ps in prompts.values() for p in ps]
-        batch_prompts = (flat * (args.batch16_prompts // max(len(flat), 1) + 1))[:args.batch16_prompts]
-        params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
-        base_ms = decode_ms_per_token(engine_for(args, target, "nospec", drafts), batch_prompts, params, batch=16)
-        print(f"\nbatch 16, T=0: nospec {base_ms:.2f} ms/token")
-        for method in [m for m in methods if m not in ("nospec", "hf-assisted")]:
-            try:
-                # The server's default policy: fallback on, and the batch gate measuring what pays at 16.
-                ms = decode_ms_per_token(engine_for(args, target, method, drafts, fallback=True,
-                                                    batch_gate="measured"), batch_prompts, params, batch=16)
-            except (ValueError, ImportError) as exc:
-                print(f"  {method}: skipped ({exc})")
-                continue
-            ratio = speedup(base_ms, ms)
-            print(f"batch 16, T=0: {method:<12} {ms:.2f} ms/token  {ratio:.2f}x of no-spec "
-                  f"({'meets' if ratio >= 0.95 else 'BELOW'} the 0.95x floor)")
+        batch16_comparison(args, target, methods, drafts, prompts)
 
 
 if __name__ == "__main__":
