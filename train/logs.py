@@ -15,6 +15,7 @@ import os
 import sys
 import time
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -81,27 +82,42 @@ class _NullRun:
         return {}
 
 
-def init_wandb(cfg: DictConfig, job_type: str, wandb_dir: Path, name: str | None = None) -> Any:
-    """Start a W&B run in ``cfg.wandb.mode`` (offline unless the user says otherwise)."""
-    mode = cfg.wandb.mode
-    if mode not in ("offline", "online", "disabled"):
-        raise ValueError(f"wandb.mode: {mode!r} is not one of offline, online, disabled")
-    if mode == "disabled":
+@dataclass(frozen=True)
+class WandbSettings:
+    """Where W&B runs go (the config's ``wandb`` group): offline unless the user says otherwise."""
+
+    mode: str = "offline"
+    project: str = "draftsmith"
+    entity: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("offline", "online", "disabled"):
+            raise ValueError(f"wandb.mode: {self.mode!r} is not one of offline, online, disabled")
+
+    @classmethod
+    def from_config(cls, cfg: DictConfig) -> "WandbSettings":
+        return cls(cfg.wandb.mode, cfg.wandb.project, cfg.wandb.entity)
+
+
+def start_run(settings: WandbSettings, job_type: str, wandb_dir: Path, name: str | None = None,
+              config: dict[str, Any] | None = None, reinit: str = "finish_previous") -> Any:
+    """One W&B run (a `_NullRun` when disabled). ``reinit="create_new"`` keeps a run already open in
+    this process (a pipeline's) running beside the new one."""
+    if settings.mode == "disabled":
         return _NullRun()
-    os.environ.setdefault("WANDB_MODE", mode)
+    os.environ.setdefault("WANDB_MODE", settings.mode)
     os.environ.setdefault("WANDB_SILENT", "true")
     import wandb
 
-    return wandb.init(
-        mode=mode,
-        project=cfg.wandb.project,
-        entity=cfg.wandb.entity,
-        job_type=job_type,
-        name=name,
-        dir=str(wandb_dir),
-        config=OmegaConf.to_container(cfg, resolve=True),
-        reinit="finish_previous",
-    )
+    Path(wandb_dir).mkdir(parents=True, exist_ok=True)
+    return wandb.init(mode=settings.mode, project=settings.project, entity=settings.entity, job_type=job_type,
+                      name=name, dir=str(wandb_dir), config=config, reinit=reinit)
+
+
+def init_wandb(cfg: DictConfig, job_type: str, wandb_dir: Path, name: str | None = None) -> Any:
+    """Start a job's W&B run in ``cfg.wandb.mode``, with the job's whole config."""
+    return start_run(WandbSettings.from_config(cfg), job_type, wandb_dir, name,
+                     OmegaConf.to_container(cfg, resolve=True))
 
 
 def ensure_console_logging() -> None:

@@ -82,6 +82,21 @@ def print_entry(entry: DraftEntry, registry: Registry, console=None) -> None:
     missing = entry.missing_files()
     console.print(f"{'files':>20}: " + ("ok" if not missing else "GONE: " + "; ".join(missing)),
                   soft_wrap=True, markup=False)
+    for line in lineage_lines(entry):
+        console.print(line, soft_wrap=True, markup=False)
+
+
+def lineage_lines(entry: DraftEntry) -> list[str]:
+    """The entry's W&B lineage: the chain of types, then one line per artifact with where it lives."""
+    if not entry.lineage:
+        return [f"{'lineage':>20}: none recorded (W&B disabled, or registered outside the hook)"]
+    lines = [f"{'lineage':>20}: " + " -> ".join(ref.type for ref in entry.lineage)]
+    for ref in entry.lineage:
+        where = (f"W&B id {ref.id} ({ref.version})" if ref.id
+                 else f"offline run {ref.run_id} ({ref.run_dir})" if ref.run_id else "not in W&B")
+        uses = ", ".join(u.split("@")[0] for u in ref.uses) or "-"
+        lines.append(f"{ref.type:>20}: {ref.name}@{ref.digest[:8]}  uses {uses}  {where}")
+    return lines
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -3,7 +3,8 @@
 A `RegistryManifest` (``targets/<fingerprint>/registry.json``, schema-versioned) holds the target's
 identity (fingerprint, vocabulary, tokenizer hash: what the hook compares) and one `DraftEntry` per
 draft: kind, path, the fingerprint it was trained for, data manifest hash, last eval report, status
-(candidate / promoted / retired) and timestamps.
+(candidate / promoted / retired), timestamps, and its lineage: the W&B artifacts (target, data, draft,
+eval report) it was logged as, each naming the artifacts it was made from (`ArtifactRef.uses`).
 """
 
 from __future__ import annotations
@@ -45,6 +46,42 @@ class RegisteredTarget:
                    config.get("num_hidden_layers"), tokenizer_hash(model_dir))
 
 
+# ----------------------------------------------------------------------------- lineage
+
+LINEAGE_TYPES = ("target", "dataset", "draft", "report")
+
+
+@dataclass(frozen=True)
+class ArtifactRef:
+    """One W&B artifact of a draft's lineage, and the edges to the artifacts it was made from.
+
+    Offline W&B (0.31) refuses `use_artifact`, so the edges are kept here and in the artifact's own
+    metadata (`uses`: keys of its inputs); `id`/`version` are the server's and exist only online.
+    """
+
+    name: str
+    type: str                         # one of LINEAGE_TYPES
+    digest: str                       # W&B's content digest of the artifact
+    uses: tuple[str, ...] = ()        # `key`s of the artifacts it was made from
+    run_id: str | None = None         # the W&B run that logged it
+    run_dir: str | None = None        # offline: that run's directory (its .wandb file holds the artifact)
+    id: str | None = None             # online only: the server's artifact id
+    version: str | None = None        # online only: e.g. "v3"
+
+    @property
+    def key(self) -> str:
+        return f"{self.name}@{self.digest}"
+
+    @classmethod
+    def from_dict(cls, raw: Any, where: str) -> "ArtifactRef":
+        names = {f.name for f in fields(cls)}
+        if not isinstance(raw, dict) or not {"name", "type", "digest"} <= raw.keys():
+            raise ValueError(f"{where}: a lineage artifact needs name, type, digest")
+        if raw["type"] not in LINEAGE_TYPES:
+            raise ValueError(f"{where}: lineage type {raw['type']!r} is not one of {LINEAGE_TYPES}")
+        return cls(**{k: (tuple(v) if k == "uses" else v) for k, v in raw.items() if k in names})
+
+
 # ----------------------------------------------------------------------------- entries
 
 @dataclass
@@ -63,6 +100,7 @@ class DraftEntry:
     parent_id: str | None = None         # the draft it was warm-started from / carried over from
     note: str = ""
     extra: dict[str, Any] = field(default_factory=dict)  # e.g. wandb run id, hook decision record
+    lineage: list[ArtifactRef] = field(default_factory=list)  # target -> data -> draft -> report (W&B)
 
     def missing_files(self) -> list[str]:
         """What of this entry is gone from disk (an empty list = all present)."""
@@ -84,7 +122,12 @@ def _entry_from_dict(raw: Any, where: str) -> DraftEntry:
     if raw["status"] not in STATUSES:
         raise ValueError(f"{where}: status {raw['status']!r} is not one of {STATUSES}")
     defaults = {"trained_fingerprint": None, "data_manifest_hash": None, "report_path": None, "report_method": None}
-    return DraftEntry(**{**defaults, **{k: v for k, v in raw.items() if k in names}})
+    lineage = raw.get("lineage", [])
+    if not isinstance(lineage, list):
+        raise ValueError(f"{where}: lineage must be a list of artifacts")
+    known = {k: v for k, v in raw.items() if k in names and k != "lineage"}
+    return DraftEntry(**{**defaults, **known},
+                      lineage=[ArtifactRef.from_dict(a, f"{where}.lineage[{i}]") for i, a in enumerate(lineage)])
 
 
 @dataclass

@@ -165,7 +165,7 @@ class Registry:
         return entry
 
     def update(self, entry_id: str, **changes: Any) -> DraftEntry:
-        allowed = {"report_path", "report_method", "note", "extra"}
+        allowed = {"report_path", "report_method", "note", "extra", "lineage"}
         if not changes.keys() <= allowed:
             raise ValueError(f"registry update: only {sorted(allowed)} can change, got {sorted(changes)}")
         return self._mutate(entry_id, lambda manifest, entry: [setattr(entry, k, v) for k, v in changes.items()])
