@@ -18,13 +18,16 @@ from drafts.kinds import KIND_NAMES
 from serve_eval.speculative.batch_gate import BatchGateConfig
 from serve_eval.speculative.policy import SpecPolicyConfig
 from serve_eval.speculative.proposers.registry import proposer_class, proposer_methods
-from serve_eval.speculative.tree import DynamicTreeBuilder, TreeShape, check_node_budget
+from serve_eval.speculative.tree import TreeShape, check_node_budget
+from serve_eval.speculative.tree_budget import TreeBudget, TreeBudgetConfig
+from serve_eval.speculative.tree_dynamic import DynamicTreeBuilder
 
 if TYPE_CHECKING:
     from serve_eval.engine.llm_engine import LLMEngine
 
 DRAFT_METHODS = KIND_NAMES  # methods that load a draft dir: one per draft kind (drafts.kinds)
 TREE_MODES = ("none", "static", "dynamic")
+TREE_BUDGETS = ("fixed", "cost")
 
 
 @dataclass
@@ -38,6 +41,11 @@ class SpecConfig:
     tree_top_k: int = 4  # dynamic: candidates per expanded node and frontier width
     tree_depth: int | None = None  # dynamic: draft depth (None = K)
     max_draft_nodes: int = 16  # node budget of one tree (= KV lookahead slots reserved per step)
+    # dynamic: "cost" ranks nodes by calibrated acceptance and keeps as many as pay for their verification
+    # (serve_eval.speculative.tree_budget, at most max_draft_nodes); "fixed" is EAGLE-2's raw confidence
+    # ranking with exactly max_draft_nodes nodes.
+    tree_budget: str = "cost"
+    tree_budget_config: TreeBudgetConfig | None = None
     draft_dtype: str | None = None  # None = the target's dtype
     draft_num_blocks: int | None = None  # draft KV pool size (None = sized from the engine)
     ngram_max_n: int = 3
@@ -78,6 +86,8 @@ class SpecConfig:
         if self.tree == "static":
             self.tree_shape()  # validates the shape and its node budget now, not at the first step
         if self.tree == "dynamic":
+            if self.tree_budget not in TREE_BUDGETS:
+                raise ValueError(f"tree_budget must be one of {TREE_BUDGETS}, got {self.tree_budget!r}")
             if self.tree_top_k <= 0 or self.dynamic_depth <= 0:
                 raise ValueError(f"dynamic tree needs tree_top_k > 0 and tree_depth > 0, got "
                                  f"{self.tree_top_k}, {self.dynamic_depth}")
@@ -108,11 +118,17 @@ class SpecConfig:
             return TreeShape.from_paths(self.tree_paths, self.max_draft_nodes)
         return TreeShape.from_branching(self.tree_branching, self.max_draft_nodes)
 
-    def dynamic_tree_builder(self) -> DynamicTreeBuilder | None:
-        """A fresh EAGLE-2-style builder per proposal (tree='dynamic')."""
+    def dynamic_tree_builder(self, budget: TreeBudget | None = None) -> DynamicTreeBuilder | None:
+        """A fresh EAGLE-2-style builder per proposal (tree='dynamic'), sized by `budget` when given."""
         if self.tree != "dynamic":
             return None
-        return DynamicTreeBuilder(self.tree_top_k, self.dynamic_depth, self.max_draft_nodes)
+        return DynamicTreeBuilder(self.tree_top_k, self.dynamic_depth, self.max_draft_nodes, budget)
+
+    def make_tree_budget(self) -> TreeBudget | None:
+        """The cost model a proposer's dynamic trees share (tree='dynamic', tree_budget='cost'), else None."""
+        if self.tree != "dynamic" or self.tree_budget != "cost":
+            return None
+        return TreeBudget(self.tree_budget_config or TreeBudgetConfig())
 
     def check_tree(self, num_nodes: int) -> None:
         check_node_budget(num_nodes, self.max_draft_nodes, "draft tree")

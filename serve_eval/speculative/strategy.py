@@ -2,7 +2,8 @@
 
 One step, for the whole scheduled batch:
 1. before_schedule: the policy picks K per running sequence (per domain, fallback may say 0); the
-   sequence reserves that many lookahead KV slots (the node budget for trees).
+   sequence reserves that many lookahead KV slots (the node budget for trees). A proposer with a
+   tree_budget gets its verify cost curve probed once, at attach, before any KV is written.
 2. propose: one proposer call for every decode sequence that got lookahead slots.
 3. one target forward over everything scheduled, flattened: prefill chunks of some sequences,
    [root, drafts...] of others (tree rows get an ancestor mask and positions by depth), with the
@@ -13,7 +14,8 @@ One step, for the whole scheduled batch:
 5. compaction: the accepted tree path's KV is copied into the slots right after the root, so that
    rolling back the rest (the engine does that from num_rejected_slots) leaves exactly the accepted
    tokens' KV in place.
-6. proposer.on_accepted, then proposer.add_features (needs_hidden), metrics and policy updates.
+6. proposer.on_accepted, then proposer.add_features (needs_hidden), metrics and policy updates; the
+   tree budget learns from each verified tree and from the step's measured cost.
 Finished / aborted / recompute-preempted requests are reset in the proposer.
 """
 
@@ -36,6 +38,7 @@ from serve_eval.speculative.round_logprobs import round_rows
 from serve_eval.speculative.proposers.base import Proposal, TargetFeatures
 from serve_eval.speculative.round_verify import RoundOutcome, SpecDraft, verify_round
 from serve_eval.speculative.tree import DraftTree
+from serve_eval.speculative.tree_budget import probe_token_counts, probe_verify_costs
 from serve_eval.speculative.verify import VerifyResult
 
 if TYPE_CHECKING:
@@ -88,6 +91,7 @@ class SpeculativeStrategy:
     def before_schedule(self, engine: "LLMEngine") -> None:
         if not self._attached:
             self.proposer.attach(engine)
+            self._probe_tree_costs(engine)
             self._attached = True
         for seq in [s for s in self._tracked.values() if s.is_finished]:  # aborted between steps
             self._release(seq)
@@ -102,6 +106,16 @@ class SpeculativeStrategy:
                 room = engine.max_model_len - seq.num_tokens  # draft positions stay inside the model
                 slots = self.config.max_draft_nodes if self.config.uses_tree else k
                 seq.num_lookahead_tokens = max(0, min(slots, room))
+
+    def _probe_tree_costs(self, engine: "LLMEngine") -> None:
+        """The target's forward timed at a tree's query lengths, while no KV block holds anything yet."""
+        budget = self.proposer.tree_budget
+        if budget is None or budget.curve is not None or engine.kv.pool.num_used_blocks:
+            return
+        cap = min(engine.config.max_num_batched_tokens, engine.config.max_num_seqs * (1 + self.config.max_draft_nodes))
+        budget.curve = probe_verify_costs(engine.executor, engine.kv.block_size, engine.kv.num_gpu_blocks,
+                                          probe_token_counts(self.config.max_draft_nodes, cap),
+                                          budget.config.probe_repeats)
 
     def _num_speculative_tokens(self, engine: "LLMEngine", seq: Sequence) -> int:
         k = self.policy.num_speculative_tokens(seq.domain)
@@ -195,17 +209,33 @@ class SpeculativeStrategy:
         if drafts:
             outcome = self._verify(engine, out, drafts, logits, offsets)
             results = outcome.results
+            self._calibrate(drafts, results)
             self._compact(engine, slot_mapping, outcome, cu)
             for i, res in results.items():
                 new_tokens[i] = list(res.accepted_tokens)
         return new_tokens, results
+
+    def _calibrate(self, drafts: dict[int, SpecDraft], results: dict[int, VerifyResult]) -> None:
+        """Each verified budgeted tree updates the acceptance calibration its nodes were valued by."""
+        budget = self.proposer.tree_budget
+        if budget is None:
+            return
+        for i, res in results.items():
+            tree = drafts[i].tree
+            if tree.cells is not None:
+                budget.observe_round(tree.cells, tree.parents, res.accepted_node_ids)
 
     def _observe_step(self, out: SchedulerOutput, drafts: dict[int, SpecDraft], new_tokens: list[list[int]],
                       step_s: float) -> None:
         """Feed the batch gate a pure decode step (a prefill chunk in it would blur its cost per token)."""
         if any(n > 1 and i not in drafts for i, n in enumerate(out.num_scheduled_tokens)):
             return
-        self.batch_gate.observe_step(self._batch_size, bool(drafts), step_s, sum(map(len, new_tokens)))
+        emitted = sum(map(len, new_tokens))
+        self.batch_gate.observe_step(self._batch_size, bool(drafts), step_s, emitted)
+        budget = self.proposer.tree_budget
+        if budget is not None and drafts:
+            nodes = sum(d.num_nodes for d in drafts.values())
+            budget.observe_step(len(out.seqs), step_s, emitted, len(out.seqs) + nodes, nodes)
 
     def _propose(self, engine: "LLMEngine", out: SchedulerOutput, spec_idx: list[int]) -> tuple[dict[int, SpecDraft], float]:
         """One proposer call for the sequences with lookahead slots -> their non-empty drafts, and its time."""

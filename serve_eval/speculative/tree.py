@@ -1,5 +1,5 @@
-"""Draft trees: the data structure, static (Medusa-style) shapes, EAGLE-2-style dynamic construction,
-and what the target forward needs from a tree (attention mask, positions, paths).
+"""Draft trees: the data structure, static (Medusa-style) shapes, and what the target forward needs from a
+tree (attention mask, positions, paths). EAGLE-2-style dynamic construction: serve_eval.speculative.tree_dynamic.
 
 Indexing used everywhere:
 - nodes 0..N-1 are topologically ordered (parents[i] < i); parents[i] == -1 means the root, which
@@ -12,7 +12,6 @@ Indexing used everywhere:
 
 from __future__ import annotations
 
-import heapq
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -47,6 +46,9 @@ class DraftTree:
     draft_probs: Tensor | None = None
     # bool [N]: rows of draft_probs to ignore (point mass on the node's token, e.g. top-k children).
     point_mass: Tensor | None = None
+    # int64 [N]: each node's acceptance-calibration cell (serve_eval.speculative.tree_budget), set by a
+    # cost-budgeted dynamic builder so the verified round can update the calibration; None otherwise.
+    cells: Tensor | None = None
     _ancestors: Tensor | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -77,6 +79,8 @@ class DraftTree:
             raise ValueError(
                 f"draft_probs shape {tuple(self.draft_probs.shape)} does not match the tree's {num_nodes} nodes"
             )
+        if self.cells is not None and tuple(self.cells.shape) != (num_nodes,):
+            raise ValueError(f"tree cells shape {tuple(self.cells.shape)} does not match the tree's {num_nodes} nodes")
         if self.point_mass is not None:
             self.point_mass = torch.as_tensor(self.point_mass, dtype=torch.bool, device=self.tokens.device)
             if self.point_mass.shape != (num_nodes,):
@@ -95,12 +99,14 @@ class DraftTree:
 
     @classmethod
     def _trusted(cls, tokens: Tensor, parents: Tensor, depths: Tensor, draft_probs: Tensor | None = None,
-                 point_mass: Tensor | None = None, ancestors: Tensor | None = None) -> DraftTree:
+                 point_mass: Tensor | None = None, ancestors: Tensor | None = None,
+                 cells: Tensor | None = None) -> DraftTree:
         """A tree whose geometry is right by construction (chains, prefixes, the dynamic builder):
         validation costs more than the rest of a small tree's bookkeeping, so it is skipped."""
         tree = cls.__new__(cls)
         tree.tokens, tree.parents, tree.depths = tokens, parents, depths
         tree.draft_probs, tree.point_mass, tree._ancestors = draft_probs, point_mass, ancestors
+        tree.cells = cells
         return tree
 
     @classmethod
@@ -128,6 +134,7 @@ class DraftTree:
             None if self.draft_probs is None else self.draft_probs[:n],
             None if self.point_mass is None else self.point_mass[:n],
             None if self._ancestors is None else self._ancestors[: n + 1, : n + 1],
+            None if self.cells is None else self.cells[:n],
         )
 
     @property
@@ -277,97 +284,3 @@ class TreeShape:
             )
         depth_index, rank_index = self._medusa_index
         return self.fill(topk_tokens[depth_index.to(topk_tokens.device), rank_index.to(topk_tokens.device)])
-
-
-class DynamicTreeBuilder:
-    """EAGLE-2-style dynamic tree: expand the most confident frontier, then keep the best nodes.
-
-    The proposer drives it: `add_root_candidates` with the draft's top-k at the root, then repeatedly
-    runs its draft on the returned frontier and calls `add_children`; `build()` reranks all candidates
-    by cumulative confidence (product of draft probabilities along the path) and keeps max_nodes.
-    Since confidences are <= 1 a child never outranks its parent (ties go to the earlier-created
-    node, i.e. the parent), so the kept set is closed under ancestors. All nodes are point masses:
-    their tokens are a deterministic function of the context, which keeps verification exact.
-    """
-
-    def __init__(self, top_k: int, depth: int, max_nodes: int) -> None:
-        for name, value in (("top_k", top_k), ("depth", depth), ("max_nodes", max_nodes)):
-            if value <= 0:
-                raise ValueError(f"dynamic tree {name} must be > 0, got {value}")
-        self.top_k, self.depth, self.max_nodes = top_k, depth, max_nodes
-        self._tokens: list[int] = []
-        self._parents: list[int] = []
-        self._depths: list[int] = []
-        self._scores: list[float] = []  # cumulative log-confidence
-        # bool [cap, cap] over rows (0 = root, id + 1 = candidate), grown as candidates arrive: a new row
-        # is its parent's row plus itself, so each add costs one row gather, never a recomputation.
-        self._anc = torch.eye(1 + top_k * (1 + (depth - 1) * top_k), dtype=torch.bool)
-
-    @property
-    def num_candidates(self) -> int:
-        return len(self._tokens)
-
-    def candidates(self) -> DraftTree:
-        """Every candidate so far as one tree, in creation order (the ids add_children returns), so a
-        proposer reads their depths and ancestor masks from DraftTree instead of tracking them itself."""
-        n = len(self._tokens)
-        return DraftTree._trusted(torch.tensor(self._tokens, dtype=torch.int64),
-                                  torch.tensor(self._parents, dtype=torch.int64),
-                                  torch.tensor(self._depths, dtype=torch.int64), ancestors=self._anc[: n + 1, : n + 1])
-
-    def _extend_ancestors(self, first: int) -> None:
-        """Ancestor rows of candidates first.. (rows already written never change)."""
-        end = len(self._tokens) + 1
-        if end > self._anc.shape[0]:  # more candidates than top_k per parent: grow
-            grown = torch.eye(2 * end, dtype=torch.bool)
-            grown[: self._anc.shape[0], : self._anc.shape[0]] = self._anc
-            self._anc = grown
-        rows = torch.arange(first + 1, end)
-        self._anc[rows] = self._anc[torch.tensor(self._parents[first:], dtype=torch.int64) + 1]
-        self._anc[rows, rows] = True
-
-    def add_root_candidates(self, tokens: Tensor, probs: Tensor) -> list[int]:  # tokens, probs [k]
-        if self._tokens:
-            raise ValueError("add_root_candidates called twice on one DynamicTreeBuilder")
-        return self.add_children([-1], tokens.reshape(1, -1), probs.reshape(1, -1))
-
-    def add_children(self, parent_ids: Sequence[int], tokens: Tensor, probs: Tensor) -> list[int]:
-        """tokens, probs [P, k]: candidates below each parent. Returns the next frontier to expand."""
-        if tokens.shape != probs.shape or tokens.dim() != 2 or tokens.shape[0] != len(parent_ids):
-            raise ValueError(
-                f"dynamic tree: tokens shape {tuple(tokens.shape)}, probs shape {tuple(probs.shape)} "
-                f"and {len(parent_ids)} parents do not match"
-            )
-        new_ids, first = [], len(self._tokens)
-        for parent, row_tokens, row_probs in zip(parent_ids, tokens.tolist(), probs.tolist()):
-            base = 0.0 if parent == -1 else self._scores[parent]
-            depth = 1 if parent == -1 else self._depths[parent] + 1
-            for token, prob in zip(row_tokens, row_probs):
-                new_ids.append(len(self._tokens))
-                self._tokens.append(int(token))
-                self._parents.append(parent)
-                self._depths.append(depth)
-                self._scores.append(base + math.log(max(prob, 1e-30)))
-        self._extend_ancestors(first)
-        if not new_ids or self._depths[new_ids[0]] >= self.depth:
-            return []
-        return heapq.nlargest(self.top_k, new_ids, key=lambda i: (self._scores[i], -i))
-
-    def build(self) -> DraftTree:
-        ranked = sorted(range(len(self._tokens)), key=lambda i: (-self._scores[i], i))
-        kept = set(ranked[: self.max_nodes])
-        order = sorted(kept, key=lambda i: (self._depths[i], i))
-        new_id = {old: new for new, old in enumerate(order)}
-        parents = []
-        for old in order:
-            parent = self._parents[old]
-            if parent != -1 and parent not in kept:  # cannot happen with probs <= 1; guard anyway
-                raise ValueError(f"dynamic tree kept node {old} without its parent {parent} (confidence > 1?)")
-            parents.append(-1 if parent == -1 else new_id[parent])
-        # Kept set closed under ancestors and ordered by depth: parents precede children, and depths and
-        # ancestor rows carry over (restricted to the kept rows).
-        rows = torch.tensor([0] + [i + 1 for i in order], dtype=torch.int64)
-        return DraftTree._trusted(torch.tensor([self._tokens[i] for i in order], dtype=torch.int64),
-                                  torch.tensor(parents, dtype=torch.int64),
-                                  torch.tensor([self._depths[i] for i in order], dtype=torch.int64),
-                                  ancestors=self._anc[rows][:, rows])

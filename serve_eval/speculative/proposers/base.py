@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 
 from serve_eval.speculative.tree import DraftTree
+from serve_eval.speculative.tree_budget import TreeBudget
 from serve_eval.speculative.verify import VerifyResult
 
 
@@ -106,12 +107,15 @@ class Proposer(Protocol):
     Class attributes tell the speculative strategy what to compute for the proposer:
     needs_hidden: the target forward keeps hidden states and the strategy calls add_features;
     aux_layers: HF hidden_states indices to concatenate into TargetFeatures.aux (EAGLE-3);
-    supports_tree: the proposer may return tree proposals (else a tree config is refused).
+    supports_tree: the proposer may return tree proposals (else a tree config is refused);
+    tree_budget: the cost model its dynamic trees are sized by (None: a fixed node budget); the strategy
+    feeds it the verified rounds and the measured step costs.
     """
 
     needs_hidden: bool = False
     aux_layers: tuple[int, ...] = ()
     supports_tree: bool = False
+    tree_budget: TreeBudget | None = None
 
     def propose(
         self,

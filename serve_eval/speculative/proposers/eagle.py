@@ -12,7 +12,8 @@ Per propose call, for all sequences at once:
    drafted token, one step per further draft position. These entries are speculative: they are dropped on
    the next on_accepted / propose, and the accepted positions come back as true features and are ingested.
    chain: T = 0 -> argmax point masses; T > 0 -> tokens sampled from logits_to_probs rows (draft_probs).
-   tree (EAGLE-2): DynamicTreeBuilder expands the top_k most confident frontier nodes per depth; each depth
+   tree (EAGLE-2): DynamicTreeBuilder expands the top_k most valuable frontier nodes per depth (value: the
+   calibrated acceptance of serve_eval.speculative.tree_budget under tree_budget='cost'); each depth
    re-runs every node expanded so far with a tree mask, because the paged kernel lets query tokens see ALL
    earlier context - recomputing the tree as this step's queries is how siblings stay invisible to each
    other. Tree nodes are point masses. Confidence is the plain softmax of the draft logits (EAGLE-2's),
@@ -60,7 +61,8 @@ from serve_eval.speculative.proposers.features import (
     serving_form,
 )
 from serve_eval.speculative.proposers.registry import register_proposer
-from serve_eval.speculative.tree import DynamicTreeBuilder
+from serve_eval.speculative.tree_budget import TreeBudget
+from serve_eval.speculative.tree_dynamic import DynamicTreeBuilder
 from serve_eval.speculative.verify import VerifyResult
 
 @dataclass
@@ -106,7 +108,8 @@ class EagleProposer(Proposer):
         if mode == "dynamic":
             tree = (spec_config.tree_top_k, spec_config.dynamic_depth, spec_config.max_draft_nodes)
         self._setup(loaded.model, num_blocks=spec_config.draft_num_blocks,
-                    attn_backend=getattr(target_executor, "attn_backend", "auto"), tree=tree)
+                    attn_backend=getattr(target_executor, "attn_backend", "auto"), tree=tree,
+                    tree_budget=spec_config.make_tree_budget())
 
     @classmethod
     def from_spec_config(cls, spec_config: Any, engine: Any) -> "EagleProposer":
@@ -121,9 +124,11 @@ class EagleProposer(Proposer):
         return proposer
 
     def _setup(self, draft: torch.nn.Module, num_blocks: int | None = None, block_size: int = 16,
-               attn_backend: str = "auto", tree: tuple[int, int, int] | None = None) -> None:
+               attn_backend: str = "auto", tree: tuple[int, int, int] | None = None,
+               tree_budget: TreeBudget | None = None) -> None:
         """num_blocks None: sized by attach(engine) (or DEFAULT_DRAFT_BLOCKS without an engine).
-        tree: (top_k, depth, max_nodes) of the EAGLE-2 dynamic tree, or None for chains."""
+        tree: (top_k, depth, max_nodes) of the EAGLE-2 dynamic tree, or None for chains; tree_budget: the
+        cost model that sizes those trees (None: exactly max_nodes by raw confidence)."""
         if getattr(draft, "kind", None) != self.kind:
             raise ValueError(f"{type(self).__name__} needs a {self.kind!r} draft, got {getattr(draft, 'kind', None)!r}")
         self.draft = serving_form(draft, copy_first=False)  # the engine's fused, packed layers (kernels.layers)
@@ -134,6 +139,7 @@ class EagleProposer(Proposer):
         if num_blocks is not None:
             self._allocate(num_blocks)
         self.tree = tree
+        self.tree_budget = tree_budget if tree is not None else None
         if tree is not None:
             DynamicTreeBuilder(*tree)  # validates the options now, not at the first request
         self._states: dict[str, _RequestState] = {}
@@ -314,7 +320,7 @@ class EagleProposer(Proposer):
     # -- EAGLE-2 dynamic trees -----------------------------------------------------------------
     def _trees(self, states, root_positions, root_feats: Tensor) -> list[Proposal]:
         top_k, depth, max_nodes = self.tree
-        builders = [DynamicTreeBuilder(top_k, depth, max_nodes) for _ in states]
+        builders = [DynamicTreeBuilder(top_k, depth, max_nodes, self.tree_budget) for _ in states]
         # Per sequence: row 0 = its root feature, row node + 1 = the output hidden of an expanded node.
         capacity = 1 + top_k + max(depth - 1, 0) * top_k * top_k
         tables = [root_feats.new_zeros(capacity, root_feats.shape[-1]) for _ in states]

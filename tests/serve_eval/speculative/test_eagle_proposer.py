@@ -8,7 +8,6 @@ import random
 import pytest
 import torch
 from torch import nn
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from drafts.common import DenseKVCache
 from drafts.eagle import EagleDraft
@@ -22,24 +21,20 @@ from serve_eval.speculative.config import SpecConfig
 from serve_eval.speculative.proposers.base import TargetFeatures
 from serve_eval.speculative.proposers.eagle import EagleProposer
 from serve_eval.speculative.proposers.eagle3 import Eagle3Proposer
-from serve_eval.speculative.tree import DynamicTreeBuilder
+from serve_eval.speculative.tree_dynamic import DynamicTreeBuilder
 from spec_helpers import Seq, params
+from tiny_models import save_tiny_model
 from serve_eval.speculative.verify import VerifyResult
 
 VOCAB, HIDDEN = 96, 32
 
 
-def make_target(path, vocab=VOCAB, hidden=HIDDEN, seed=0):
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=64, num_hidden_layers=4,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
-    LlamaForCausalLM(cfg).save_pretrained(path)
-    return path
+TARGET = dict(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=4)
 
 
 @pytest.fixture(scope="module")
-def target_dir(tmp_path_factory):
-    return make_target(tmp_path_factory.mktemp("target"))
+def target_dir(tiny_target):
+    return tiny_target("llama", **TARGET)
 
 
 def make_draft(kind, target_dir, seed=1):
@@ -242,7 +237,7 @@ def test_constructor_checks_target(target_dir, tmp_path):
     foreign = save_draft(make_draft("eagle3", target_dir), tmp_path / "foreign", target_fingerprint="0123456789abcdef")
     with pytest.raises(ValueError, match=f"fingerprint 0123456789abcdef.*{target_fingerprint(target_dir)}"):
         Eagle3Proposer(spec("eagle3", foreign), executor, "cpu", torch.float32, target_dir)
-    other = make_target(tmp_path / "other", vocab=128, hidden=48)
+    other = save_tiny_model(tmp_path / "other", **{**TARGET, "vocab_size": 128, "hidden_size": 48})
     wrong = save_draft(EagleDraft.from_target_config(other), tmp_path / "wrong")
     with pytest.raises(ValueError, match="vocab_size=128, but the target has vocab_size=96"):
         EagleProposer(spec("eagle", wrong), executor, "cpu", torch.float32)

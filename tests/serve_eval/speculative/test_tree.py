@@ -7,7 +7,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from serve_eval.speculative.tree import DraftTree, DynamicTreeBuilder, TreeShape, check_node_budget
+from serve_eval.speculative.tree import DraftTree, TreeShape, check_node_budget
+from serve_eval.speculative.tree_dynamic import DynamicTreeBuilder
 
 
 def test_from_paths_orders_by_depth_and_links_parents():

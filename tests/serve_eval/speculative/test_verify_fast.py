@@ -8,7 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kernels.sampling import logits_to_probs
-from serve_eval.speculative.tree import DraftTree, DynamicTreeBuilder, tree_ancestors, tree_depths
+from serve_eval.speculative.tree import DraftTree, tree_ancestors, tree_depths
+from serve_eval.speculative.tree_dynamic import DynamicTreeBuilder
 from serve_eval.speculative.verify import verify_batch, verify_reference
 
 VOCAB = 6  # small, so random drafts often hit the target's argmax and paths get deep
