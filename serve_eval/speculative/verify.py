@@ -177,6 +177,26 @@ def _try_children(
     return chosen
 
 
+def _tree_inputs(tokens: Tensor, parents: Tensor, greedy: Tensor, generators: GeneratorArg,
+                 draft_probs: Tensor | None, point_mass: Tensor | None,
+                 num_nodes: Tensor | None) -> tuple[_TreeInputs, int]:
+    """What the depth loop reads (children table, point masses, one uniform per sampled node), and the
+    deepest valid node's depth. Row b draws num_nodes[b] uniforms when it samples, none when greedy."""
+    batch, max_nodes = tokens.shape
+    device = tokens.device
+    if num_nodes is None:
+        num_nodes = torch.full((batch,), max_nodes, dtype=torch.int64, device=device)
+    valid = torch.arange(max_nodes, device=device)[None, :] < num_nodes[:, None]
+    if point_mass is None:
+        point_mass = torch.full((batch, max_nodes), draft_probs is None, dtype=torch.bool, device=device)
+    max_depth = int(tree_depths(parents).masked_fill(~valid, 0).max()) if max_nodes else 0
+    node_uniforms = uniforms(torch.where(greedy, 0, num_nodes).tolist(), batch, generators, device)
+    if node_uniforms.shape[1] < max_nodes:  # greedy-only batches draw nothing
+        node_uniforms = F.pad(node_uniforms, (0, max_nodes - node_uniforms.shape[1]), value=1.0)
+    children = _children_table(parents, valid)
+    return _TreeInputs(tokens, children, draft_probs, point_mass, node_uniforms, greedy), max_depth
+
+
 def verify_reference(
     tokens: Tensor,  # int64 [B, N] draft tokens per node
     parents: Tensor,  # int64 [B, N], -1 = root, parents[b, i] < i
@@ -189,23 +209,10 @@ def verify_reference(
 ) -> BatchVerifyOutput:
     """The general algorithm of the module docstring, depth by depth, vectorized over the batch."""
     _check_inputs(tokens, parents, target_probs, draft_probs)
-    batch, max_nodes = tokens.shape
-    device = tokens.device
-    greedy = _greedy_rows(greedy, batch, device)
-    if num_nodes is None:
-        num_nodes = torch.full((batch,), max_nodes, dtype=torch.int64, device=device)
-    valid = torch.arange(max_nodes, device=device)[None, :] < num_nodes[:, None]
-    if point_mass is None:
-        point_mass = torch.full((batch, max_nodes), draft_probs is None, dtype=torch.bool, device=device)
-
-    children = _children_table(parents, valid)
-    max_depth = int(tree_depths(parents).masked_fill(~valid, 0).max()) if max_nodes else 0
-    draws = torch.where(greedy, 0, num_nodes).tolist()
-    node_uniforms = uniforms(draws, batch, generators, device)
-    if node_uniforms.shape[1] < max_nodes:  # greedy-only batches draw nothing
-        node_uniforms = F.pad(node_uniforms, (0, max_nodes - node_uniforms.shape[1]), value=1.0)
-
-    inputs = _TreeInputs(tokens, children, draft_probs, point_mass, node_uniforms, greedy)
+    batch, device = tokens.shape[0], tokens.device
+    inputs, max_depth = _tree_inputs(tokens, parents, _greedy_rows(greedy, batch, device), generators,
+                                     draft_probs, point_mass, num_nodes)
+    greedy = inputs.greedy
     out_tokens = torch.full((batch, max_depth + 1), -1, dtype=torch.int64, device=device)
     accepted_nodes = torch.full((batch, max(max_depth, 0)), -1, dtype=torch.int64, device=device)
     num_accepted = torch.zeros(batch, dtype=torch.int64, device=device)
