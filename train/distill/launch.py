@@ -60,6 +60,9 @@ class LauncherConfig:
     fsdp_sharding_strategy: str = "FULL_SHARD"  # FULL_SHARD | SHARD_GRAD_OP (FSDP2 reshard_after_forward)
     fsdp_auto_wrap_policy: str = "SIZE_BASED_WRAP"  # SIZE_BASED_WRAP | TRANSFORMER_BASED_WRAP | NO_WRAP
     fsdp_min_num_params: int = 1_000_000
+    # The frozen target of an online objective (EAGLE-1/3, Medusa, online KD) split across the ranks with FSDP2,
+    # whatever shares the draft: for a target that does not fit one device (Teacher.shard).
+    shard_target: bool = False
 
     @property
     def world_size(self) -> int:
@@ -83,6 +86,9 @@ class LauncherConfig:
         if self.strategy == "fsdp" and self.fsdp_sharding_strategy not in FSDP_RESHARD_AFTER_FORWARD:
             raise ValueError(f"launcher.fsdp_sharding_strategy must be one of {sorted(FSDP_RESHARD_AFTER_FORWARD)} "
                              f"(FSDP2), got {self.fsdp_sharding_strategy!r}; NO_SHARD is launcher=ddp")
+        if self.shard_target and self.world_size == 1:
+            raise ValueError("launcher.shard_target: sharding the target needs more than one process "
+                             "(launcher=fsdp_target, or num_processes >= 2)")
         if self.strategy == "none" and self.world_size > 1:
             raise ValueError(
                 f"launcher.strategy 'none' runs one process but num_processes x num_machines = {self.world_size}; "
@@ -230,11 +236,12 @@ def shutdown_distributed(barrier: bool = True) -> None:
 
 
 def write_rank_report(path: Path, accelerator: Any, module: torch.nn.Module, launcher: LauncherConfig,
-                      example_ids: list[int]) -> None:
+                      example_ids: list[int], target_share: float | None = None) -> None:
     """One JSON per rank of what this process did: world size, the training examples it drew (since it
     started; a resumed run: since the resume) and a sha256 per trainable parameter, so a distributed run
     can be checked afterwards (shards disjoint, replicas equal). Digests are left out (None) where the
-    launcher shards parameters (FSDP, ZeRO-3): a rank then holds only its piece."""
+    launcher shards parameters (FSDP, ZeRO-3): a rank then holds only its piece. `target_share`: the fraction
+    of the frozen target's weights this rank holds (None: no target in the loop)."""
     replicated = launcher.strategy in ("none", "ddp") or (launcher.strategy == "deepspeed" and launcher.zero_stage < 3)
     digests = None
     if replicated:
@@ -244,7 +251,7 @@ def write_rank_report(path: Path, accelerator: Any, module: torch.nn.Module, lau
         }
     report = {"rank": accelerator.process_index, "world_size": accelerator.num_processes,
               "distributed_type": str(accelerator.distributed_type), "strategy": launcher.strategy,
-              "example_ids": example_ids, "param_sha256": digests}
+              "example_ids": example_ids, "param_sha256": digests, "target_share": target_share}
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(report))
 

@@ -7,14 +7,13 @@ W&B when given a run) and exact resume (`checkpoint.py`).
 """
 from __future__ import annotations
 
-import json
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from accelerate.utils import set_seed
@@ -26,6 +25,7 @@ from train.distill import checkpoint as ckpt
 from train.distill.data import ShardedResumableSampler, collate_token_sequences, eval_shard_batches
 from train.distill.launch import LauncherConfig, make_accelerator, shutdown_distributed, write_rank_report
 from train.distill.objective import Objective, PositionCounts
+from train.distill.train_log import JsonlMetrics, LogWindow, NoBar
 from train.distill.trainer_config import TrainerConfig, lr_factor
 from train.logs import log_event, progress, warn_event
 
@@ -41,24 +41,14 @@ class NonFiniteLossError(RuntimeError):
         )
 
 
-class JsonlMetrics:
-    """metrics.jsonl, one record per line, flushed at once (a killed run keeps what it logged)."""
-
-    def __init__(self, path: Path, resume_step: int | None) -> None:
-        self.path = path
-        path.parent.mkdir(parents=True, exist_ok=True)
-        kept: list[str] = []
-        if resume_step is not None and path.exists():  # drop what the killed run logged past the checkpoint
-            kept = [line for line in path.read_text().splitlines() if json.loads(line)["step"] <= resume_step]
-        path.write_text("".join(line + "\n" for line in kept))
-        self._handle = open(path, "a")
-
-    def write(self, record: Mapping[str, Any]) -> None:
-        self._handle.write(json.dumps(record) + "\n")
-        self._handle.flush()
-
-    def close(self) -> None:
-        self._handle.close()
+@dataclass
+class _StepResult:
+    state: ckpt.TrainerState  # after the step
+    epoch: int
+    losses: dict[str, float]  # loss and its components, mean over the step's micro-batches (this rank)
+    grad_norm: Tensor | float | None  # None: not clipped (DeepSpeed returns a float)
+    tokens: float  # attention-mask tokens this rank trained on
+    lr: float  # the rate the step used
 
 
 @dataclass
@@ -69,9 +59,19 @@ class TrainResult:
     stopped_by_time_cap: bool = False
 
 
+class FrozenTarget(Protocol):
+    """The frozen target an online objective calls (objectives.teacher.Teacher): the trainer shards it across
+    the ranks when the launcher says `shard_target`, before the objective moves it onto the device."""
+
+    def shard(self, device: torch.device) -> None: ...
+
+    def local_share(self) -> float: ...
+
+
 class Trainer:
     """`Trainer(cfg, objective, models, train_ds, eval_ds).fit()`; datasets are indexable collections of
-    mappings with `input_ids` (see data.collate_token_sequences)."""
+    mappings with `input_ids` (see data.collate_token_sequences). `frozen_target`: the target the objective
+    calls in online mode, when it is frozen (sharded with FSDP2 under `launcher.shard_target`)."""
 
     def __init__(
         self,
@@ -85,6 +85,7 @@ class Trainer:
         run_config: Mapping[str, Any] | None = None,
         wandb_run: Any = None,
         collate_fn: Callable[[list], dict[str, Tensor]] | None = None,
+        frozen_target: FrozenTarget | None = None,
     ) -> None:
         config.validate()
         self.cfg, self.objective, self.launcher = config, objective, launcher or LauncherConfig()
@@ -110,6 +111,9 @@ class Trainer:
             len(train_dataset), config.batch_size, rank=acc.process_index, world_size=acc.num_processes,
             seed=config.seed, shuffle=config.shuffle,
         )  # fmt: skip
+        self.frozen_target = frozen_target
+        if self.launcher.shard_target and frozen_target is not None:  # before build moves it onto the device
+            frozen_target.shard(acc.device)
         set_seed(config.seed)  # identical initial weights on every rank
         module = objective.build(models, acc.device)
         trainable = [p for p in module.parameters() if p.requires_grad]
@@ -267,73 +271,19 @@ class Trainer:
 
     def fit(self) -> TrainResult:
         """Train until `max_steps`; resumes from the latest checkpoint of `output_dir` when `resume=auto`."""
-        cfg, acc = self.cfg, self.accelerator
+        acc = self.accelerator
         try:
             state = self._resume_or_start()
             if acc.is_main_process:
                 self.metrics_file = JsonlMetrics(self.output_dir / "metrics.jsonl", state.step if state.step else None)
-            stream = self._micro_batches(state.epoch, state.batches_consumed)
-            bar = progress(total=cfg.max_steps, initial=state.step, desc="distill") if acc.is_main_process else _NoBar()
-            final_metrics: dict[str, float] = {}
-            window_tokens, window_start = 0.0, time.perf_counter()
-            self._set_training(True)
-            fit_start, stopped = time.perf_counter(), False
-            while state.step < cfg.max_steps:
-                if self._time_up(fit_start):
-                    stopped = True
-                    break
-                step = state.step + 1
-                component_sums: dict[str, float] = defaultdict(float)
-                grad_norm: Tensor | None = None
-                for _ in range(cfg.gradient_accumulation_steps):
-                    epoch, batch_index, batch = next(stream)
-                    self.consumed_batches.append((epoch, batch_index))
-                    batch = self._to_device(batch)
-                    with acc.accumulate(self.model), acc.autocast():
-                        loss, components = self.objective.loss(self.model, batch)
-                        self._stop_if_non_finite({"loss": loss, **components}, step, epoch, batch_index)
-                        acc.backward(loss)
-                        if acc.sync_gradients:
-                            if cfg.grad_clip > 0:
-                                grad_norm = acc.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)
-                            self._stop_if_non_finite({"grad_norm": grad_norm}, step, epoch, batch_index)
-                            self.optimizer.step()
-                            self.optimizer.zero_grad(set_to_none=True)
-                    for name, value in {"loss": loss, **components}.items():
-                        component_sums[name] += float(value.detach().float()) / cfg.gradient_accumulation_steps
-                    window_tokens += float(batch["attention_mask"].sum())
-                lr = self.scheduler.get_last_lr()[0]
-                self.scheduler.step()
-                state = ckpt.TrainerState(step, epoch, batch_index + 1, acc.num_processes, self.config_hash)
-                bar.update(1)
-
-                if step % cfg.log_every == 0 or step == cfg.max_steps:
-                    reduced = self._mean_over_ranks({**component_sums, "_tokens": window_tokens})
-                    elapsed = time.perf_counter() - window_start
-                    record: dict[str, Any] = {"step": step, "epoch": epoch, "lr": lr}
-                    record.update({("loss" if n == "loss" else f"loss/{n}"): v for n, v in reduced.items() if n != "_tokens"})
-                    if grad_norm is not None:
-                        record["grad_norm"] = float(grad_norm)
-                    record["tokens_per_s"] = reduced["_tokens"] * acc.num_processes / max(elapsed, 1e-9)
-                    self._log(record)
-                    bar.set_postfix(loss=f"{record['loss']:.4f}")
-                    window_tokens, window_start = 0.0, time.perf_counter()
-                if (cfg.eval_every and step % cfg.eval_every == 0) or step == cfg.max_steps:
-                    final_metrics = self.evaluate()
-                    if final_metrics:
-                        self._log({"step": step, **final_metrics})
-                if (cfg.checkpoint_every and step % cfg.checkpoint_every == 0) or step == cfg.max_steps:
-                    self._save(state)
-            bar.close()
+            state, final_metrics, stopped = self._train_loop(state)
             if stopped:
-                warn_event(stage="distill", stopped_by_time_cap=True, step=state.step, max_steps=cfg.max_steps,
-                           max_minutes=cfg.max_minutes)
-                if state.step > 0 and not (cfg.checkpoint_every and state.step % cfg.checkpoint_every == 0):
-                    self._save(state)  # (a checkpoint_every step is saved already)
+                self._save_at_time_cap(state)
             if not final_metrics:
                 final_metrics = self.evaluate()
             write_rank_report(self.output_dir / "ranks" / f"rank{acc.process_index}.json", acc, self.model,
-                              self.launcher, self.sampler.examples_of(self.consumed_batches))
+                              self.launcher, self.sampler.examples_of(self.consumed_batches),
+                              self.frozen_target.local_share() if self.frozen_target is not None else None)
             return TrainResult(state, final_metrics, self.last_checkpoint, stopped)
         except BaseException:
             # The error may be on this rank only: a barrier would hang, so tear down without one.
@@ -342,6 +292,92 @@ class Trainer:
         finally:
             if acc.is_main_process and hasattr(self, "metrics_file"):
                 self.metrics_file.close()
+
+    def _train_loop(self, state: ckpt.TrainerState) -> tuple[ckpt.TrainerState, dict[str, float], bool]:
+        """Steps from `state` to max_steps (or the time cap): (last state, latest held-out metrics, stopped by cap)."""
+        cfg = self.cfg
+        stream = self._micro_batches(state.epoch, state.batches_consumed)
+        bar = progress(total=cfg.max_steps, initial=state.step, desc="distill") if self.accelerator.is_main_process else NoBar()
+        final_metrics: dict[str, float] = {}
+        window = LogWindow()
+        self._set_training(True)
+        fit_start, stopped = time.perf_counter(), False
+        while state.step < cfg.max_steps:
+            if self._time_up(fit_start):
+                stopped = True
+                break
+            result = self._train_step(state.step + 1, stream)
+            state = result.state
+            bar.update(1)
+            window.tokens += result.tokens
+            evaluated = self._after_step(result, window, bar)
+            final_metrics = evaluated if evaluated is not None else final_metrics
+        bar.close()
+        return state, final_metrics, stopped
+
+    def _train_step(self, step: int, stream: Iterator[tuple[int, int, dict[str, Tensor]]]) -> _StepResult:
+        """One optimizer step over `gradient_accumulation_steps` micro-batches (NaN guard before the update)."""
+        cfg, acc = self.cfg, self.accelerator
+        loss_sums: dict[str, float] = defaultdict(float)
+        grad_norm: Tensor | None = None
+        tokens = 0.0
+        for _ in range(cfg.gradient_accumulation_steps):
+            epoch, batch_index, batch = next(stream)
+            self.consumed_batches.append((epoch, batch_index))
+            batch = self._to_device(batch)
+            with acc.accumulate(self.model), acc.autocast():
+                loss, components = self.objective.loss(self.model, batch)
+                self._stop_if_non_finite({"loss": loss, **components}, step, epoch, batch_index)
+                acc.backward(loss)
+                if acc.sync_gradients:
+                    grad_norm = self._optimizer_step(step, epoch, batch_index)
+            for name, value in {"loss": loss, **components}.items():
+                loss_sums[name] += float(value.detach().float()) / cfg.gradient_accumulation_steps
+            tokens += float(batch["attention_mask"].sum())
+        lr = self.scheduler.get_last_lr()[0]
+        self.scheduler.step()
+        state = ckpt.TrainerState(step, epoch, batch_index + 1, acc.num_processes, self.config_hash)
+        return _StepResult(state, epoch, dict(loss_sums), grad_norm, tokens, lr)
+
+    def _optimizer_step(self, step: int, epoch: int, batch_index: int) -> Tensor | None:
+        grad_norm = self.accelerator.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip) if self.cfg.grad_clip > 0 else None
+        self._stop_if_non_finite({"grad_norm": grad_norm}, step, epoch, batch_index)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return grad_norm
+
+    def _after_step(self, result: _StepResult, window: LogWindow, bar: Any) -> dict[str, float] | None:
+        """Log, evaluate and checkpoint as the schedule says; returns the held-out metrics when it evaluated."""
+        cfg, step = self.cfg, result.state.step
+        if step % cfg.log_every == 0 or step == cfg.max_steps:
+            self._log_train(result, window, bar)
+        evaluated = None
+        if (cfg.eval_every and step % cfg.eval_every == 0) or step == cfg.max_steps:
+            evaluated = self.evaluate()
+            if evaluated:
+                self._log({"step": step, **evaluated})
+        if (cfg.checkpoint_every and step % cfg.checkpoint_every == 0) or step == cfg.max_steps:
+            self._save(result.state)
+        return evaluated
+
+    def _log_train(self, result: _StepResult, window: LogWindow, bar: Any) -> None:
+        reduced = self._mean_over_ranks({**result.losses, "_tokens": window.tokens})
+        elapsed = time.perf_counter() - window.start
+        record: dict[str, Any] = {"step": result.state.step, "epoch": result.epoch, "lr": result.lr}
+        record.update({("loss" if n == "loss" else f"loss/{n}"): v for n, v in reduced.items() if n != "_tokens"})
+        if result.grad_norm is not None:
+            record["grad_norm"] = float(result.grad_norm)
+        record["tokens_per_s"] = reduced["_tokens"] * self.accelerator.num_processes / max(elapsed, 1e-9)
+        self._log(record)
+        bar.set_postfix(loss=f"{record['loss']:.4f}")
+        window.tokens, window.start = 0.0, time.perf_counter()
+
+    def _save_at_time_cap(self, state: ckpt.TrainerState) -> None:
+        cfg = self.cfg
+        warn_event(stage="distill", stopped_by_time_cap=True, step=state.step, max_steps=cfg.max_steps,
+                   max_minutes=cfg.max_minutes)
+        if state.step > 0 and not (cfg.checkpoint_every and state.step % cfg.checkpoint_every == 0):
+            self._save(state)  # (a checkpoint_every step is saved already)
 
     def trainable_state_dict(self) -> dict[str, Tensor]:
         """Full weights of the trained module (gathers FSDP / ZeRO-3 shards); for drafts.io export.
@@ -358,16 +394,3 @@ class Trainer:
 
     def __exit__(self, *exc: Any) -> None:
         shutdown_distributed(barrier=exc[0] is None)
-
-
-class _NoBar:
-    """Progress bar stand-in on non-main ranks."""
-
-    def update(self, n: int = 1) -> None:
-        pass
-
-    def set_postfix(self, **kwargs: Any) -> None:
-        pass
-
-    def close(self) -> None:
-        pass

@@ -1,0 +1,55 @@
+"""Run under torchrun (2 gloo ranks): a tiny random target's teacher forward, unsharded and then sharded
+with `Teacher.shard`, on the same batch; each rank writes what it saw to <out>/rank<r>.json. Not a test module
+itself: tests/train/distill/test_sharded_target.py starts it."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+
+def tiny_target(family: str) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config, Qwen3MoeConfig
+
+    common = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=False)
+    config = {"llama": lambda: LlamaConfig(**common),
+              "qwen3": lambda: Qwen3Config(**common, head_dim=24),
+              "qwen3_moe": lambda: Qwen3MoeConfig(**common, head_dim=24, num_experts=4, num_experts_per_tok=2,
+                                                  moe_intermediate_size=48, norm_topk_prob=True)}[family]()
+    torch.manual_seed(0)  # the same random target on every rank
+    return AutoModelForCausalLM.from_config(config).float()
+
+
+def main() -> None:
+    from train.distill.objectives.teacher import Teacher
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--family", default="llama")
+    args = parser.parse_args()
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    teacher = Teacher(tiny_target(args.family))
+    ids = torch.randint(1, 96, (2, 12), generator=torch.Generator().manual_seed(rank))  # ranks differ: own data
+    mask = torch.ones_like(ids, dtype=torch.bool)
+    mask[1, 9:] = False
+    with torch.no_grad():
+        reference = teacher(ids, mask, [1, 2, 4])
+        teacher.shard(torch.device("cpu"))
+        sharded = [teacher(ids, mask, [1, 2, 4]) for _ in range(2)]  # twice: shards are freed and gathered again
+    diff = max(float((a - b).abs().max()) for out in sharded for a, b in zip(out, reference))
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    (Path(args.out) / f"rank{rank}.json").write_text(json.dumps(
+        {"rank": rank, "world_size": dist.get_world_size(), "max_abs_diff": diff, "local_share": teacher.local_share(),
+         "pid": os.getpid()}))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
