@@ -178,6 +178,21 @@ def warm_start(draft: nn.Module, kind: str, init_from: str, target_dir: Path) ->
     draft.load_state_dict(theirs)
 
 
+def frozen_target(teacher: Any, launcher: Any, trains_target: bool) -> Any:
+    """The teacher the trainer may shard: the frozen target of an online objective. launcher.shard_target with a
+    target that trains (Medusa-2) is refused, one line; with no target in the loop there is nothing to shard."""
+    if teacher is None:
+        if launcher.shard_target:
+            log_event(stage="distill", shard_target="skipped", reason="no target in the training loop (offline data)")
+        return None
+    if trains_target:  # Medusa-2: the LoRA deltas train, the target is inside the trained module
+        if not launcher.shard_target:
+            return None
+        raise ValueError("launcher.shard_target: the target trains in this job (draft.medusa2=true), so it is part of "
+                         "the trained module; shard it with launcher=fsdp instead")
+    return teacher
+
+
 def make_objective(kind: str, dcfg: Any, teacher: Any, target_dir: Path, draft: nn.Module) -> Any:
     from train.distill.objectives import make_objective as make
 
@@ -276,7 +291,7 @@ def train_and_export(cfg: DictConfig, prepared: Prepared, out_dir: Path | None =
     wandb_run = init_wandb(cfg, job_type="distill", wandb_dir=artifacts.wandb_dir, name=name) if is_main else None
     trainer = Trainer(train_cfg, objective, {"draft": draft}, train_set, eval_set, launcher=launcher,
                       run_config={"draft": draft_container, "target": fingerprint, "data": Manifest.read(data_dir).key},
-                      wandb_run=wandb_run)
+                      wandb_run=wandb_run, frozen_target=frozen_target(teacher, launcher, bool(dcfg.get("medusa2", False))))
     try:
         with trainer:
             result = trainer.fit()
