@@ -7,13 +7,14 @@ import json
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaForCausalLM
 
 from drafts.eagle import EagleDraft
 from drafts.eagle3 import Eagle3Draft, build_reduced_vocab
 from drafts.io import ExpectedTarget, load_draft, read_draft_meta, save_draft
 from drafts.medusa import MedusaDraft
 from drafts.standalone import StandaloneDraft
+from tiny_models import save_tiny_model, tiny_model
 
 V, D = 128, 64
 TARGET = dict(hidden_size=D, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, vocab_size=V)
@@ -88,8 +89,7 @@ def test_standalone_dir_is_a_plain_hf_checkpoint(tied, tmp_path):
 
 def test_plain_hf_dir_without_metadata_loads_as_standalone(tmp_path):
     """A user's HF Llama dir with no draftsmith.json is an unfingerprinted standalone draft."""
-    torch.manual_seed(0)
-    hf = LlamaForCausalLM(LlamaConfig(**{**TARGET, "num_hidden_layers": 1})).eval()
+    hf = tiny_model("llama", **{**TARGET, "num_hidden_layers": 1})
     hf.save_pretrained(tmp_path)
     loaded = load_draft(tmp_path, expected_target=ExpectedTarget("fp", V, D))
     assert loaded.kind == "standalone" and loaded.meta.target_fingerprint is None
@@ -125,8 +125,7 @@ def test_expected_target_from_model_dir_uses_identity_fingerprint(tmp_path):
     """Passing the target's model dir computes its fingerprint via drafts.identity and checks against it."""
     from drafts.identity import target_fingerprint
 
-    torch.manual_seed(0)
-    LlamaForCausalLM(LlamaConfig(**TARGET)).save_pretrained(tmp_path / "target")
+    save_tiny_model(tmp_path / "target", **TARGET)
     fp = target_fingerprint(tmp_path / "target")
     save_draft(make_draft("eagle"), tmp_path / "ok", target_fingerprint=fp)
     save_draft(make_draft("eagle"), tmp_path / "other", target_fingerprint="0" * len(fp))

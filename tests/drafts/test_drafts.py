@@ -13,19 +13,19 @@ from drafts.eagle3 import Eagle3Config, Eagle3Draft, build_reduced_vocab, defaul
 from drafts.medusa import MedusaDraft
 from drafts.standalone import StandaloneConfig, StandaloneDraft, init_from_target
 from kernels.layers.config import DecoderConfig
+from tiny_models import tiny_config, tiny_model
 
 V, D, L = 128, 64, 4
+TARGET = dict(vocab_size=V, hidden_size=D, intermediate_size=128, num_hidden_layers=L)
 
 
 def target_config(**kw) -> LlamaConfig:
-    base = dict(hidden_size=D, intermediate_size=128, num_hidden_layers=L, num_attention_heads=4, num_key_value_heads=2, vocab_size=V)
-    return LlamaConfig(**{**base, **kw})
+    return tiny_config("llama", **{**TARGET, **kw})
 
 
 @pytest.fixture(scope="module")
 def target() -> LlamaForCausalLM:
-    torch.manual_seed(0)
-    return LlamaForCausalLM(target_config()).eval()
+    return tiny_model("llama", **TARGET)
 
 
 def target_features(target, ids):
@@ -39,9 +39,8 @@ def target_features(target, ids):
 
 def test_standalone_matches_hf_llama_with_llama3_rope_and_gqa():
     """Our flattened-token Llama stack (RMSNorm, llama3 rope, GQA, MLP) gives HF's logits to fp32 precision."""
-    torch.manual_seed(1)
     scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8}
-    hf = LlamaForCausalLM(target_config(num_hidden_layers=2, rope_scaling=scaling)).eval()
+    hf = tiny_model("llama", 1, **{**TARGET, "num_hidden_layers": 2}, rope_scaling=scaling)
     ours = StandaloneDraft.from_hf(hf).eval()
     ids = torch.randint(0, V, (3, 20))
     with torch.no_grad():

@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 from safetensors.torch import load_file
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaConfig
 
 from drafts.eagle import EagleDraft
 from drafts.eagle3 import Eagle3Draft, build_reduced_vocab
@@ -22,11 +22,8 @@ TARGET = dict(hidden_size=D, intermediate_size=128, num_hidden_layers=6, num_att
 
 
 @pytest.fixture(scope="module")
-def target_dir(tmp_path_factory):
-    torch.manual_seed(0)
-    path = tmp_path_factory.mktemp("target")
-    LlamaForCausalLM(LlamaConfig(**TARGET)).save_pretrained(path)
-    return path
+def target_dir(tiny_target):
+    return tiny_target("llama", **TARGET)
 
 
 def eagle3(fc_bias=False) -> Eagle3Draft:

@@ -15,20 +15,14 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaForCausalLM
 
 from drafts.identity import target_fingerprint
 
 
 @pytest.fixture(scope="module")
-def saved(tmp_path_factory) -> Path:
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                         tie_word_embeddings=False)
-    model_dir = tmp_path_factory.mktemp("target")
-    LlamaForCausalLM(config).to(torch.float32).save_pretrained(model_dir)
-    return model_dir
+def saved(tiny_target) -> Path:
+    return tiny_target("llama", hidden_size=32, intermediate_size=64, max_position_embeddings=64)
 
 
 @pytest.fixture(scope="module")

@@ -6,27 +6,18 @@ import pytest
 import torch
 
 from serve_eval.engine import LLM, LLMEngine, EngineConfig, SamplingParams
+from tiny_models import tiny_model, word_tokenizer
 
 VOCAB, MAX_POS = 256, 160
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    from tokenizers import Tokenizer, models, pre_tokenizers, decoders
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=MAX_POS,
-                         initializer_range=0.1, eos_token_id=VOCAB - 1, bos_token_id=0, pad_token_id=0)
-    model = LlamaForCausalLM(config).eval()
+    model = tiny_model("llama", vocab_size=VOCAB, max_position_embeddings=MAX_POS, initializer_range=0.1,
+                       eos_token_id=VOCAB - 1, bos_token_id=0, pad_token_id=0)
     path = tmp_path_factory.mktemp("tiny_llama")
     model.save_pretrained(path)
-    # Word-level tokenizer "w0".."w255" so stop strings can be tested.
-    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(VOCAB)}, unk_token="w1"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.decoder = decoders.WordPiece(prefix="##")   # joins words with spaces
-    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=f"w{VOCAB - 1}", unk_token="w1").save_pretrained(path)
+    word_tokenizer(VOCAB).save_pretrained(path)  # "w0".."w255": stop strings can be tested
     return path, model
 
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 import pytest
 import torch
 from torch import nn
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from kernels.layers.checkpoint import load_target_embed_and_head
 from drafts.identity import target_fingerprint
@@ -20,21 +19,17 @@ from serve_eval.speculative.proposers.base import TargetFeatures
 from serve_eval.speculative.proposers.medusa import MedusaProposer
 from serve_eval.speculative.tree import TreeShape
 from spec_helpers import Seq, params
+from tiny_models import save_tiny_model
 
 VOCAB, HIDDEN, HEADS = 80, 32, 4
 
 
-def make_target(path, vocab=VOCAB, hidden=HIDDEN):
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
-    LlamaForCausalLM(cfg).save_pretrained(path)
-    return path
+TARGET = dict(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=64, max_position_embeddings=128)
 
 
 @pytest.fixture(scope="module")
-def target_dir(tmp_path_factory):
-    return make_target(tmp_path_factory.mktemp("target"))
+def target_dir(tiny_target):
+    return tiny_target("llama", **TARGET)
 
 
 def make_draft(target_dir, shared=True):
@@ -124,7 +119,7 @@ def test_constructor_checks_target(target_dir, tmp_path):
     foreign = save_draft(make_draft(target_dir), tmp_path / "foreign", target_fingerprint="fedcba9876543210")
     with pytest.raises(ValueError, match=f"fingerprint fedcba9876543210, but the target's fingerprint is {fp}"):
         MedusaProposer(SpecConfig(method="medusa", draft_path=str(foreign)), executor, "cpu", torch.float32, target_dir)
-    other = make_target(tmp_path / "other", vocab=VOCAB, hidden=48)
+    other = save_tiny_model(tmp_path / "other", **{**TARGET, "hidden_size": 48})
     wrong = save_draft(MedusaDraft.from_target_config(other), tmp_path / "wrong")
     with pytest.raises(ValueError, match="hidden_size=48, but the target has hidden_size=32"):
         MedusaProposer(SpecConfig(method="medusa", draft_path=str(wrong)), executor, "cpu", torch.float32)
