@@ -72,8 +72,21 @@ def _one_round(run: HookRun, outcome: DraftOutcome, old: DraftEntry, parent: Dra
         report = run.collab.evaluator.evaluate(run.opts.target_path, {old.kind: Path(draft_dir)},
                                                sorted(outcome.domains), run.opts.profile)
     report_path = run.save_report(report, label.replace(f"-hook-{run.stamp}", "-candidate"))
-    run.registry.update(cand.id, report_path=str(report_path), report_method=old.kind)
+    lineage = _log_lineage(run, data, Path(draft_dir), report_path, parent)
+    cand = run.registry.update(cand.id, report_path=str(report_path), report_method=old.kind, lineage=lineage)
     return cand, draft_dir, rules.domain_alphas(report.results, old.kind), report_path
+
+
+def _log_lineage(run: HookRun, data: Path, draft_dir: Path, report_path: Path, parent: DraftEntry) -> list:
+    """target -> data -> draft -> report as W&B artifacts (the draft also uses its warm-start parent's).
+    A W&B failure costs the lineage, not the candidate: it is noted in the record."""
+    parents = [ref for ref in parent.lineage if ref.type == "draft"]
+    try:
+        with run.timed("lineage"):
+            return run.collab.lineage.log_chain(run.new, data, draft_dir, report_path, parents)
+    except Exception as err:  # noqa: BLE001 - W&B's own errors are many and unrelated to the draft
+        run.record.setdefault("lineage_errors", []).append(f"{draft_dir.name}: {type(err).__name__}: {err}")
+        return []
 
 
 def _promotion_bar(outcome: DraftOutcome, alphas: dict[str, float], threshold: float) -> dict[str, float | None]:

@@ -13,6 +13,8 @@ from typing import Any, Protocol
 from serve_eval.eval.report import Report
 from train.hook.decision import HookError
 from train.named import resolve
+from train.registry.lineage import Lineage, NoLineage
+from train.registry.records import ArtifactRef, RegisteredTarget
 
 
 class Evaluator(Protocol):
@@ -87,12 +89,36 @@ class DraftIOLoader:
                              f"{num_layers} layers")
 
 
+class ConfiguredLineage:
+    """W&B lineage with the jobs' own settings (``wandb.*`` and ``artifacts_root`` among the pass-through
+    overrides, the config's defaults otherwise: offline); built at its first call."""
+
+    _KEYS = ("artifacts_root", "wandb.mode", "wandb.project", "wandb.entity")
+
+    def __init__(self, overrides: list[str]):
+        self.overrides = [o for o in overrides if o.partition("=")[0].lstrip("+~") in self._KEYS]
+        self._inner: Lineage | None = None
+
+    def log_chain(self, target: RegisteredTarget, data_dir: Path, draft_dir: Path, report_path: Path,
+                  parents: list[ArtifactRef] | tuple = ()) -> list[ArtifactRef]:
+        if self._inner is None:
+            from drafts.artifacts import Artifacts
+            from train.config import compose
+            from train.logs import WandbSettings
+            from train.registry.lineage import lineage_for
+
+            cfg = compose(self.overrides)
+            self._inner = lineage_for(WandbSettings.from_config(cfg), Artifacts(Path(cfg.artifacts_root)).wandb_dir)
+        return self._inner.log_chain(target, data_dir, draft_dir, report_path, parents)
+
+
 @dataclass
 class Collaborators:
     evaluator: Evaluator
     regenerator: Regenerator
     distiller: Distiller
     loader: DraftLoader = field(default_factory=DraftIOLoader)
+    lineage: Lineage = field(default_factory=NoLineage)   # the fakes log nothing; real() logs to W&B
 
     @classmethod
     def real(cls, specs: dict[str, str] | None = None, overrides: list[str] | None = None) -> "Collaborators":
@@ -106,4 +132,4 @@ class Collaborators:
                 raise HookError(str(err)) from None
         return cls(NamedEvaluator("evaluator", specs["evaluator"], overrides),
                    NamedRegenerator("regenerator", specs["regenerator"], overrides),
-                   NamedDistiller("distiller", specs["distiller"], overrides), loader)
+                   NamedDistiller("distiller", specs["distiller"], overrides), loader, ConfiguredLineage(overrides))
