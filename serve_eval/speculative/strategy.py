@@ -110,7 +110,8 @@ class SpeculativeStrategy:
     def _probe_tree_costs(self, engine: "LLMEngine") -> None:
         """The target's forward timed at a tree's query lengths, while no KV block holds anything yet."""
         budget = self.proposer.tree_budget
-        if budget is None or budget.curve is not None or engine.kv.pool.num_used_blocks:
+        pool = engine.kv.pool
+        if budget is None or budget.curve is not None or pool.num_used_blocks or pool.num_cached_free:
             return
         cap = min(engine.config.max_num_batched_tokens, engine.config.max_num_seqs * (1 + self.config.max_draft_nodes))
         budget.curve = probe_verify_costs(engine.executor, engine.kv.block_size, engine.kv.num_gpu_blocks,

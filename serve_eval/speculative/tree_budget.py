@@ -94,7 +94,7 @@ def best_node_count(values_desc: Tensor, fixed_s: float, node_s: float) -> int:
 
 @dataclass(frozen=True)
 class VerifyCostCurve:
-    """Seconds of one target forward by query tokens, measured at a few lengths (piecewise linear)."""
+    """Seconds of one target forward by query tokens, measured at a few lengths."""
 
     tokens: tuple[int, ...]  # increasing
     seconds: tuple[float, ...]
@@ -105,10 +105,13 @@ class VerifyCostCurve:
                              f"{self.tokens} / {self.seconds}")
 
     def marginal_s(self, tokens: int) -> float:
-        """Seconds one more query token adds around `tokens` (the slope of its segment, never negative)."""
-        i = min(max(bisect.bisect_right(self.tokens, tokens), 1), len(self.tokens) - 1)
-        slope = (self.seconds[i] - self.seconds[i - 1]) / (self.tokens[i] - self.tokens[i - 1])
-        return max(slope, 0.0)
+        """Seconds one more query token adds around `tokens`: the least-squares slope over the probed lengths
+        up to twice `tokens` (at least two of them), so one noisy timing does not set it; never negative."""
+        end = max(bisect.bisect_right(self.tokens, 2 * tokens), 2)
+        x = torch.tensor(self.tokens[:end], dtype=torch.float64)
+        y = torch.tensor(self.seconds[:end], dtype=torch.float64)
+        dx = x - x.mean()
+        return max(float((dx * (y - y.mean())).sum() / (dx * dx).sum()), 0.0)
 
     @classmethod
     def probe(cls, time_forward: Callable[[int], float], token_counts: Sequence[int], repeats: int = 3) -> VerifyCostCurve:
