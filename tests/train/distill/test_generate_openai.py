@@ -1,7 +1,8 @@
 """`generate backend=openai` against our own server on loopback: the answers equal the in-process engine's
 (greedy, ids exact through return_tokens_as_token_ids), the manifest records the endpoint's model id and the
 sampling, a server killed mid-run stops the job after its last complete shard and a rerun resumes from there;
-an unreachable endpoint stops before any shard."""
+an unreachable endpoint stops before any shard; top-k KD data stores the endpoint's top-k (equal to the target's
+teacher-forced log-probs), and an endpoint offering none stops the job before any shard."""
 from __future__ import annotations
 
 import json
@@ -99,3 +100,94 @@ def test_vocabulary_mismatch_is_one_line(ckpt):
         gen = OpenAIGenerator(EndpointConfig(srv.base_url + "/v1", logprobs=1), SmallVocab(), data())
         with pytest.raises(EndpointError, match="vocabulary mismatch"):
             gen.answers([[5, 6, 7, 8]], [0])
+
+
+TOPK = 4
+SERVER_MAX_LOGPROBS = 20  # serve_eval.server.protocol's cap on top_logprobs
+
+
+def _stored_topk(cache_dir, example_id):
+    from safetensors import safe_open
+
+    from train.distill.gendata import shard_paths
+
+    shard = example_id // data().shard_size
+    with safe_open(str(shard_paths(cache_dir, shard)[1]), "pt") as tensors:
+        return tensors.get_tensor(f"{example_id}.topk_ids"), tensors.get_tensor(f"{example_id}.topk_logprobs")
+
+
+def test_endpoint_topk_logprobs_are_stored_as_the_targets(ckpt, tmp_path):
+    """Top-k KD data through the endpoint: the stored top-k of every answer row are the endpoint's, and they are
+    the target's own distribution (each stored log-prob equals the target's teacher-forced log-softmax at that row
+    and id, 1e-3; ranked best first); rows no answer token is predicted from hold the data token at log-prob 0.
+    Prints the loopback throughput of this run (noisy: a shared 2-core machine)."""
+    import torch
+
+    from train.distill.objectives.teacher import Teacher
+
+    out = tmp_path / "topk"
+    with serve(make_engine(ckpt)) as srv:
+        start = time.perf_counter()
+        generate_dataset(ckpt, target_fingerprint(ckpt), RECORDS, data(str(out)), StoredExtras(topk=TOPK), tmp_path / "x",
+                         endpoint=EndpointConfig(srv.base_url + "/v1", concurrency=4))
+        seconds = time.perf_counter() - start
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["complete"] and manifest["endpoint"]["topk_source"].startswith("endpoint")
+    assert manifest["endpoint"]["logprobs"] == TOPK and manifest["extras"]["topk"] == TOPK
+    teacher = Teacher.from_dir(ckpt)
+    prompt_lengths = _prompt_lengths(out)
+    answered = 0
+    for example_id, seq in rows(out):
+        ids, logprobs = _stored_topk(out, example_id)
+        n, p = len(seq), prompt_lengths[example_id]
+        assert tuple(ids.shape) == tuple(logprobs.shape) == (n, TOPK)
+        with torch.no_grad():
+            reference = torch.log_softmax(teacher(torch.tensor([seq]), torch.ones(1, n, dtype=torch.bool)).logits[0], -1)
+        answer_rows = range(p - 1, n - 1)
+        answered += len(answer_rows)
+        for row in answer_rows:
+            assert torch.allclose(logprobs[row], reference[row, ids[row].long()], atol=1e-3), (example_id, row)
+            assert bool((logprobs[row][:-1] >= logprobs[row][1:]).all())
+        for row in [*range(p - 1), n - 1]:
+            assert logprobs[row, 0] == 0.0 and ids[row, 0] == seq[min(row + 1, n - 1)]
+    print(f"external generation with top-{TOPK} over loopback: {len(RECORDS) / seconds:.1f} requests/s, "
+          f"{answered / seconds:.0f} answer tokens/s ({len(RECORDS)} prompts, concurrency 4, {seconds:.2f} s)")
+
+
+def _prompt_lengths(cache_dir):
+    import datasets
+
+    return {r["example_id"]: r["prompt_length"] for r in datasets.load_from_disk(str(cache_dir / "dataset"))}
+
+
+def test_endpoint_without_topk_stops_before_any_shard(ckpt, tmp_path, monkeypatch):
+    """An endpoint that answers but offers no log-probs (or fewer than k) stops a top-k KD job with one line
+    naming it, before a shard is written; the answers-only job against it still runs."""
+    original = OpenAIGenerator._request
+
+    def without_logprobs(self, method, path, body=None):
+        response = original(self, method, path, body)
+        for choice in response.get("choices", []):
+            choice["logprobs"] = None
+        return response
+
+    monkeypatch.setattr(OpenAIGenerator, "_request", without_logprobs)
+    out = tmp_path / "no_topk"
+    with serve(make_engine(ckpt)) as srv:
+        cfg = EndpointConfig(srv.base_url + "/v1", concurrency=4)
+        with pytest.raises(EndpointError, match=f"offers no top-{TOPK} log-probs.*topk_logits={TOPK}") as err:
+            generate_dataset(ckpt, target_fingerprint(ckpt), RECORDS, data(str(out)), StoredExtras(topk=TOPK),
+                             tmp_path / "x", endpoint=cfg)
+        assert "\n" not in str(err.value) and srv.base_url in str(err.value)
+        assert not shard_complete(out, 0) and not list(out.glob("shard-*"))
+        monkeypatch.setattr(OpenAIGenerator, "_request", original)
+        fewer = OpenAIGenerator(cfg, _tokenizer(ckpt), data(), topk=SERVER_MAX_LOGPROBS + 1)
+        with pytest.raises(EndpointError):  # the server caps top_logprobs at 20: refused (HTTP 400) or fewer
+            fewer.answers([[5, 6, 7, 8]], [0])
+
+
+def _tokenizer(ckpt):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(ckpt))
+

@@ -12,7 +12,7 @@ format with the corpus references as answers (the corpus-only baseline).
 from __future__ import annotations
 
 import shutil
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -68,7 +68,7 @@ def generate_dataset(target_dir: Path, fingerprint: str, records: list[dict[str,
     prompts = prompt_token_ids(tokenizer, records, data)
     prompt_hash = stable_hash([[r["domain"], r["prompt"]] for r in records])
     tok_hash = tokenizer_hash(target_dir) or "no-tokenizer-files"   # the same hash the registry keeps
-    external = _external(endpoint, tokenizer, data)  # reached (and its model id read) before any shard
+    external = _external(endpoint, tokenizer, data, extras.topk)  # reached (and its model id read) before any shard
     model_id = external.model_id if external else None
     content = content_key(fingerprint, tok_hash, prompt_hash, data, model_id)
     key = cache_key(fingerprint, tok_hash, prompt_hash, data, extras, model_id)
@@ -130,7 +130,8 @@ def _write_shards(out_dir: Path, manifest: Manifest, target_dir: Path, tokenizer
     from train.distill.objectives.teacher import Teacher
 
     generator = external or EngineGenerator(target_dir, data)
-    teacher = Teacher.from_dir(target_dir) if extras.any else None
+    local = replace(extras, topk=0) if external is not None and external.topk else extras  # top-k: the endpoint's
+    teacher = Teacher.from_dir(target_dir) if local.any else None
     done = [i for i in range(manifest.num_shards) if shard_complete(out_dir, i)]
     bar = progress(total=len(prompts), initial=min(len(prompts), len(done) * data.shard_size), desc="generate", unit="prompt")
     start = time.perf_counter()
@@ -148,8 +149,10 @@ def _write_shards(out_dir: Path, manifest: Manifest, target_dir: Path, tokenizer
         answers = (generator.answers(prompts[lo:hi], ids) if data.source == "target"
                    else reference_answers(tokenizer, records[lo:hi], prompts[lo:hi], data))
         sequences = [prompts[i] + answer for i, (answer, _) in zip(ids, answers)]
-        tensors = (teacher_forced_extras(teacher, sequences, extras, data.teacher_batch_size, ids, data.teacher_bf16)
+        tensors = (teacher_forced_extras(teacher, sequences, local, data.teacher_batch_size, ids, data.teacher_bf16)
                    if teacher else {})
+        if local is not extras:
+            tensors.update(external.topk_tensors(prompts[lo:hi], sequences, ids))
         rows = [{"example_id": i, "shard": shard, "domain": records[i]["domain"], "input_ids": seq,
                  "prompt_length": len(prompts[i]), "finish_reason": reason, "answer": tokenizer.decode(answer),
                  "temperature": answer_temperature(data, i) if data.source == "target" else -1.0}
@@ -159,9 +162,9 @@ def _write_shards(out_dir: Path, manifest: Manifest, target_dir: Path, tokenizer
     bar.close()
 
 
-def _external(endpoint: Any, tokenizer: Any, data: DraftDataConfig) -> Any:
+def _external(endpoint: Any, tokenizer: Any, data: DraftDataConfig, topk: int) -> Any:
     if endpoint is None or data.source != "target":
         return None
     from train.external_gen import OpenAIGenerator
 
-    return OpenAIGenerator(endpoint, tokenizer, data)
+    return OpenAIGenerator(endpoint, tokenizer, data, topk=topk)
