@@ -167,7 +167,7 @@ def acceptance(args, kind: str, draft_dir: Path, prompts: dict[str, list[list[in
                 "per_domain": {}}
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--target", required=True, type=Path)
     parser.add_argument("--data-path", default=None, help="prompt records file (default: the embedded corpus)")
@@ -183,49 +183,64 @@ def main() -> None:
     parser.add_argument("--override", action="append", default=[], help="extra Hydra override (repeatable)")
     parser.add_argument("--skip-divergences", action="store_true")
     parser.add_argument("--out", type=Path, default=None)
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+def compare_training_sources(args, kind: str, prompts: dict[str, list[list[int]]]) -> dict:
+    """One kind's acceptance untrained, trained on the corpus references, and distilled from the target."""
+    note(f"{kind}: distill from target outputs")
+    distilled, wall = distill(args, kind)
+    note(f"{kind}: train on corpus references only")
+    corpus_only, _ = distill(args, kind, **{"draft.data.source": "corpus"})
+    rows = {"untrained": untrained(args, kind, distilled), "corpus_only": corpus_only, "distilled": distilled}
+    meta = json.loads((distilled / "draftsmith.json").read_text())["metrics"]
+    note(f"{kind}: acceptance through the engine (untrained, corpus_only, distilled)")
+    result = {name: acceptance(args, kind, path, prompts) for name, path in rows.items()}
+    result["train_tokens_per_s"] = meta.get("train_tokens_per_s")
+    result["job_wall_s"] = wall
+    return result
+
+
+def compare_eagle3_modes(args, report: dict) -> None:
+    note("eagle3: offline mode (cached hidden states) vs online")
+    online = json.loads((distill(args, "eagle3")[0] / "draftsmith.json").read_text())["metrics"]
+    offline = json.loads((distill(args, "eagle3", **{"draft.mode": "offline"})[0] / "draftsmith.json").read_text())["metrics"]
+    # Same examples and steps: epoch time ratio = inverse ratio of training throughput.
+    report["eagle3_offline_vs_online_epoch_speedup"] = offline["train_tokens_per_s"] / online["train_tokens_per_s"]
+    report["eagle3_train_tokens_per_s"] = {"online": online["train_tokens_per_s"], "offline": offline["train_tokens_per_s"]}
+
+
+def compare_divergences(args, report: dict, prompts: dict[str, list[list[int]]]) -> None:
+    """Standalone token-level KD under each divergence; the best one per domain by engine alpha."""
+    report["divergences"] = {}
+    for name in DIVERGENCES:
+        note(f"standalone token_kd divergence={name}")
+        out, _ = distill(args, "standalone", **{"draft.loss": "token_kd", "draft.divergence": name})
+        report["divergences"][name] = acceptance(args, "standalone", out, prompts)
+        save_partial(args, report)
+    domains = sorted(prompts)
+    def best(domain: str) -> str:
+        scored = {n: report["divergences"][n]["per_domain"].get(domain, {}).get("alpha", math.nan) for n in DIVERGENCES}
+        scored = {n: a for n, a in scored.items() if not math.isnan(a)}
+        return max(scored, key=scored.get) if scored else "n/a (no engine measurement)"
+
+    report["best_divergence_by_domain"] = {d: best(d) for d in domains}
+
+
+def main() -> None:
+    args = parse_args()
     args.model_dir = target_model_dir(args.target.resolve())
     args.artifacts = str(Path(args.artifacts).resolve())
     prompts = eval_prompts(args)
     report: dict = {"target": str(args.model_dir), "steps": args.steps, "kinds": {}}
-
     for kind in args.kinds:
-        note(f"{kind}: distill from target outputs")
-        distilled, wall = distill(args, kind)
-        note(f"{kind}: train on corpus references only")
-        corpus_only, _ = distill(args, kind, **{"draft.data.source": "corpus"})
-        rows = {"untrained": untrained(args, kind, distilled), "corpus_only": corpus_only, "distilled": distilled}
-        meta = json.loads((distilled / "draftsmith.json").read_text())["metrics"]
-        note(f"{kind}: acceptance through the engine (untrained, corpus_only, distilled)")
-        report["kinds"][kind] = {name: acceptance(args, kind, path, prompts) for name, path in rows.items()}
-        report["kinds"][kind]["train_tokens_per_s"] = meta.get("train_tokens_per_s")
-        report["kinds"][kind]["job_wall_s"] = wall
+        report["kinds"][kind] = compare_training_sources(args, kind, prompts)
         save_partial(args, report)
-
     if "eagle3" in args.kinds:
-        note("eagle3: offline mode (cached hidden states) vs online")
-        online = json.loads((distill(args, "eagle3")[0] / "draftsmith.json").read_text())["metrics"]
-        offline = json.loads((distill(args, "eagle3", **{"draft.mode": "offline"})[0] / "draftsmith.json").read_text())["metrics"]
-        # Same examples and steps: epoch time ratio = inverse ratio of training throughput.
-        report["eagle3_offline_vs_online_epoch_speedup"] = offline["train_tokens_per_s"] / online["train_tokens_per_s"]
-        report["eagle3_train_tokens_per_s"] = {"online": online["train_tokens_per_s"], "offline": offline["train_tokens_per_s"]}
+        compare_eagle3_modes(args, report)
         save_partial(args, report)
-
     if not args.skip_divergences:
-        report["divergences"] = {}
-        for name in DIVERGENCES:
-            note(f"standalone token_kd divergence={name}")
-            out, _ = distill(args, "standalone", **{"draft.loss": "token_kd", "draft.divergence": name})
-            report["divergences"][name] = acceptance(args, "standalone", out, prompts)
-            save_partial(args, report)
-        domains = sorted(prompts)
-        def best(domain: str) -> str:
-            scored = {n: report["divergences"][n]["per_domain"].get(domain, {}).get("alpha", math.nan) for n in DIVERGENCES}
-            scored = {n: a for n, a in scored.items() if not math.isnan(a)}
-            return max(scored, key=scored.get) if scored else "n/a (no engine measurement)"
-
-        report["best_divergence_by_domain"] = {d: best(d) for d in domains}
-
+        compare_divergences(args, report, prompts)
     report["wall_s"] = time.perf_counter() - START
     save_partial(args, report)
     print(json.dumps(report, indent=2, default=str))

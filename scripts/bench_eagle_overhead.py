@@ -87,7 +87,7 @@ def run_once(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams
     return ms_per_token(wall, tokens), outputs
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--artifacts", default=str(ROOT / "artifacts"))
     ap.add_argument("--target", default=None, help="target model dir (default: found under --artifacts)")
@@ -96,45 +96,37 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--configs", default="nospec,eagle:2,eagle:4,eagle3:2,eagle3:4")
     ap.add_argument("--profile", default=None, help="cProfile one config (e.g. eagle3:2) instead of the table")
-    args = ap.parse_args()
+    return ap.parse_args()
 
-    import torch
 
-    torch.set_grad_enabled(False)
-    artifacts = Path(args.artifacts)
-    target, drafts = find_inputs(artifacts, args.target)
-    names = args.configs.split(",")
-    engines = {name: build_engine(args, target, drafts, name) for name in ([args.profile] if args.profile else names)}
-    prompts = load_prompts(artifacts, next(iter(engines.values())).tokenizer)
-    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
-    for engine in engines.values():  # warm-up: first-call allocations, kernel selection
-        run_once(engine, prompts[:1], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+def profile_one(engine: LLMEngine, name: str, prompts: list[list[int]], params: SamplingParams) -> None:
+    import cProfile
+    import pstats
 
-    if args.profile:
-        import cProfile
-        import pstats
+    prof = cProfile.Profile()
+    prof.enable()
+    ms, _ = run_once(engine, prompts, params)
+    prof.disable()
+    print(f"{name}: {ms:.2f} ms/token")
+    pstats.Stats(prof).sort_stats("tottime").print_stats(30)
 
-        prof = cProfile.Profile()
-        prof.enable()
-        ms, _ = run_once(engines[args.profile], prompts, params)
-        prof.disable()
-        print(f"{args.profile}: {ms:.2f} ms/token")
-        pstats.Stats(prof).sort_stats("tottime").print_stats(30)
-        return
 
-    load_before = os.getloadavg()
+def interleaved_runs(engines: dict[str, LLMEngine], names: list[str], prompts: list[list[int]],
+                     params: SamplingParams, repeats: int) -> tuple[dict[str, list[float]], dict[str, list[list[int]]]]:
+    """Every config `repeats` times, interleaved: ms/token per run, and each config's last outputs."""
     times: dict[str, list[float]] = {name: [] for name in names}
     outputs: dict[str, list[list[int]]] = {}
-    for _ in range(args.repeats):
+    for _ in range(repeats):
         for name in names:
             ms, outs = run_once(engines[name], prompts, params)
             times[name].append(ms)
             outputs[name] = outs
-    load_after = os.getloadavg()
+    return times, outputs
 
+
+def print_rows(engines: dict[str, LLMEngine], names: list[str], times: dict[str, list[float]],
+               outputs: dict[str, list[list[int]]]) -> None:
     base = statistics.median(times["nospec"]) if "nospec" in times else None
-    print(f"target {target.name}  dtype {args.dtype}  batch 1  T=0  {len(prompts)} prompts x {args.max_tokens} tokens"
-          f"  repeats {args.repeats} (median)  torch threads {torch.get_num_threads()}")
     print(f"{'config':10} {'ms/token':>9} {'vs nospec':>10} {'alpha':>6} {'tau':>5} {'draft share':>12} {'== nospec':>10}")
     for name in names:
         ms = statistics.median(times[name])
@@ -147,6 +139,31 @@ def main() -> None:
             share = f"{stats.draft_time_s / spent:.0%}" if spent else "-"
         same = "-" if "nospec" not in outputs else str(outputs[name] == outputs["nospec"])
         print(f"{name:10} {ms:9.2f} {ratio:>10} {alpha:>6} {tau:>5} {share:>12} {same:>10}")
+
+
+def main() -> None:
+    args = parse_args()
+    import torch
+
+    torch.set_grad_enabled(False)
+    artifacts = Path(args.artifacts)
+    target, drafts = find_inputs(artifacts, args.target)
+    names = args.configs.split(",")
+    engines = {name: build_engine(args, target, drafts, name) for name in ([args.profile] if args.profile else names)}
+    prompts = load_prompts(artifacts, next(iter(engines.values())).tokenizer)
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
+    for engine in engines.values():  # warm-up: first-call allocations, kernel selection
+        run_once(engine, prompts[:1], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+    if args.profile:
+        profile_one(engines[args.profile], args.profile, prompts, params)
+        return
+
+    load_before = os.getloadavg()
+    times, outputs = interleaved_runs(engines, names, prompts, params, args.repeats)
+    load_after = os.getloadavg()
+    print(f"target {target.name}  dtype {args.dtype}  batch 1  T=0  {len(prompts)} prompts x {args.max_tokens} tokens"
+          f"  repeats {args.repeats} (median)  torch threads {torch.get_num_threads()}")
+    print_rows(engines, names, times, outputs)
     print(f"load average before {load_before[0]:.2f} {load_before[1]:.2f} {load_before[2]:.2f}, "
           f"after {load_after[0]:.2f} {load_after[1]:.2f} {load_after[2]:.2f} (2 cores)")
 
