@@ -51,7 +51,8 @@ class QuantConfig:
 
     @property
     def label(self) -> str:
-        return "int8" if self.bits == 8 else f"int4-g{self.group_size}"
+        """e.g. int8, int4-g64, int4-g64-head: names the copy's dir and its eval row, so each config has its own."""
+        return ("int8" if self.bits == 8 else f"int4-g{self.group_size}") + ("-head" if self.quantize_head else "")
 
 
 @dataclass

@@ -104,6 +104,9 @@ class PipelineConfig:
     train: dict[str, Any] = field(default_factory=dict)  # TrainerConfig fields (over the `train` group), every kind
     train_by_kind: dict[str, Any] = field(default_factory=dict)  # kind -> TrainerConfig fields for that kind
     eval: dict[str, Any] = field(default_factory=dict)  # EvalConfig fields (over the `eval` group)
+    # The `quantize` stage: weight-only copies of this run's drafts, each {draft: kind, bits, group_size,
+    # quantize_head} (drafts.quant.QuantConfig fields, checked when the stage starts), evaluated beside their source.
+    quantize: list[dict[str, Any]] = field(default_factory=list)
     # The `cost` stage: decode steps x interleaved repetitions per draft (at the largest eval K).
     cost_steps: int = 8
     cost_repeats: int = 3

@@ -44,7 +44,7 @@ def eval_node(ctx: PipelineContext) -> DictConfig:
     """The ``eval`` group + ``pipeline.eval``, aimed at this target, its held-out prompts and this run's drafts."""
     cfg, target = ctx.cfg, need(ctx.results.target, "target")
     node = merge_checked(cfg.eval, cfg.pipeline.eval, "pipeline.eval")
-    drafts = {kind: str(path) for kind, path in ctx.results.drafts.items()}
+    drafts = {label: str(path) for label, path in {**ctx.results.drafts, **ctx.results.variants}.items()}
     prompts = node.prompts or str(need(ctx.results.corpus, "corpus").path("eval"))
     return merge_checked(node, {"target": str(target.model_dir), "prompts": prompts, "drafts": drafts,
                          "discover_drafts": False}, "eval")

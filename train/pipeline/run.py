@@ -39,6 +39,7 @@ from train.named import resolve
 from train.pipeline.build import stage_corpus, stage_target, stage_tokenizer
 from train.pipeline.context import MissingStageResult, PipelineContext, StageResults
 from train.pipeline.cost import stage_cost
+from train.pipeline.quantize import stage_quantize
 from train.pipeline.distill import STAGE_PREFIX, distill, stage_generate
 from train.pipeline.evaluate import stage_eval, stage_register, stage_report
 
@@ -49,6 +50,7 @@ STAGES: dict[str, Stage] = {
     "target": stage_target,
     "generate": stage_generate,
     **{f"{STAGE_PREFIX}{kind}": functools.partial(distill, kind=kind) for kind in KIND_NAMES},
+    "quantize": stage_quantize,
     "cost": stage_cost,
     "eval": stage_eval,
     "report": stage_report,

@@ -16,6 +16,7 @@ from train.pipeline.evaluate import render_table, summary_rows
 
 REPO = Path(__file__).resolve().parents[3]
 KINDS = ["standalone", "medusa", "eagle", "eagle3"]
+VARIANT = "standalone@int8"   # the smoke profile's quantize stage
 DOMAINS = ["chat", "code", "math", "prose"]
 
 
@@ -66,8 +67,14 @@ def test_smoke_pipeline_report_registry_and_cached_rerun(tmp_path):
     report = json.loads(report_path.read_text())
     cells = {(r["domain"], r["method"]) for r in report["results"]}
     for domain in DOMAINS:
-        for method in ["no-spec", "ngram", *KINDS]:
+        for method in ["no-spec", "ngram", *KINDS, VARIANT]:
             assert (domain, method) in cells, (domain, method, report["skipped"])
+    variant_rows = [r for r in report["results"] if r["method"] == VARIANT]
+    assert all(r["variant_of"] == "standalone" and r["quantization"] == "int8" for r in variant_rows)
+    source_bytes = {(r["domain"], r["temperature"]): r["draft_bytes"] for r in report["results"]
+                    if r["method"] == "standalone"}
+    assert all(r["draft_bytes"] < source_bytes[(r["domain"], r["temperature"])] for r in variant_rows)
+    assert "## Quantized variants" in (report_path.parent / "report.md").read_text()
     assert {r["temperature"] for r in report["results"]} == {0.0, 1.0}
     assert "domain  method" in first.stdout and "speedup" in first.stdout  # the summary table
     assert (report_path.parent / "summary.md").is_file()
@@ -86,6 +93,7 @@ def test_smoke_pipeline_report_registry_and_cached_rerun(tmp_path):
     redone = stage_lines(again)
     for name in ["corpus", "tokenizer", "target", "generate", *[f"distill_{k}" for k in KINDS], "cost", "eval"]:
         assert "cached=True" in redone[name], redone[name]
+    assert f"{VARIANT}=cached" in redone["quantize"], redone["quantize"]
     assert all(f"{k}=cached" in redone["register"] for k in KINDS)
     assert printed_report(again) == str(report_path)
     registry_again = json.loads((tmp_path / "targets" / fingerprint / "registry.json").read_text())
