@@ -203,10 +203,14 @@ class Scheduler:
         self.running = still_running
         return out_of_blocks
 
+    def _num_seqs_running(self) -> int:
+        """Running sequences as max_num_seqs counts them: an unforked n > 1 request counts its n samples."""
+        return sum(seq.num_pending_samples for seq in self.running)
+
     def _schedule_swapped(self, plan: "_StepPlan") -> None:
         """(3) swapped sequences return before any new admission."""
         for seq in sorted(self.swapped, key=_order_key):
-            if plan.budget <= 0 or len(self.running) + seq.num_pending_samples > self.config.max_num_seqs:
+            if plan.budget <= 0 or self._num_seqs_running() + seq.num_pending_samples > self.config.max_num_seqs:
                 break
             n, la = self._next_chunk(seq, plan.budget)
             extra = cdiv(seq.num_computed_tokens + n + la, self.kv.block_size) - len(self.kv.cpu_tables[seq.seq_id])
@@ -223,10 +227,11 @@ class Scheduler:
     def _schedule_waiting(self, plan: "_StepPlan") -> None:
         """(4) waiting sequences, FCFS within a tier; a higher tier may pass swapped ones."""
         top_swapped = max((s.priority for s in self.swapped), default=None)
-        while self.waiting and plan.budget > 0 and len(self.running) < self.config.max_num_seqs:
+        num_running = self._num_seqs_running()
+        while self.waiting and plan.budget > 0:
             seq = self.waiting[0]
-            if len(self.running) + seq.num_pending_samples > self.config.max_num_seqs:
-                break   # an unforked n > 1 request becomes n running sequences at its first token
+            if num_running + seq.num_pending_samples > self.config.max_num_seqs:
+                break
             if top_swapped is not None and seq.priority <= top_swapped:
                 break
             assert seq.num_computed_tokens == 0, "waiting sequences hold no KV"
@@ -238,4 +243,5 @@ class Scheduler:
             self.waiting.pop(0)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
+            num_running += seq.num_pending_samples
             plan.take(seq, n, 0)
