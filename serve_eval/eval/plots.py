@@ -13,6 +13,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 from serve_eval.eval.report import BASELINE_METHOD, ResultRow
+from serve_eval.eval.variants import variant_comparisons
 
 
 def _grid(n: int, width: float = 4.5, height: float = 3.4) -> tuple[Figure, list]:
@@ -140,11 +141,42 @@ def plot_ms_per_token(results: list[ResultRow], path: Path) -> Path | None:
     return _save(fig, path)
 
 
+def plot_variants(results: list[ResultRow], path: Path) -> Path | None:
+    """Quantized variants beside their source draft, per temperature: draft ms per round (left) and alpha
+    with its 95% interval (right), grouped by domain (serve_eval.eval.variants)."""
+    comparisons = variant_comparisons(results)
+    if not comparisons:
+        return None
+    temps = sorted({c.temperature for c in comparisons})
+    domains = sorted({c.domain for c in comparisons})
+    fig, axes = _grid(2 * len(temps), width=max(4.5, 1.2 * len(domains) + 2))
+    for i, temp in enumerate(temps):
+        rows = {(r.domain, r.method): r for c in comparisons if c.temperature == temp for r in (c.source, c.variant)}
+        labels = sorted({m for _, m in rows})
+        width = 0.8 / len(labels)
+        for ax, field, ylabel in ((axes[2 * i], "draft_ms_per_round", "draft ms / round"),
+                                  (axes[2 * i + 1], "alpha", "alpha")):
+            for j, label in enumerate(labels):
+                present = [(k + (j - (len(labels) - 1) / 2) * width, rows[(d, label)]) for k, d in enumerate(domains)
+                           if (d, label) in rows and getattr(rows[(d, label)], field) is not None]
+                if not present:
+                    continue
+                errors = _error_bars([(r.alpha, r.alpha_ci) for _, r in present]) if field == "alpha" else None
+                ax.bar([x for x, _ in present], [getattr(r, field) for _, r in present], width, label=label,
+                       yerr=errors, capsize=2)
+            ax.set_xticks(range(len(domains)), domains)
+            ax.set_ylabel(ylabel)
+            ax.set_title(f"T={temp:g}: {ylabel}")
+        axes[2 * i].legend(fontsize="x-small")
+    return _save(fig, path)
+
+
 PLOTS = {
     "speedup": plot_speedup,
     "acceptance_curves": plot_acceptance_curves,
     "alpha_vs_k": plot_alpha_vs_k,
     "ms_per_token": plot_ms_per_token,
+    "variants": plot_variants,
 }
 
 

@@ -89,7 +89,8 @@ def test_a_variant_is_its_own_row_beside_its_source_and_the_recommendation_names
     [comparison] = variant_comparisons(report.results)
     assert comparison.draft_step_speedup == pytest.approx(2.0) and comparison.alpha_cost == pytest.approx(0.0)
 
-    write_outputs(report, tmp_path / "out", plots=False)
+    files = write_outputs(report, tmp_path / "out", plots=True)
+    assert files.plots["variants"].stat().st_size > 0
     loaded = load_report(tmp_path / "out")
     assert {r.method: (r.quantization, r.draft_bytes) for r in loaded.results}[VARIANT] == (INT4.label,
                                                                                              variant.draft_bytes)
