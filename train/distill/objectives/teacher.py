@@ -1,6 +1,6 @@
 """The target as a teacher: one teacher-forced forward over padded [B, S] batches.
 
-Used by `train.generate` (the pass that stores top-k logits / hidden states after generation) and by the
+Used by `train.distill.dataset` (the pass that stores top-k logits / hidden states after generation) and by the
 objectives' online mode (the target forward inside the training loop). It runs the target through
 transformers (any HF Llama-family checkpoint, Qwen3 and Qwen3-MoE included), in HF `hidden_states`
 indexing: aux layer i is the output of decoder layer i-1 (0 = embeddings); `hidden` is the final-norm
