@@ -1,5 +1,5 @@
-"""Acceptance drift: the monitor on scripted alpha streams, then the server over loopback with an
-engine whose per-domain speculative counters are scripted (the real engine serves the requests)."""
+"""Acceptance drift: the monitor on scripted alpha streams, then the server over loopback with the real
+speculative engine, whose per-request counters come from verifying a draft of scripted quality."""
 from __future__ import annotations
 
 import json
@@ -8,13 +8,15 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
+import torch
 
 from serve_eval.eval.report import Report, ResultRow, TargetInfo
 from serve_eval.eval.report_files import write_report
 from serve_eval.server.drift import DriftConfig, DriftEvent, DriftMonitor, DriftSettings, wilson_upper
 from serve_eval.server.prom import parse_text
-from serve_eval.speculative.metrics import SpecEngineStats, SpecStats
-from server_helpers import make_engine, serve, tiny_checkpoint
+from serve_eval.engine import SamplingParams
+from serve_eval.speculative.proposers.base import Proposal, Proposer
+from server_helpers import ENGINE_KWARGS, serve, tiny_checkpoint
 
 K = 4
 
@@ -68,69 +70,118 @@ def test_an_event_fires_again_only_after_recovery_or_a_promote():
     assert monitor.drift("math") == pytest.approx(0.05, abs=0.05)
 
 
-class ScriptedSpecEngine:
-    """The real engine, whose stats() carry scripted per-domain speculative counters: every step,
-    each running request of a domain adds one round of K draft tokens accepted at that domain's alpha."""
+class SwappableOracle(Proposer):
+    """A draft whose quality per domain is a knob, run by the REAL speculative engine: it knows each
+    prompt's greedy continuation and proposes it, each token right with probability `p_right[domain]`
+    (after a miss the chain is wrong). The engine verifies, counts accepted tokens per request and
+    domain, and the server's drift monitor reads those counters: only the draft is scripted.
+    Lowering one domain's `p_right` is the swap to a bad draft on that slice."""
 
-    def __init__(self, engine, alphas: dict[str, float]) -> None:
-        self._engine = engine
-        self.alphas = alphas
-        self.totals: dict[str, list[int]] = {}
-        self._rng = random.Random(0)
+    def __init__(self, continuations: dict[tuple[int, ...], list[int]], p_right: dict[str, float],
+                 vocab: int) -> None:
+        self.full = [list(prompt) + cont for prompt, cont in continuations.items()]
+        self.p_right, self.vocab = p_right, vocab
+        self.rng = random.Random(0)
 
-    def step(self):
-        outputs = self._engine.step()
-        for seq in self._engine.scheduler.running:
-            total = self.totals.setdefault(seq.domain, [0, 0])
-            total[0] += K
-            total[1] += sum(self._rng.random() < self.alphas[seq.domain] for _ in range(K))
-        return outputs
+    def _truth(self, tokens: list[int]) -> list[int]:
+        n = len(tokens)
+        return next((full[n:] for full in self.full if full[:n] == tokens), [])
 
-    def stats(self):
-        stats = self._engine.stats()
-        by_domain = {d: SpecStats(num_rounds=p // K, num_proposed=p, num_accepted=a) for d, (p, a) in self.totals.items()}
-        stats.spec = SpecEngineStats("eagle", SpecStats(), by_domain, {}, {})
-        return stats
-
-    def __getattr__(self, name):
-        return getattr(self._engine, name)
+    def propose(self, seqs, num_tokens, features=None):
+        out = []
+        for seq, k in zip(seqs, num_tokens):
+            truth, ok, tokens = self._truth(list(seq.token_ids)), True, []
+            for depth in range(k):
+                right = truth[depth] if depth < len(truth) else self.rng.randrange(self.vocab)
+                ok = ok and self.rng.random() < self.p_right[seq.domain]
+                tokens.append(right if ok else (right + self.rng.randrange(1, self.vocab)) % self.vocab)
+            out.append(Proposal(torch.tensor(tokens, dtype=torch.int64)))
+        return out
 
 
-@pytest.fixture()
-def reference_report(tmp_path):
-    rows = [ResultRow(domain=d, method="eagle", K=K, temperature=0.0, alpha=alpha, tau=2.0, a_k=[alpha] * K,
+def spec_engine(model_dir, oracle: SwappableOracle):
+    from serve_eval.engine.llm_engine import EngineConfig, LLMEngine
+    from serve_eval.speculative.config import SpecConfig
+    from serve_eval.speculative.strategy import SpeculativeStrategy
+    from server_helpers import ENGINE_KWARGS
+
+    return LLMEngine(EngineConfig(str(model_dir), **ENGINE_KWARGS),
+                     strategy=SpeculativeStrategy(SpecConfig("ngram", num_speculative_tokens=K), oracle))
+
+
+def alpha_report(alphas: dict[str, float], tmp_path):
+    rows = [ResultRow(domain=d, method="oracle", K=K, temperature=0.0, alpha=a, tau=2.0, a_k=[a] * K,
                       ms_per_token=5.0, tokens_per_s=200.0, speedup=1.5, predicted_speedup=None, ttft_p50=None,
                       ttft_p99=None, itl_p50=None, itl_p99=None, draft_time_share=None, target_time_share=None,
-                      repetitions=1, spread=0.0)
-            for d, alpha in (("chat", 0.8), ("code", 0.7))]
+                      repetitions=1, spread=0.0) for d, a in alphas.items()]
     return write_report(Report(TargetInfo("t", "fp"), {}, rows), tmp_path / "report", plots=False).json
 
 
-def test_the_server_reports_drift_on_one_domain_within_200_requests_and_never_without(
-        tmp_path_factory, reference_report):
-    """2,000 requests at the eval alpha raise no event; after code's alpha drops abruptly, an event
-    is written (JSON line) within 200 requests, the gauge shows it, and chat stays quiet."""
-    engine = ScriptedSpecEngine(make_engine(tiny_checkpoint(tmp_path_factory)), {"chat": 0.8, "code": 0.7})
-    log = reference_report.parent / "drift-events.jsonl"
-    settings = DriftSettings(str(reference_report), "eagle", K, 0.0, str(log), None,
-                             DriftConfig(window_tokens=256, tolerance=0.1, patience=2))
-    body = {"prompt": "hello world", "max_tokens": 2, "ignore_eos": True, "temperature": 0}
-    with serve(engine, drift=settings) as srv, httpx.Client(base_url=srv.base_url, timeout=60) as c:
-        def one(i: int) -> int:   # 8 clients at once: the engine batches them, as in serving
-            return c.post("/v1/completions", json={**body, "domain": ("chat", "code")[i % 2]}).status_code
-        with ThreadPoolExecutor(8) as pool:
-            assert set(pool.map(one, range(2000))) == {200}
-        assert not log.exists()
-        engine.alphas["code"] = 0.3
+def send(client, prompts: dict[str, list[list[int]]], indices, clients: int = 8) -> set[int]:
+    """Requests i = 0, 1, ...: even ones chat, odd ones code, cycling over each domain's prompts;
+    `clients` at once, so the engine batches them as in serving. Returns the status codes."""
+    body = {"max_tokens": MAX_TOKENS, "ignore_eos": True, "temperature": 0}
+
+    def one(i: int) -> int:
+        domain = ("chat", "code")[i % 2]
+        prompt = prompts[domain][(i // 2) % len(prompts[domain])]
+        return client.post("/v1/completions", json={**body, "prompt": prompt, "domain": domain}).status_code
+    with ThreadPoolExecutor(clients) as pool:
+        return set(pool.map(one, indices))
+
+
+def served_alphas(srv) -> dict[str, float]:
+    by_domain = srv.app.state.engine_loop.call(lambda e: e.stats().spec.by_domain).result(30)
+    return {d: s.num_accepted / s.num_proposed for d, s in sorted(by_domain.items())}
+
+
+MAX_TOKENS = 8
+
+
+def test_the_server_reports_drift_on_one_domain_within_200_requests_and_never_without(tmp_path_factory, tmp_path):
+    """Goal of the drift detector (default DriftConfig), over loopback with real per-request speculative
+    stats: the draft's 'eval' alpha is measured by serving 400 requests; then 2,000 requests at that
+    quality raise no event; after code's draft turns bad, an event is written (JSON line) within 200
+    requests, the gauge shows it, and chat stays quiet. Prints the figures."""
+    from serve_eval.engine import EngineConfig, LLMEngine
+    from spec_helpers import run_engine
+
+    model_dir = tiny_checkpoint(tmp_path_factory)
+    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    rng = random.Random(7)
+    prompts = {d: [[rng.randrange(3, vocab) for _ in range(rng.randint(4, 12))] for _ in range(8)]
+               for d in ("chat", "code")}
+    flat = [p for d in sorted(prompts) for p in prompts[d]]
+    plain = LLMEngine(EngineConfig(str(model_dir), **ENGINE_KWARGS))
+    outs = run_engine(plain, flat, [SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)] * len(flat))
+    oracle = SwappableOracle({tuple(p): outs[f"r{i}"].output_token_ids for i, p in enumerate(flat)},
+                             {"chat": 0.9, "code": 0.85}, vocab)
+    with serve(spec_engine(model_dir, oracle)) as srv, httpx.Client(base_url=srv.base_url, timeout=60) as c:
+        assert send(c, prompts, range(400)) == {200}
+        eval_alphas = served_alphas(srv)
+    report = alpha_report(eval_alphas, tmp_path)
+    log = report.parent / "drift-events.jsonl"
+    settings = DriftSettings(str(report), "oracle", K, 0.0, str(log), None, DriftConfig())
+    with serve(spec_engine(model_dir, oracle), drift=settings) as srv, \
+            httpx.Client(base_url=srv.base_url, timeout=60) as c:
+        assert send(c, prompts, range(2000)) == {200}
+        false_events = len(log.read_text().splitlines()) if log.exists() else 0
+        served = served_alphas(srv)
+        oracle.p_right["code"] = 0.3                    # the code slice's draft turns bad
         sent = 0
         while not log.exists() and sent < 200:
-            c.post("/v1/completions", json={**body, "domain": "code"})
+            assert send(c, prompts, [2 * sent + 1], clients=1) == {200}   # odd: code
             sent += 1
+        print(f"\ndrift loopback (DriftConfig defaults): eval alpha "
+              f"{ {d: round(a, 3) for d, a in eval_alphas.items()} }, served over 2,000 requests "
+              f"{ {d: round(a, 3) for d, a in served.items()} }: {false_events} false event(s); code's draft "
+              f"swapped to a bad one: " + (f"event after {sent} requests" if log.exists() else "no event in 200"))
+        assert false_events == 0
         assert log.exists(), "no drift event within 200 requests"
         event = DriftEvent.from_file(log)
         assert event.domain == "code" and event.rolling_alpha < event.bar < event.reference_alpha
-        assert event.method == "eagle" and event.target
+        assert event.method == "oracle" and event.target
         gauges = {dict(labels)["domain"]: v for (name, labels), v in parse_text(c.get("/metrics").text).items()
                   if name == "draftsmith:spec_alpha_drift"}
-        assert gauges["code"] > 0.1 and abs(gauges["chat"]) < 0.1
-    assert len([json.loads(line) for line in log.read_text().splitlines()]) == 1
+        assert gauges["code"] > settings.config.tolerance and abs(gauges["chat"]) < settings.config.tolerance
+    assert len(log.read_text().splitlines()) == 1
