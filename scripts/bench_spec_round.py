@@ -33,7 +33,15 @@ from serve_eval.engine import LLMEngine  # noqa: E402
 from serve_eval.eval import step_cost  # noqa: E402
 from serve_eval.eval.step_cost import COMPONENTS, weights_read  # noqa: E402
 
-METHODS = ("nospec", "standalone", "medusa", "eagle", "eagle3", "eagle-tree")
+# eagle-tree: the dynamic tree sized by the cost model (tree_budget="cost", <= 16 nodes); eagle-tree-fixed: EAGLE-2's
+# raw-confidence tree of exactly 16 nodes (top-k 4), the shape the cost model replaced.
+METHODS = ("nospec", "standalone", "medusa", "eagle", "eagle3", "eagle-tree", "eagle-tree-fixed")
+TREES = {"eagle-tree": {"tree": "dynamic", "tree_top_k": 4, "max_draft_nodes": 16, "tree_budget": "cost"},
+         "eagle-tree-fixed": {"tree": "dynamic", "tree_top_k": 4, "max_draft_nodes": 16, "tree_budget": "fixed"}}
+
+
+def kind_of(method: str) -> str:
+    return "eagle" if method in TREES else method
 
 
 # -- models -----------------------------------------------------------------------------------
@@ -77,9 +85,8 @@ def trained_drafts(artifacts: Path, target: Path) -> dict[str, Path]:
 
 # -- engines and timers: serve_eval.eval.step_cost (the pipeline's cost stage measures with the same code) --
 def build_engine(method: str, target: Path, drafts: dict[str, Path], args) -> LLMEngine:
-    kind = "eagle" if method == "eagle-tree" else method
-    tree = {"tree": "dynamic", "tree_top_k": 4, "max_draft_nodes": 16} if method == "eagle-tree" else None
-    return step_cost.build_engine(method, target, drafts, args.k, args.dtype, kind=kind, tree=tree)
+    return step_cost.build_engine(method, target, drafts, args.k, args.dtype, kind=kind_of(method),
+                                  tree=TREES.get(method))
 
 
 # -- report -------------------------------------------------------------------------------------
@@ -127,7 +134,7 @@ def main() -> None:
     else:
         target, drafts = random_target(root, args), {}
     sources = {}
-    for kind in {("eagle" if m == "eagle-tree" else m) for m in methods} - {"nospec"}:
+    for kind in {kind_of(m) for m in methods} - {"nospec"}:
         sources[kind] = "trained" if kind in drafts else "RANDOM WEIGHTS (no trained draft)"
         if kind not in drafts:
             drafts[kind] = random_draft(kind, target, root)
@@ -135,11 +142,13 @@ def main() -> None:
     chosen = getattr(next(iter(engines.values())), "num_threads", torch.get_num_threads())
     timers = {m: step_cost.instrument(e) for m, e in engines.items()}
     target_params = weights_read(target)
-    ratios = {m: weights_read(drafts["eagle" if m == "eagle-tree" else m]) / target_params
+    ratios = {m: weights_read(drafts[kind_of(m)]) / target_params
               for m in methods if m != "nospec"}
-    prompt = [(7 * i + 3) % (args.vocab - 2) + 1 for i in range(args.prompt_len)]
-    print(f"target {'random weights, embedded shape' if not args.target else target} ({args.layers} layers, "
-          f"hidden {args.hidden}, vocab {args.vocab}, {target_params / 1e6:.2f}M params), {args.dtype}, batch 1, "
+    shape = engines[methods[0]].executor.config  # the target's own shape (--target), not the random defaults
+    prompt = [(7 * i + 3) % (int(shape.vocab_size) - 2) + 1 for i in range(args.prompt_len)]
+    print(f"target {'random weights, embedded shape' if not args.target else target} ({shape.num_hidden_layers} "
+          f"layers, hidden {shape.hidden_size}, vocab {shape.vocab_size}, {target_params / 1e6:.2f}M params), "
+          f"{args.dtype}, batch 1, "
           f"T=0, K={args.k}, {args.steps} steps x {args.repeats} repetitions, engine-chosen threads {chosen}")
     for kind, src in sorted(sources.items()):
         print(f"  draft {kind}: {src}")
