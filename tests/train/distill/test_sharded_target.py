@@ -128,3 +128,25 @@ def test_online_draft_trains_against_a_sharded_target(world, kind, launcher, ext
     prefix = PREFIX.get(kind, "draft.")
     exported = {f"{prefix}{name}": _digest(p) for name, p in loaded.model.state_dict().items()}
     assert {name: exported.get(name) for name in digests[0]} == digests[0]
+
+
+def test_bad_input_is_one_line():
+    """shard_target on one process, on a target that trains (Medusa-2), or with no process group: one line each."""
+    from types import SimpleNamespace
+
+    from train.distill.launch import LauncherConfig
+    from train.distill.objectives.teacher import Teacher
+    from train.distill.run import frozen_target
+
+    with pytest.raises(ValueError, match="launcher.shard_target: sharding the target needs more than one process"):
+        LauncherConfig(shard_target=True).validate()
+    launcher = LauncherConfig(strategy="ddp", num_processes=2, shard_target=True)
+    with pytest.raises(ValueError, match="draft.medusa2=true"):
+        frozen_target(SimpleNamespace(frozen=True), launcher, trains_target=True)
+    assert frozen_target(None, launcher, trains_target=False) is None  # offline data: nothing to shard
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tiny = LlamaForCausalLM(LlamaConfig(vocab_size=16, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
+                                        num_attention_heads=2, num_key_value_heads=1))
+    with pytest.raises(ValueError, match="needs a multi-process launch"):
+        Teacher(tiny).shard(torch.device("cpu"))
