@@ -10,12 +10,13 @@ import sys
 from pathlib import Path
 
 import pytest
-from transformers import BertConfig, LlamaConfig, LlamaForCausalLM
+from transformers import BertConfig
 
 from train.config import compose
 from train.corpus import load_records
 from train.pipeline.run import run
 from train.target import validate_target_dir
+from tiny_models import save_tiny_model
 from train.tokenizer import train_tokenizer
 
 REPO = Path(__file__).resolve().parents[2]
@@ -27,11 +28,10 @@ def write_jsonl(path: Path, rows: list[dict]) -> Path:
 
 
 def tiny_llama_dir(path: Path, vocab_size: int, tokenizer_vocab: int) -> Path:
-    config = LlamaConfig(vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                         num_attention_heads=2, num_key_value_heads=1, architectures=["LlamaForCausalLM"])
-    LlamaForCausalLM(config).save_pretrained(str(path))
-    train_tokenizer(["hello world, def f(x): return x"] * 4, vocab_size=tokenizer_vocab).save_pretrained(str(path))
-    return path
+    tokenizer = train_tokenizer(["hello world, def f(x): return x"] * 4, vocab_size=tokenizer_vocab)
+    return save_tiny_model(path, "llama", tokenizer=tokenizer, vocab_size=vocab_size, hidden_size=32,
+                           intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                           architectures=["LlamaForCausalLM"])
 
 
 def test_missing_target_path():

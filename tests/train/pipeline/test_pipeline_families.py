@@ -7,30 +7,19 @@ import subprocess
 import sys
 from pathlib import Path
 
-import torch
+from tiny_models import Init, save_tiny_model
 
 REPO = Path(__file__).resolve().parents[3]
 
 
 def tiny_qwen3_moe(out: Path) -> Path:
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
-
     from serve_eval.server.testing import build_tiny_tokenizer
 
     tok = build_tiny_tokenizer()
-    cfg = Qwen3MoeConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
-                         num_experts=4, num_experts_per_tok=2, num_hidden_layers=4, num_attention_heads=4,
-                         num_key_value_heads=2, head_dim=16, max_position_embeddings=512, norm_topk_prob=True,
-                         bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
-    torch.manual_seed(0)
-    model = Qwen3MoeForCausalLM(cfg).eval()
-    with torch.no_grad():  # decisive routing and next-token choices (HF inits the router to zeros)
-        for layer in model.model.layers:
-            layer.mlp.gate.weight.normal_(0, 1)
-        model.lm_head.weight.normal_(0, 0.5)
-    model.save_pretrained(out)
-    tok.save_pretrained(out)
-    return out
+    decisive = Init(qk_norm_range=None, lm_head_std=0.5)  # decisive routing and next-token choices
+    return save_tiny_model(out, "qwen3_moe", init=decisive, tokenizer=tok, vocab_size=len(tok), intermediate_size=96,
+                           num_experts=4, num_hidden_layers=4, max_position_embeddings=512, norm_topk_prob=True,
+                           bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
 
 
 def test_smoke_pipeline_with_a_qwen3_moe_target(tmp_path):
