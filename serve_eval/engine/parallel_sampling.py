@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from kernels.sampling import logits_to_probs, sample
+from kernels.sampling import check_sampling_values, logits_to_probs, sample
 from serve_eval.engine.logprobs import TokenLogprob, token_logprobs
 from serve_eval.engine.request import Sequence
 from serve_eval.engine.sampling_params import SamplingParams
@@ -79,6 +79,12 @@ def check_n(params: SamplingParams, max_samples: int, max_num_seqs: int) -> None
     if params.n > max_num_seqs:
         raise ValueError(f"n={params.n} exceeds max_num_seqs={max_num_seqs}: its samples run as "
                          "that many sequences")
+    if params.seed is not None and params.n > 1:
+        last = params.seed + params.n - 1
+        try:
+            check_sampling_values(params.temperature, params.top_k, params.top_p, last)
+        except ValueError as exc:
+            raise ValueError(f"seed + n - 1 = {last} (sample i samples with seed + i): {exc}") from None
 
 
 def draw_first_tokens(group: SampleGroup, logits_row: torch.Tensor, engine_generator: torch.Generator) -> FirstDraw:

@@ -23,7 +23,7 @@ import concurrent.futures
 import logging
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from serve_eval.engine.sampling_params import SamplingParams
@@ -76,12 +76,19 @@ class LoopHealth:
 
 @dataclass
 class _Tracked:
-    """Per-request bookkeeping the loop keeps for latency metrics and delivery."""
+    """Per-request bookkeeping the loop keeps for latency metrics and delivery. Each of an n > 1
+    request's samples is timed and counted as finished on its own, as n separate requests were."""
     stream: "RequestStream"
     domain: str | None
     submit_time: float
-    last_token_time: float | None = None
+    num_samples: int = 1
+    last_token_time: dict[int, float] = field(default_factory=dict)   # by sample index
+    finished_samples: set[int] = field(default_factory=set)
     num_output_tokens: int = 0
+
+    @property
+    def num_unfinished(self) -> int:
+        return self.num_samples - len(self.finished_samples)
 
 
 class RequestStream:
@@ -287,7 +294,7 @@ class EngineLoop:
                         log.exception("add_request(%s) failed", stream.request_id)
                     stream._resolve(exc)
                 else:
-                    self._tracked[stream.request_id] = _Tracked(stream, domain, submit_time)
+                    self._tracked[stream.request_id] = _Tracked(stream, domain, submit_time, params.n)
                     stream._resolve(None)
                     if self.metrics is not None:
                         self.metrics.prompt_tokens.inc(len(prompt_ids))
@@ -300,7 +307,8 @@ class EngineLoop:
                     self.engine.abort(request_id)
                     self.abort_log.append((request_id, asked_at_step, self.step_count))
                     if self.metrics is not None:
-                        self.metrics.request_finished("abort", tracked.domain)
+                        for _ in range(tracked.num_unfinished):
+                            self.metrics.request_finished("abort", tracked.domain)
             elif kind == "call":
                 _, fn, future = command
                 try:
@@ -316,26 +324,34 @@ class EngineLoop:
             tracked = self._tracked.get(output.request_id)
             if tracked is None:
                 continue   # aborted while the step ran; the handler is gone
-            num_new = len(output.new_token_ids)
-            if num_new and self.metrics is not None:
-                self.metrics.generation_tokens.inc(num_new)
-                self.metrics.token_window.add(now, num_new)
-                if tracked.last_token_time is None:
-                    self.metrics.ttft.observe(now - tracked.submit_time)
-                else:
-                    # Per-token gap: a speculative step delivers several tokens at once.
-                    gap = (now - tracked.last_token_time) / num_new
-                    for _ in range(num_new):
-                        self.metrics.itl.observe(gap)
-            if num_new:
-                tracked.last_token_time = now
-                tracked.num_output_tokens += num_new
+            for completion in output.completions:
+                self._observe(tracked, completion, now)
             if output.finished:
                 del self._tracked[output.request_id]
-                if self.metrics is not None:
-                    self.metrics.e2e.observe(now - tracked.submit_time)
-                    self.metrics.request_finished(output.finish_reason or "unknown", tracked.domain)
             tracked.stream._deliver(output)
+
+    def _observe(self, tracked: _Tracked, completion: Any, now: float) -> None:
+        """Token and latency metrics of one sample's step."""
+        num_new = len(completion.new_token_ids)
+        last = tracked.last_token_time.get(completion.index)
+        if num_new and self.metrics is not None:
+            self.metrics.generation_tokens.inc(num_new)
+            self.metrics.token_window.add(now, num_new)
+            if last is None:
+                self.metrics.ttft.observe(now - tracked.submit_time)
+            else:
+                # Per-token gap: a speculative step delivers several tokens at once.
+                gap = (now - last) / num_new
+                for _ in range(num_new):
+                    self.metrics.itl.observe(gap)
+        if num_new:
+            tracked.last_token_time[completion.index] = now
+            tracked.num_output_tokens += num_new
+        if completion.finished and completion.index not in tracked.finished_samples:
+            tracked.finished_samples.add(completion.index)
+            if self.metrics is not None:
+                self.metrics.e2e.observe(now - tracked.submit_time)
+                self.metrics.request_finished(completion.finish_reason or "unknown", tracked.domain)
 
     def _abort_all(self, reason: str, engine_usable: bool = True, failed: bool = False) -> None:
         """End every tracked request: Aborted (shutdown, dead engine) or Failed (a failed step)."""
@@ -346,7 +362,8 @@ class EngineLoop:
                 except Exception:  # noqa: BLE001 - keep ending the others
                     log.exception("abort of %s failed", request_id)
             if self.metrics is not None:
-                self.metrics.request_finished("error" if failed else "abort", tracked.domain)
+                for _ in range(tracked.num_unfinished):
+                    self.metrics.request_finished("error" if failed else "abort", tracked.domain)
             tracked.stream._deliver((Failed if failed else Aborted)(request_id, reason))
         self._tracked.clear()
 

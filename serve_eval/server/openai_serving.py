@@ -1,7 +1,8 @@
 """/v1/completions and /v1/chat/completions: request -> engine requests -> response or SSE.
 
-One HTTP request fans out into (prompts x n) engine requests (the engine runs n == 1
-sequences; prefix caching shares the prompt's blocks). All of them answer into one
+One HTTP request becomes one engine request per prompt, each with the request's n (the engine
+prefills the prompt once and forks it into n samples, sample i seeded seed + i); choice
+prompt_index * n + i is sample i of prompt prompt_index. All engine requests answer into one
 asyncio queue, so a streaming response interleaves choices as the engine produces them.
 Whatever ends the HTTP exchange early (client gone, error) aborts every engine request
 still running, in a `finally`.
@@ -10,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, AsyncIterator
 
 from fastapi import Request
@@ -30,12 +31,13 @@ _ENGINE_FIELDS = ("temperature", "top_p", "top_k", "seed", "max_tokens", "stop_t
 class _Choice:
     index: int
     prompt_index: int                # which prompt of a batched completion request
-    request_id: str
+    request_id: str                  # its engine request (one per prompt)
+    sample: int                      # which of that request's n completions
     num_prompt_tokens: int
     prefix_text: str = ""            # echo: the prompt text, sent before the completion
     stop: tuple[str, ...] = ()       # stop strings: a possible partial match is held back
     sent_text: str = ""              # completion text already sent (streaming)
-    output: Any = None               # last RequestOutput
+    output: Any = None               # last engine CompletionOutput of this sample
     finish_reason: str | None = None
     error: str | None = None         # set when a failed engine step ended this choice
     sent_logprobs: int = 0           # streaming: token logprobs already sent
@@ -96,9 +98,7 @@ class OpenAIServing:
             requested = P.DEFAULT_COMPLETION_MAX_TOKENS if req.max_tokens is None else req.max_tokens
             max_tokens = self.prompts.max_tokens(len(prompt_ids), requested, "prompt", "max_tokens")
             prefix = self.tokenizer.decode(prompt_ids) if req.echo else ""
-            for i in range(req.n):
-                jobs.append((p_index * req.n + i, p_index, prompt_ids,
-                             req.sampling_params(max_tokens, i, logprobs), prefix))
+            jobs.append((p_index, prompt_ids, _with_n(req.sampling_params(max_tokens, 0, logprobs), req.n), prefix))
         return await self._serve(request, req, "completion", jobs)
 
     async def chat(self, request: Request) -> Response:
@@ -108,7 +108,7 @@ class OpenAIServing:
         logprobs = req.num_logprobs()
         field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         max_tokens = self.prompts.max_tokens(len(prompt_ids), req.requested_max_tokens(), "messages", field)
-        jobs = [(i, 0, prompt_ids, req.sampling_params(max_tokens, i, logprobs), "") for i in range(req.n)]
+        jobs = [(0, prompt_ids, _with_n(req.sampling_params(max_tokens, 0, logprobs), req.n), "")]
         return await self._serve(request, req, "chat", jobs)
 
     # ---------------------------------------------------------------- running
@@ -116,14 +116,15 @@ class OpenAIServing:
         queue: asyncio.Queue = asyncio.Queue()
         choices: list[_Choice] = []
         try:
-            for k, (index, prompt_index, prompt_ids, params, prefix) in enumerate(jobs):
-                request_id = f"{base_id}-{index}"
+            for prompt_index, prompt_ids, params, prefix in jobs:
+                request_id = f"{base_id}-{prompt_index}"
                 # Admission is all-or-nothing: only the first engine request checks capacity.
                 stream = self.loop.submit(request_id, prompt_ids, params, priority=req.priority,
-                                          domain=req.domain, check_capacity=(k == 0), queue=queue)
-                choices.append(_Choice(index, prompt_index, request_id, len(prompt_ids), prefix_text=prefix,
-                                       stop=tuple(params.stop),
-                                       tokens_as_ids=bool(getattr(req, "return_tokens_as_token_ids", False))))
+                                          domain=req.domain, check_capacity=(prompt_index == 0), queue=queue)
+                choices.extend(_Choice(prompt_index * params.n + i, prompt_index, request_id, i, len(prompt_ids),
+                                       prefix_text=prefix, stop=tuple(params.stop),
+                                       tokens_as_ids=bool(getattr(req, "return_tokens_as_token_ids", False)))
+                               for i in range(params.n))
                 await stream.accepted
         except QueueFullError as exc:
             self._abort(choices)
@@ -142,27 +143,31 @@ class OpenAIServing:
         return queue, choices
 
     def _abort(self, choices: list[_Choice]) -> None:
-        for choice in choices:
-            if not choice.done:
-                self.loop.abort(choice.request_id)
+        for request_id in dict.fromkeys(c.request_id for c in choices if not c.done):
+            self.loop.abort(request_id)
 
     @staticmethod
-    def _absorb(item: Any, by_id: dict[str, _Choice]) -> _Choice | None:
-        """Apply one queue item to its choice; returns the choice it touched."""
+    def _absorb(item: Any, by_id: dict[str, list[_Choice]]) -> list[_Choice]:
+        """Apply one queue item to its request's choices; returns the choices it moved on (new
+        tokens or an end), so a finished choice is not touched again by its siblings' outputs."""
+        choices = by_id.get(item.request_id, [])
         if isinstance(item, Aborted):
-            choice = by_id.get(item.request_id)
-            if choice is not None and not choice.done:
+            ended = [c for c in choices if not c.done]
+            for choice in ended:
                 choice.finish_reason = "error" if isinstance(item, Failed) else "abort"
                 if isinstance(item, Failed):
                     choice.error = item.reason
-            return choice
-        choice = by_id.get(item.request_id)
-        if choice is None:
-            return None
-        choice.output = item
-        if item.finished:
-            choice.finish_reason = item.finish_reason or "stop"
-        return choice
+            return ended
+        touched = []
+        for completion in item.completions if choices else ():
+            choice = choices[completion.index]
+            if choice.done or not (completion.new_token_ids or completion.finished):
+                continue
+            choice.output = completion
+            if completion.finished:
+                choice.finish_reason = completion.finish_reason or "stop"
+            touched.append(choice)
+        return touched
 
     async def _serve(self, request: Request, req: Any, kind: str, jobs: list[tuple]) -> Response:
         base_id = P.new_id("chatcmpl" if kind == "chat" else "cmpl")
@@ -174,7 +179,7 @@ class OpenAIServing:
                 media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         watcher = asyncio.ensure_future(_wait_disconnect(request))
         try:
-            by_id = {c.request_id: c for c in choices}
+            by_id = _by_request(choices)
             while not all(c.done for c in choices):
                 getter = asyncio.ensure_future(queue.get())
                 done, _ = await asyncio.wait({getter, watcher}, return_when=asyncio.FIRST_COMPLETED)
@@ -193,7 +198,7 @@ class OpenAIServing:
     async def _stream(self, base_id: str, kind: str, queue: asyncio.Queue, choices: list[_Choice],
                       include_usage: bool) -> AsyncIterator[str]:
         created = P.now_s()
-        by_id = {c.request_id: c for c in choices}
+        by_id = _by_request(choices)
         try:
             if kind == "chat":
                 for c in choices:   # OpenAI opens each chat choice with the role
@@ -202,11 +207,10 @@ class OpenAIServing:
                 items = [await queue.get()]
                 while not queue.empty():   # coalesce what piled up while we were sending
                     items.append(queue.get_nowait())
-                touched: dict[str, _Choice] = {}
+                touched: dict[int, _Choice] = {}
                 for item in items:
-                    choice = self._absorb(item, by_id)
-                    if choice is not None:
-                        touched[choice.request_id] = choice
+                    for choice in self._absorb(item, by_id):
+                        touched[choice.index] = choice
                 failed = next((c for c in touched.values() if c.error is not None), None)
                 if failed is not None:   # a final error event, as vLLM streams it; then [DONE]
                     yield _sse(_engine_error(failed.error).body())
@@ -301,6 +305,19 @@ def _partial_stop_len(text: str, stops: tuple[str, ...]) -> int:
                 longest = k
                 break
     return longest
+
+
+def _with_n(params: Any, n: int) -> Any:
+    """One engine request samples all n choices of a prompt (sample i with seed + i, as choice i)."""
+    return replace(params, n=n)
+
+
+def _by_request(choices: list[_Choice]) -> dict[str, list[_Choice]]:
+    """Engine request id -> its choices, by sample index."""
+    by_id: dict[str, list[_Choice]] = {}
+    for choice in choices:
+        by_id.setdefault(choice.request_id, []).append(choice)
+    return by_id
 
 
 def _engine_error(reason: str) -> P.ApiError:
