@@ -1,4 +1,4 @@
-"""Online EAGLE-1, EAGLE-3 and Medusa with the frozen target sharded across 2 gloo ranks (FSDP2 `fully_shard`,
+"""Online EAGLE-1, EAGLE-3, Medusa and the standalone draft's on-policy token KD with the frozen target sharded across 2 gloo ranks (FSDP2 `fully_shard`,
 `launcher.shard_target`), run really distributed: `python -m train.cli distill ... launcher=fsdp_target` relaunches
 itself under torchrun, as a user's job would.
 
@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from distill_fixtures import make_corpus, make_target, overrides
+from tiny_models import tiny_model
 
 REPO = Path(__file__).resolve().parents[3]
 ENV = {**os.environ, "DRAFTSMITH_NO_PROGRESS": "1", "OMP_NUM_THREADS": "1", "DRAFTSMITH_TRACEBACK": "1"}
@@ -33,8 +34,13 @@ FAST = {"draft.data.max_new_tokens": "8", "draft.data.max_prompts": "40", "draft
         "++train.gradient_accumulation_steps": "1", "++train.eval_batch_size": "8", "++train.log_every": "1",
         "++train.eval_every": "1", "++train.lr": "3e-3"}
 # (kind, launcher, extra overrides): a DDP draft beside the sharded target, and one run sharding both
-JOBS = [("eagle", "fsdp_target", ()), ("eagle3", "fsdp_target", ()), ("medusa", "fsdp_target", ()),
-        ("eagle3", "fsdp", ("launcher.shard_target=true",))]
+# The standalone draft's online token KD with on-policy batches: every rank must call the sharded target on the
+# same steps (rank 0 draws which), or the ranks would hang in the target's weight gather.
+ONLINE = ("draft.mode=online",)
+JOBS = [("eagle", "fsdp_target", ONLINE), ("eagle3", "fsdp_target", ONLINE), ("medusa", "fsdp_target", ONLINE),
+        ("eagle3", "fsdp", (*ONLINE, "launcher.shard_target=true")),
+        ("standalone", "fsdp_target", ("draft.loss=token_kd", "draft.teacher=online", "draft.on_policy_fraction=0.5",
+                                       "draft.on_policy_new_tokens=4"))]
 PREFIX = {"medusa": "heads."}
 FAMILIES = ("llama", "qwen3", "qwen3_moe")
 
@@ -69,7 +75,7 @@ def world(tmp_path_factory):
     started = {}
     for kind, launcher, extra in JOBS:
         command = [sys.executable, "-m", "train.cli", "distill", f"draft={kind}", f"launcher={launcher}",
-                   "draft.mode=online", f"launcher.main_process_port={_free_port()}", *extra, *base]
+                   f"launcher.main_process_port={_free_port()}", *extra, *base]
         started[kind, launcher] = (command, tmp / f"{kind}-{launcher}.log")
     for family in FAMILIES:
         started["probe", family] = (_torchrun("tests.sharded_teacher_probe", "--out", str(tmp / "probe" / family),
@@ -144,9 +150,7 @@ def test_bad_input_is_one_line():
     with pytest.raises(ValueError, match="draft.medusa2=true"):
         frozen_target(SimpleNamespace(frozen=True), launcher, trains_target=True)
     assert frozen_target(None, launcher, trains_target=False) is None  # offline data: nothing to shard
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    tiny = LlamaForCausalLM(LlamaConfig(vocab_size=16, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
-                                        num_attention_heads=2, num_key_value_heads=1))
+    tiny = tiny_model("llama", vocab_size=16, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1)
     with pytest.raises(ValueError, match="needs a multi-process launch"):
         Teacher(tiny).shard(torch.device("cpu"))

@@ -48,6 +48,19 @@ def topk_to_logprobs(topk_ids: Tensor, topk_logprobs: Tensor, vocab_size: int) -
     return out.scatter(-1, topk_ids.long(), topk_logprobs.float())
 
 
+def _agreed_across_ranks(flag: bool, device: torch.device) -> bool:
+    """Rank 0's draw for every rank. Each rank seeds its own random stream, but an on-policy batch calls the
+    target, and a target sharded across the ranks (launcher.shard_target) gathers its weights collectively:
+    ranks that disagreed would wait on each other for ever."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return flag
+    if torch.distributed.get_world_size() == 1:
+        return flag
+    agreed = torch.tensor([int(flag)], device=device)
+    torch.distributed.broadcast(agreed, src=0)
+    return bool(agreed.item())
+
+
 class StandaloneObjective:
     def __init__(self, cfg, teacher: Teacher | None, num_eval_positions: int = 4) -> None:
         self.cfg, self.teacher, self.num_eval_positions = cfg, teacher, num_eval_positions
@@ -106,7 +119,8 @@ class StandaloneObjective:
                 "loss_mask": (position >= first_answer[:, None]) & (position < end)}
 
     def loss(self, model: nn.Module, batch: Mapping[str, Tensor]) -> tuple[Tensor, dict[str, Tensor]]:
-        on_policy = model.training and self.cfg.on_policy_fraction > 0 and random.random() < self.cfg.on_policy_fraction
+        on_policy = model.training and self.cfg.on_policy_fraction > 0 and _agreed_across_ranks(
+            random.random() < self.cfg.on_policy_fraction, batch["input_ids"].device)
         if on_policy:
             batch = self._on_policy(model, batch)
         logits = model(batch["input_ids"])
