@@ -116,6 +116,10 @@ def check_stage_configs(cfg: DictConfig) -> list[str]:
         from train.pipeline.evaluate import check_eval_settings
 
         eval_ks = list(check_eval_settings(cfg).num_speculative_tokens)
+    if "quantize" in cfg.pipeline.stages:  # a bad variant setting fails before the target trains, not after
+        from train.pipeline.quantize import planned_variants
+
+        planned_variants(cfg)
     vocab, warnings = planned_target_vocab(cfg), []
     for kind in planned_kinds(cfg):
         dcfg = draft_config(cfg, kind)

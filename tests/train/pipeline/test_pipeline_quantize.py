@@ -60,6 +60,14 @@ def test_a_bad_variant_setting_is_one_line_naming_the_field(entry, message):
         planned_variants(cfg)
 
 
+def test_a_bad_variant_setting_fails_at_job_start():
+    from train.pipeline.run import check_stage_configs
+
+    cfg = compose(["pipeline=smoke", "pipeline.quantize=[{draft: standalone, bits: 3}]"])
+    with pytest.raises(ValueError, match=r"pipeline.quantize\[0\]: quant.bits: 3"):
+        check_stage_configs(cfg)
+
+
 def test_a_variant_listed_twice_is_refused():
     cfg = compose(["pipeline=smoke", "pipeline.quantize=[{draft: standalone, bits: 8}, {draft: standalone, bits: 8}]"])
     with pytest.raises(ValueError, match=r"pipeline.quantize\[1\]: standalone@int8 is listed twice"):
