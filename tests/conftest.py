@@ -26,11 +26,11 @@ torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session")
-def tiny_target(tmp_path_factory: Any) -> Callable[..., Path]:
-    """Factory: tiny_target(family, seed=0, init=Init(), tokenizer=None, **config_fields) saves a fresh tiny random
-    checkpoint of that target family (tiny_models.FAMILIES: llama, llama-yarn, mistral[-window], qwen2[-window],
-    qwen3[-window], qwen3_moe, qwen2_moe) in its own folder and returns the folder. Fresh on every call: no test
-    sees another's writes."""
+def family_checkpoint(tmp_path_factory: Any) -> Callable[..., Path]:
+    """Factory: family_checkpoint(family, seed=0, init=Init(), shape=SHAPE, tokenizer=None, **config_fields) saves
+    a fresh tiny random checkpoint of that target family (tiny_models.FAMILIES: llama, llama-yarn,
+    mistral[-window], qwen2[-window], qwen3[-window], qwen3_moe, qwen2_moe) in its own folder and returns the
+    folder. Fresh on every call: no test sees another's writes."""
     from tiny_models import save_tiny_model
 
     def build(family: str = "llama", **kwargs: Any) -> Path:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 from pathlib import Path
 
 import torch
@@ -13,16 +14,14 @@ import torch.distributed as dist
 
 
 def tiny_target(family: str) -> torch.nn.Module:
-    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config, Qwen3MoeConfig
+    sys.path.insert(0, str(Path(__file__).resolve().parent))  # the tests folder, as tests/conftest.py puts it
+    from tiny_models import HF_INIT, tiny_model
 
-    common = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
-                  num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=False)
-    config = {"llama": lambda: LlamaConfig(**common),
-              "qwen3": lambda: Qwen3Config(**common, head_dim=24),
-              "qwen3_moe": lambda: Qwen3MoeConfig(**common, head_dim=24, num_experts=4, num_experts_per_tok=2,
-                                                  moe_intermediate_size=48, norm_topk_prob=True)}[family]()
-    torch.manual_seed(0)  # the same random target on every rank
-    return AutoModelForCausalLM.from_config(config).float()
+    fields = dict(vocab_size=96, intermediate_size=96, num_hidden_layers=4, max_position_embeddings=128,
+                  tie_word_embeddings=False)
+    moe = dict(num_experts=4, moe_intermediate_size=48, norm_topk_prob=True)
+    fields.update({"llama": {}, "qwen3": dict(head_dim=24), "qwen3_moe": dict(head_dim=24, **moe)}[family])
+    return tiny_model(family, 0, HF_INIT, **fields).float()  # seed 0: the same random target on every rank
 
 
 def main() -> None:

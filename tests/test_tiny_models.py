@@ -1,6 +1,6 @@
-"""The shared tiny-model factory (tests/tiny_models.py, conftest's tiny_target): it names every model type the
-executor supports, each family's saved checkpoint serves HF's logits through the executor, and the weights HF
-initialises to constants are re-drawn (so the router, q/k-norm and bias paths are exercised)."""
+"""The shared tiny-model factory (tests/tiny_models.py, conftest's family_checkpoint): it names every model type
+the executor supports, each family's saved checkpoint serves HF's logits through the executor, and the weights
+HF initialises to constants are re-drawn (so the router, q/k-norm and bias paths are exercised)."""
 from __future__ import annotations
 
 import pytest
@@ -18,9 +18,9 @@ def test_every_supported_model_type_has_a_family():
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
-def test_each_family_checkpoint_serves_hf_logits(tiny_target, family):
+def test_each_family_checkpoint_serves_hf_logits(family_checkpoint, family):
     """The saved dir loads in the executor and its mixed prefill / decode logits equal transformers'."""
-    path = tiny_target(family, shape=SHAPE)
+    path = family_checkpoint(family, shape=SHAPE)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     assert model.config.model_type == FAMILIES[family].architecture
     assert run_schedule_and_compare(model, ModelExecutor(path)) < TOL

@@ -1,7 +1,7 @@
 """The one factory of tiny random transformers models for the tests, one entry per target family the executor
 serves (Llama, yarn-scaled Llama, Mistral, Qwen2, Qwen3 dense, Qwen3-MoE, Qwen2-MoE, with their sliding-window
-variants). tests/conftest.py's `tiny_target` fixture saves them; tests that need the in-memory model or a special
-shape call tiny_model / save_tiny_model here with the config fields they need.
+variants). tests/conftest.py's `family_checkpoint` fixture saves them; tests that need the in-memory model or a
+special shape call tiny_model / save_tiny_model here with the config fields they need.
 
 Weights: torch.manual_seed(seed), then the transformers constructor, then `Init` re-draws what HF sets to
 constants. For Llama that is nothing, so a tiny Llama here is bit-identical to `LlamaForCausalLM(config)`."""
@@ -72,6 +72,9 @@ class Init:
                     param.normal_(0, self.bias_std)
                 elif name == "lm_head.weight" and self.lm_head_std is not None:
                     param.normal_(0, self.lm_head_std)
+
+
+HF_INIT = Init(router_std=None, qk_norm_range=None, bias_std=None)  # transformers' own init, nothing re-drawn
 
 
 def tiny_config(family: str = "llama", shape: dict[str, Any] = SHAPE, **fields: Any) -> Any:

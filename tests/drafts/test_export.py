@@ -22,8 +22,8 @@ TARGET = dict(hidden_size=D, intermediate_size=128, num_hidden_layers=6, num_att
 
 
 @pytest.fixture(scope="module")
-def target_dir(tiny_target):
-    return tiny_target("llama", **TARGET)
+def target_dir(family_checkpoint):
+    return family_checkpoint("llama", **TARGET)
 
 
 def eagle3(fc_bias=False) -> Eagle3Draft:

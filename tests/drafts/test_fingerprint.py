@@ -21,8 +21,8 @@ from drafts.identity import target_fingerprint
 
 
 @pytest.fixture(scope="module")
-def saved(tiny_target) -> Path:
-    return tiny_target("llama", hidden_size=32, intermediate_size=64, max_position_embeddings=64)
+def saved(family_checkpoint) -> Path:
+    return family_checkpoint("llama", hidden_size=32, intermediate_size=64, max_position_embeddings=64)
 
 
 @pytest.fixture(scope="module")

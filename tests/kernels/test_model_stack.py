@@ -1,7 +1,8 @@
 """One model stack (kernels.layers) for targets and drafts: a yarn-scaled target is served, every draft kind
-(drafts.kinds.KIND_NAMES) is built for it and runs (training form and serving form agree), and greedy speculative decoding with each kind
-equals plain greedy decoding token for token (fp32), with positions past the original context. The engine's
-target is the same CausalLM class as the standalone draft, fused without a second copy of its weights."""
+(drafts.kinds.KIND_NAMES) is built for it and runs (training form and serving form agree), and greedy
+speculative decoding with each kind equals plain greedy decoding token for token (fp32), with positions past
+the original context. The engine's target is the same CausalLM class as the standalone draft, fused without a
+second copy of its weights."""
 from __future__ import annotations
 
 import copy
@@ -33,9 +34,9 @@ AUX_LAYERS = [1, 2, 3]  # distinct target layers of the 4-layer target (EAGLE-3,
 
 
 @pytest.fixture(scope="module")
-def target(tiny_target):
+def target(family_checkpoint):
     """The yarn Llama (factor 4 over 32 original positions, 128 served) and its dir."""
-    path = tiny_target("llama-yarn", vocab_size=V, hidden_size=D, intermediate_size=2 * D, num_hidden_layers=L,
+    path = family_checkpoint("llama-yarn", vocab_size=V, hidden_size=D, intermediate_size=2 * D, num_hidden_layers=L,
                        max_position_embeddings=128, initializer_range=0.1, eos_token_id=V - 1, bos_token_id=0,
                        pad_token_id=0)
     return LlamaForCausalLM.from_pretrained(path, dtype=torch.float32).eval(), path

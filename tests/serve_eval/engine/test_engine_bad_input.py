@@ -7,8 +7,8 @@ MAX_POS = 64
 
 
 @pytest.fixture(scope="module")
-def model_dir(tiny_target):
-    return str(tiny_target("llama", hidden_size=32, intermediate_size=64, max_position_embeddings=MAX_POS))
+def model_dir(family_checkpoint):
+    return str(family_checkpoint("llama", hidden_size=32, intermediate_size=64, max_position_embeddings=MAX_POS))
 
 
 @pytest.mark.parametrize("kwargs, field", [

@@ -33,8 +33,8 @@ TARGET = dict(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=64, num_hi
 
 
 @pytest.fixture(scope="module")
-def target_dir(tiny_target):
-    return tiny_target("llama", **TARGET)
+def target_dir(family_checkpoint):
+    return family_checkpoint("llama", **TARGET)
 
 
 def make_draft(kind, target_dir, seed=1):

@@ -28,8 +28,8 @@ TARGET = dict(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=64, max_po
 
 
 @pytest.fixture(scope="module")
-def target_dir(tiny_target):
-    return tiny_target("llama", **TARGET)
+def target_dir(family_checkpoint):
+    return family_checkpoint("llama", **TARGET)
 
 
 def make_draft(target_dir, shared=True):

@@ -32,9 +32,9 @@ CASES = [
 
 
 @pytest.fixture(scope="module", params=list(TARGETS))
-def setup(request, tmp_path_factory, tiny_target):
+def setup(request, tmp_path_factory, family_checkpoint):
     family, extra = TARGETS[request.param]
-    target = tiny_target(family, shape=SHAPE, initializer_range=0.1, num_hidden_layers=4, **extra)
+    target = family_checkpoint(family, shape=SHAPE, initializer_range=0.1, num_hidden_layers=4, **extra)
     root = target.parent
     models = {"target": target, "standalone": make_llama(root / "draft", vocab=VOCAB, hidden=32, layers=1, seed=1)}
     shutil.copytree(target, root / "self")
