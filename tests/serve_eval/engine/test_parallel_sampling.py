@@ -7,6 +7,9 @@ draft; the policy's fallback off so every round speculates K, as for the referen
 through the model once, its blocks are shared by the n samples and the shared partial last block is
 copied on the first write; abort frees every sample.
 
+Feature drafts (EAGLE, Medusa, block) are compared greedy only: a forked sample's proposer has no target
+features of the prompt (they went to sample 0), so it decodes its first step plainly and speculates from
+the next; at T > 0 that changes which random draws a token takes (the law stays the target's).
 Speculation at T > 0 under recompute preemption is not compared: a recomputed sequence's next token is
 a plain sample of its re-prefill where an unpreempted one would have run a speculative round, so even two
 n == 1 runs differ there (swap preemption keeps the rounds, and is compared).
@@ -18,7 +21,7 @@ import pytest
 from serve_eval.engine import EngineConfig, LLMEngine, SamplingParams
 from serve_eval.speculative.config import SpecConfig
 from serve_eval.speculative.policy import SpecPolicyConfig
-from spec_helpers import make_llama, noisy_copy, workload
+from spec_helpers import feature_draft, make_llama, noisy_copy, workload
 
 MAX_LEN = 64   # max_model_len: a tiny pool still holds one max-length sequence
 
@@ -126,6 +129,15 @@ def test_speculative_samples_match_under_preemption(models, method):
     recomputing = engine_for(target, _spec(method, draft), num_gpu_blocks=17, num_cpu_blocks=0)
     assert_matches(run(recomputing, greedy), greedy, references(target, greedy, _spec(method, draft)))
     assert swapping.stats().num_swap_preemptions > 0 and recomputing.stats().num_preemptions > 0
+
+
+def test_feature_draft_samples_match_greedy(models, tmp_path):
+    target, _ = models
+    eagle = feature_draft("eagle", target, tmp_path / "eagle")
+    requests = n_requests(3, n=3, seed=7, temperature=0.0)
+    engine = engine_for(target, _spec("eagle", eagle))
+    assert_matches(run(engine, requests), requests, references(target, requests, _spec("eagle", eagle)))
+    assert engine.stats().spec.total.num_rounds > 0
 
 
 def test_logprobs_and_first_token_stops(models):

@@ -71,7 +71,8 @@ def test_streamed_completion_choices_carry_their_index(client):
 
 def test_streamed_chat_choices_open_with_role_and_carry_their_index(client):
     req = {"messages": [{"role": "user", "content": "hello world"}], "n": 3, "max_tokens": 9, **SAMPLED}
-    full = {c["index"]: c["message"]["content"] for c in client.post("/v1/chat/completions", json=req).json()["choices"]}
+    body = client.post("/v1/chat/completions", json=req).json()
+    full = {c["index"]: c["message"]["content"] for c in body["choices"]}
     with client.stream("POST", "/v1/chat/completions", json={**req, "stream": True}) as r:
         events = sse_events(r)
     openers = [e["choices"][0] for e in events[:3]]
