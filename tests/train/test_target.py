@@ -24,7 +24,6 @@ TINY = dict(vocab_size=512, hidden_size=64, num_layers=2, num_heads=4, num_kv_he
 
 @pytest.fixture(scope="module")
 def setup():
-    torch.set_num_threads(2)
     records = build_embedded_records(OmegaConf.structured(DataConfig(pool_per_domain=40, max_source_files=15)))
     texts = [r["prompt"] + r["reference"] for r in records]
     tokenizer = train_tokenizer(texts, vocab_size=512)
@@ -32,7 +31,12 @@ def setup():
     torch.manual_seed(0)
     model = LlamaForCausalLM(llama_config(tcfg, tokenizer))
     rows = pack_tokens(tokenizer, texts, tcfg.seq_len)
-    result = train_model(model, rows, tcfg, seed=0)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)  # the target's training batches are big enough to use both cores
+    try:
+        result = train_model(model, rows, tcfg, seed=0)
+    finally:
+        torch.set_num_threads(threads)  # the session's one setting (conftest) for every later test
     return records, tokenizer, model, result
 
 
