@@ -16,7 +16,12 @@
    recovered, and the hook's wall time against the from-scratch distillation's.
 
 Every alpha comes from the same eval settings (quick profile, greedy, K=4, ``--eval-prompts`` held-out
-prompts per domain, ``--eval-tokens`` tokens each, EOS ignored so every domain yields tokens).
+prompts per domain, ``--eval-tokens`` tokens each, EOS ignored so every domain yields tokens) and is
+printed with its 95% bootstrap interval over prompts (the eval harness's; the recovered share's
+interval is propagated from its cells', see demo_target_update_summary). ``--seeds N`` repeats the
+whole flow for trainer seeds 0..N-1, each with its own registry (the target and its update are shared),
+and prints the mean over seeds. With W&B offline (``--wandb``, the default) the hook logs each
+candidate's lineage (target -> data -> draft -> report), printed at the end.
 Trailing ``key=value`` tokens reach the hook and every job (e.g. ``eval.max_tokens=64``).
 Writes ``summary.json`` and ``table.md`` into ``<artifacts>/demo-target-update/<stamp>/``.
 """
@@ -34,11 +39,13 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, os.fspath(Path(__file__).resolve().parents[1]))   # run as a script from any directory
+sys.path.insert(0, os.fspath(Path(__file__).resolve().parent))      # its summary module, beside it
 
 from drafts.artifacts import Artifacts  # noqa: E402
 from train.hook import decision as rules  # noqa: E402
 from train.finetune import FinetuneConfig, FinetuneResult  # noqa: E402
 from train.target import TARGET_META_FILE  # noqa: E402
+from demo_target_update_summary import over_seeds, recovered_share, render, render_over_seeds, summarize  # noqa: E402,F401
 
 DEMO_DIR = "demo-target-update"
 
@@ -60,9 +67,12 @@ class DemoConfig:
     lr: float = 3e-3
     hook_steps: int = 50                  # the hook's warm-started distillation
     # Eval (every alpha in the table).
-    eval_prompts: int = 8
+    eval_prompts: int = 32                # per domain: enough for a 95% bootstrap interval over prompts
     eval_tokens: int = 32
     scratch: bool = True                  # run the from-scratch baseline
+    seed: int = 0                         # the distill trainer's seed (draft init, data order); corpus and target stay
+    seeds: int = 1                        # >1: the whole flow once per seed 0..seeds-1, each with its own registry
+    wandb: str = "offline"                # the jobs' W&B mode; offline logs the lineage (disabled: none)
     finetune: FinetuneConfig = field(default_factory=lambda: FinetuneConfig(steps=150, lr=1e-3, seq_len=128))
     out: str | None = None                # None: <artifacts>/demo-target-update/<stamp>
 
@@ -72,7 +82,10 @@ class DemoConfig:
         bad = [k for k in self.kinds if k not in KINDS]
         if bad or not self.kinds:
             raise ValueError(f"--kinds: {bad or 'none given'}; choose from {', '.join(KINDS)}")
-        for name in ("max_prompts", "max_new_tokens", "steps", "hook_steps", "batch_size", "eval_prompts", "eval_tokens"):
+        if self.wandb not in ("offline", "online", "disabled"):
+            raise ValueError(f"--wandb: {self.wandb!r} is not one of offline, online, disabled")
+        for name in ("max_prompts", "max_new_tokens", "steps", "hook_steps", "batch_size", "eval_prompts", "eval_tokens",
+                     "seeds"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         self.finetune.domain = self.domain
@@ -80,13 +93,13 @@ class DemoConfig:
 
 
 # Bounded for a look at the whole flow in a few minutes; the figures are noisy at this size.
-QUICK = dict(max_prompts=32, max_new_tokens=32, steps=30, hook_steps=10, eval_prompts=3, eval_tokens=16,
+QUICK = dict(max_prompts=32, max_new_tokens=32, steps=30, hook_steps=10, eval_prompts=4, eval_tokens=16,
              finetune=FinetuneConfig(steps=40, lr=1e-3, batch_size=4, seq_len=128))
 
 
 def common_overrides(cfg: DemoConfig, extra: list[str]) -> list[str]:
     """What every job of the demo shares (the hook passes them through to its collaborators)."""
-    return [f"artifacts_root={cfg.artifacts_root}", "wandb.mode=disabled",
+    return [f"artifacts_root={cfg.artifacts_root}", f"wandb.mode={cfg.wandb}", f"++train.seed={cfg.seed}",
             f"draft.data.max_prompts={cfg.max_prompts}", f"draft.data.max_new_tokens={cfg.max_new_tokens}",
             f"draft.data.max_length={cfg.max_length}", f"++train.batch_size={cfg.batch_size}", f"++train.lr={cfg.lr}",
             "++train.warmup_steps=5", "eval.ignore_eos=true", "eval.warmup=0", f"eval.batch_size={cfg.eval_prompts}",
@@ -126,6 +139,7 @@ def ensure_drafts(cfg: DemoConfig, registry: Any, target_dir: Path, overrides: l
     """Promoted drafts of the target per kind; the missing kinds are distilled, evaluated and promoted here."""
     from serve_eval.eval.report_files import write_report
     from train.hook import jobs as hook_jobs
+    from train.hook.collaborators import ConfiguredLineage
     from train.registry.records import RegisteredTarget
 
     info = RegisteredTarget.from_dir(target_dir)
@@ -152,9 +166,11 @@ def ensure_drafts(cfg: DemoConfig, registry: Any, target_dir: Path, overrides: l
     say(f"distilled {', '.join(missing)} in {time.perf_counter() - start:.0f} s; evaluating on the target")
     report = evaluate(target_dir, made, overrides)
     report_path = write_report(report, work / "reports" / "initial-drafts", plots=False).json
+    lineage = ConfiguredLineage(overrides)   # the same W&B lineage as the hook's candidates
     for kind, path in made.items():
-        have[kind] = registry.add(path, info, report_path=report_path, report_method=kind, status="promoted",
-                                  note="trained by scripts/demo_target_update.py")
+        entry = registry.add(path, info, report_path=report_path, report_method=kind, status="promoted",
+                             note="trained by scripts/demo_target_update.py")
+        have[kind] = registry.update(entry.id, lineage=lineage.log_chain(info, data, Path(path), report_path))
     return {k: have[k] for k in cfg.kinds}
 
 
@@ -225,71 +241,14 @@ def scratch_baseline(cfg: DemoConfig, kinds: list[str], new_dir: Path, domains: 
                                    overrides=[*overrides, f"++train.max_steps={cfg.steps}"]) for k in kinds}
     wall = time.perf_counter() - start
     report = evaluate(new_dir, drafts, overrides, domains)
-    return {"wall_s": wall, "regenerate_s": regen_s, "distill_s": wall - regen_s,
+    from serve_eval.eval.report_files import write_report
+    report_path = write_report(report, work / "reports" / "scratch", plots=False).json
+    return {"wall_s": wall, "regenerate_s": regen_s, "distill_s": wall - regen_s, "report": str(report_path),
             "alphas": {k: rules.domain_alphas(report.results, k) for k in kinds}}
 
 
 def _registry_root(cfg: DemoConfig) -> Path:
     return Path(cfg.registry or cfg.artifacts_root)
-
-
-# ----------------------------------------------------------------------------- the table
-
-def recovered_share(old: float | None, dropped: float | None, candidate: float | None) -> float | None:
-    """Share of the alpha lost by the update that the re-distilled draft won back (None: nothing was lost)."""
-    if old is None or dropped is None or candidate is None or old - dropped <= 0:
-        return None
-    return (candidate - dropped) / (old - dropped)
-
-
-def summarize(record: dict, scratch: dict | None, threshold: float) -> dict[str, Any]:
-    rows, lost, won = [], 0.0, 0.0
-    for d in record.get("drafts", []):
-        for domain, v in sorted(d["domains"].items()):
-            cand = v.get("candidate")
-            share = recovered_share(v.get("old_target"), v.get("new_target"), cand)
-            if share is not None and v["old_target"] - v["new_target"] > threshold + 1e-9 and cand is not None:
-                lost += v["old_target"] - v["new_target"]
-                won += cand - v["new_target"]
-            rows.append({"kind": d["kind"], "domain": domain, "old_draft_old_target": v.get("old_target"),
-                         "old_draft_new_target": v.get("new_target"), "redistilled_new_target": cand,
-                         "scratch_new_target": (scratch or {}).get("alphas", {}).get(d["kind"], {}).get(domain),
-                         "recovered": share, "regressed": domain in d.get("regressed", [])})
-    return {"rows": rows, "recovered_regressed": won / lost if lost > 0 else None}
-
-
-def render(summary: dict[str, Any]) -> str:
-    f = lambda x, spec=".3f": "-" if x is None else format(x, spec)  # noqa: E731
-    lines = ["| draft | domain | old draft, old target | old draft, new target | re-distilled (hook), new target "
-             "| from scratch, new target | lost alpha recovered |", "|---|---|---|---|---|---|---|"]
-    for r in summary["rows"]:
-        lines.append(f"| {r['kind']} | {r['domain']}{' *' if r['regressed'] else ''} | {f(r['old_draft_old_target'])} | "
-                     f"{f(r['old_draft_new_target'])} | {f(r['redistilled_new_target'])} | {f(r['scratch_new_target'])} "
-                     f"| {'-' if r['recovered'] is None else format(r['recovered'], '.0%')} |")
-    s = summary
-    lines.append("")
-    up = s.get("target_update") or {}
-    if up.get("finetune"):
-        ppl = " ".join(f"{d} {up['perplexity_before'][d]:.1f}->{up['perplexity_after'][d]:.1f}"
-                       for d in sorted(up.get("perplexity_after") or {}))
-        lines.append(f"Target update: {s['old_fingerprint']} -> {s['new_fingerprint']}, fine-tuned on "
-                     f"{up['finetune']['domain']} for {up['steps']} steps (lr {up['finetune']['lr']:g}, "
-                     f"{up['train_wall_s']:.0f} s); held-out perplexity {ppl or '-'}.")
-    lines.append(f"`*` regressed (alpha fell by more than {s['threshold']:g}). Lost alpha recovered on the regressed "
-                 f"domains: {'-' if s['recovered_regressed'] is None else format(s['recovered_regressed'], '.0%')} "
-                 "(goal >= 90%).")
-    t = s["hook_timings_s"]
-    lines.append(f"Hook: exit {s['hook_exit']} ({s['hook_outcome']}), wall {s['hook_wall_s']:.0f} s (evaluate old "
-                 f"drafts {t.get('evaluate_old_drafts', 0):.0f} s, regenerate {t.get('regenerate', 0):.0f} s, distill "
-                 f"{t.get('distill', 0):.0f} s warm-started for {s['hook_steps']} steps, evaluate candidates "
-                 f"{t.get('evaluate_candidates', 0):.0f} s); data plan {s['data_plan']}.")
-    if s.get("scratch"):
-        sc = s["scratch"]
-        ratio = s["hook_wall_s"] / sc["wall_s"]
-        lines.append(f"From scratch, same kind(s), original recipe ({s['steps']} steps, all domains): "
-                     f"{sc['wall_s']:.0f} s (regenerate {sc['regenerate_s']:.0f} s, distill {sc['distill_s']:.0f} s). "
-                     f"Hook / from scratch = {ratio:.2f} (goal <= 0.50: {'met' if ratio <= 0.5 else 'not met'}).")
-    return "\n".join(lines)
 
 
 # ----------------------------------------------------------------------------- the command
@@ -306,7 +265,7 @@ def run_demo(cfg: DemoConfig, extra: list[str] | None = None) -> dict[str, Any]:
     started = time.perf_counter()
     old_dir, corpus = demo_target(cfg, overrides)
     registry = Registry(_registry_root(cfg))
-    ensure_drafts(cfg, registry, old_dir, overrides, work)
+    old_entries = ensure_drafts(cfg, registry, old_dir, overrides, work)
     new_dir, _ = update_target(cfg, old_dir, corpus.dir)
     code, record, hook_wall = run_hook(cfg, new_dir, old_dir, overrides, work)
     retrained = sorted({d["kind"] for d in record.get("drafts", []) if d.get("candidate", {}) and
@@ -318,20 +277,49 @@ def run_demo(cfg: DemoConfig, extra: list[str] | None = None) -> dict[str, Any]:
         scratch = scratch_baseline(cfg, retrained, new_dir, domains, overrides, work)
     elif not retrained:
         say("the hook retrained nothing (no regression beyond the threshold): no from-scratch baseline to compare")
-    summary = summarize(record, scratch, cfg.threshold)
+    reports = {k: {"old": e.report_path, "scratch": (scratch or {}).get("report")} for k, e in old_entries.items()}
+    summary = summarize(record, scratch, cfg.threshold, reports)
     summary["target_update"] = json.loads((new_dir / TARGET_META_FILE).read_text())
     summary.update(threshold=cfg.threshold, hook_exit=code, hook_outcome=record.get("outcome"), hook_wall_s=hook_wall,
                    hook_timings_s=record.get("timings_s", {}), hook_steps=cfg.hook_steps, steps=cfg.steps,
                    data_plan=(record.get("data") or {}).get("plan"), scratch=scratch, decision_record=str(work / "decision.json"),
                    old_target=str(old_dir), new_target=str(new_dir), new_fingerprint=record.get("new_target", {}).get("fingerprint"),
                    old_fingerprint=record.get("baseline", {}).get("fingerprint"), errors=record.get("errors", []),
-                   config=asdict(cfg), total_wall_s=time.perf_counter() - started)
-    table = render(summary)
+                   config=asdict(cfg), seed=cfg.seed, eval_prompts=cfg.eval_prompts, eval_tokens=cfg.eval_tokens,
+                   total_wall_s=time.perf_counter() - started)
+    table = render(summary) + _lineage_text(registry, record)
     (work / "table.md").write_text(table + "\n")
     (work / "summary.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
     print("\n" + table, flush=True)
     say(f"total {summary['total_wall_s']:.0f} s; summary in {work / 'summary.json'}")
     return summary
+
+
+def _lineage_text(registry: Any, record: dict) -> str:
+    """The last candidate's lineage as `draftsmith drafts show` prints it (W&B offline by default)."""
+    from train.registry.cli import lineage_lines
+
+    ids = [d["candidate"]["id"] for d in record.get("drafts", []) if (d.get("candidate") or {}).get("id")]
+    return "".join(f"\n\nLineage of {i}:\n" + "\n".join(lineage_lines(registry.get(i))) for i in ids)
+
+
+def run_seeds(cfg: DemoConfig, extra: list[str] | None = None) -> dict[str, Any]:
+    """The whole flow once per seed (its own registry and work dir, so no seed reuses another's drafts;
+    the embedded target and its update are shared), then the mean over seeds."""
+    stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S")
+    work = Path(cfg.out or Path(cfg.artifacts_root) / DEMO_DIR / f"{stamp}-seeds").resolve()
+    summaries = []
+    for seed in range(cfg.seeds):
+        say(f"seed {seed} of {cfg.seeds}")
+        summaries.append(run_demo(replace(cfg, seed=seed, seeds=1, out=str(work / f"seed-{seed}"),
+                                          registry=str(work / f"seed-{seed}" / "registry")), extra))
+    agg = over_seeds(summaries)
+    text = render_over_seeds(agg)
+    (work / "table.md").write_text(text + "\n")
+    (work / "summary.json").write_text(json.dumps(agg, indent=2, default=str) + "\n")
+    print("\n" + text, flush=True)
+    say(f"summary over seeds in {work / 'summary.json'}")
+    return {**agg, "hook_exits": [s["hook_exit"] for s in summaries]}
 
 
 def parse_args(argv: list[str]) -> tuple[DemoConfig, list[str]]:
@@ -361,11 +349,12 @@ def parse_args(argv: list[str]) -> tuple[DemoConfig, list[str]]:
 def main(argv: list[str] | None = None) -> int:
     try:
         cfg, extra = parse_args(sys.argv[1:] if argv is None else argv)
-        summary = run_demo(cfg, extra)
+        cfg.validate()
+        exits = run_seeds(cfg, extra)["hook_exits"] if cfg.seeds > 1 else [run_demo(cfg, extra)["hook_exit"]]
     except ValueError as err:
         print(f"draftsmith demo: error: {err}", file=sys.stderr)
         return 2
-    return 0 if summary["hook_exit"] in (rules.EXIT_OK, rules.EXIT_NOT_PROMOTED) else 2
+    return 0 if all(code in (rules.EXIT_OK, rules.EXIT_NOT_PROMOTED) for code in exits) else 2
 
 
 if __name__ == "__main__":

@@ -115,6 +115,30 @@ def test_demo_table_carries_the_record_figures(demo):
         assert summary["scratch"]["wall_s"] > 0 and set(summary["scratch"]["alphas"]) == {"eagle"}
     table = render(summary)
     assert "| eagle | code" in table and "Hook: exit" in table and "fine-tuned on code for 12 steps" in table
+    assert "95% bootstrap interval over prompts" in table
+    for row in summary["rows"]:       # every measured cell carries the harness's interval over its 2 prompts
+        for cell, value in (("old", row["old_draft_old_target"]), ("new", row["old_draft_new_target"])):
+            low, high = row["ci"][cell]
+            assert low - 1e-9 <= value <= high + 1e-9
+
+
+def test_the_candidates_lineage_is_logged_offline_and_reads_back(demo):
+    """W&B offline (the demo's default): the hook's candidate carries target -> data -> draft -> report in
+    the registry, and the offline run files under the artifacts' wandb dir hold the same chain."""
+    from train.registry.lineage import logged_chain
+    from train.registry.store import Registry
+
+    tmp, _, summary = demo
+    draft = json.loads(Path(summary["decision_record"]).read_text())["drafts"][0]
+    if draft["action"] != "retrain":
+        pytest.skip("the hook retrained nothing on this tiny update")
+    registry = Registry(tmp / "artifacts")
+    entry = registry.get(draft["candidate"]["id"])
+    (old,) = registry.promoted(summary["old_fingerprint"])       # the demo's initial draft logs its chain too
+    assert [r.type for r in entry.lineage] == [r.type for r in old.lineage] == ["target", "dataset", "draft", "report"]
+    chain = logged_chain(tmp / "artifacts" / "wandb", entry.lineage[-1])
+    assert [(a.name, a.digest) for a in chain] == [(r.name, r.digest) for r in entry.lineage]
+    assert chain[0].metadata["fingerprint"] == summary["new_fingerprint"]
 
 
 def test_planned_records_keep_the_full_jobs_prompts_per_share():
