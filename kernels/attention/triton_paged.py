@@ -20,6 +20,39 @@ from kernels.attention import AttentionMetadata
 
 
 @triton.jit
+def _load_cache_rows(cache_ptr, slots, kv_head, stride_slot, stride_head, offs_d, kv_mask):
+    """[BLOCK_N, BLOCK_D] of one KV head at these cache slots (masked rows read as 0)."""
+    return tl.load(cache_ptr + slots[:, None] * stride_slot + kv_head * stride_head + offs_d[None, :],
+                   mask=kv_mask, other=0.0)
+
+
+@triton.jit
+def _visible(offs_m, offs_n, rows, m_valid, n_valid, prefix, tree_mask_ptr, stride_tree, HAS_TREE: tl.constexpr):
+    """[BLOCK_M, BLOCK_N]: which keys each query may attend to. The cached prefix is visible to every new
+    token; among the new tokens, causal order, or the tree's ancestor mask when verifying a tree."""
+    local_n = offs_n - prefix  # index among the new tokens (negative = prefix)
+    in_prefix = (offs_n < prefix)[None, :]
+    if HAS_TREE:
+        own = m_valid[:, None] & (local_n >= 0)[None, :] & n_valid[None, :]
+        tree_ok = tl.load(tree_mask_ptr + rows[:, None] * stride_tree + local_n[None, :], mask=own, other=0)
+        allowed = in_prefix | (tree_ok != 0)
+    else:
+        allowed = in_prefix | (local_n[None, :] <= offs_m[:, None])
+    return allowed & n_valid[None, :]
+
+
+@triton.jit
+def _online_softmax_step(m_i, l_i, acc, scores, v, DOT_PRECISION: tl.constexpr):
+    """Fold one block of scores into the running max, running sum and weighted values."""
+    m_new = tl.maximum(m_i, tl.max(scores, 1))
+    alpha = tl.exp(m_i - m_new)
+    p = tl.exp(scores - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
     cu_seqlens_q_ptr, seq_lens_ptr, block_tables_ptr, tile_seq_ptr, tile_qstart_ptr, tree_mask_ptr,
@@ -67,29 +100,13 @@ def _paged_attention_kernel(
         block_ids = tl.load(block_tables_ptr + seq * stride_bt + offs_n // BLOCK_SIZE, mask=n_valid, other=0)
         slots = block_ids.to(tl.int64) * BLOCK_SIZE + offs_n % BLOCK_SIZE
         kv_mask = n_valid[:, None] & d_valid[None, :]
-        k = tl.load(k_cache_ptr + slots[:, None] * stride_kslot + kv_head * stride_kh + offs_d[None, :],
-                    mask=kv_mask, other=0.0)
-        v = tl.load(v_cache_ptr + slots[:, None] * stride_vslot + kv_head * stride_vh + offs_d[None, :],
-                    mask=kv_mask, other=0.0)
+        k = _load_cache_rows(k_cache_ptr, slots, kv_head, stride_kslot, stride_kh, offs_d, kv_mask)
+        v = _load_cache_rows(v_cache_ptr, slots, kv_head, stride_vslot, stride_vh, offs_d, kv_mask)
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale  # [BLOCK_M, BLOCK_N]
-
-        local_n = offs_n - prefix  # index among the new tokens (negative = prefix)
-        in_prefix = (offs_n < prefix)[None, :]
-        if HAS_TREE:
-            own = m_valid[:, None] & (local_n >= 0)[None, :] & n_valid[None, :]
-            tree_ok = tl.load(tree_mask_ptr + rows[:, None] * stride_tree + local_n[None, :], mask=own, other=0)
-            allowed = in_prefix | (tree_ok != 0)
-        else:
-            allowed = in_prefix | (local_n[None, :] <= offs_m[:, None])
-        allowed = allowed & n_valid[None, :]
+        allowed = _visible(offs_m, offs_n, rows, m_valid, n_valid, prefix, tree_mask_ptr, stride_tree, HAS_TREE)
         scores = tl.where(allowed, scores, float("-inf"))
 
-        m_new = tl.maximum(m_i, tl.max(scores, 1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(scores - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
+        m_i, l_i, acc = _online_softmax_step(m_i, l_i, acc, scores, v, DOT_PRECISION)
 
     out = acc / tl.maximum(l_i, 1.0e-30)[:, None]
     tl.store(out_ptr + rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
