@@ -308,6 +308,7 @@ def run_seeds(cfg: DemoConfig, extra: list[str] | None = None) -> dict[str, Any]
     the embedded target and its update are shared), then the mean over seeds."""
     stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S")
     work = Path(cfg.out or Path(cfg.artifacts_root) / DEMO_DIR / f"{stamp}-seeds").resolve()
+    work.mkdir(parents=True, exist_ok=True)
     summaries = []
     for seed in range(cfg.seeds):
         say(f"seed {seed} of {cfg.seeds}")

@@ -70,3 +70,26 @@ def test_the_mean_over_seeds_is_each_figures_mean():
     assert row["redistilled_new_target"] == pytest.approx(0.57) and row["regressed_in"] == 3
     text = render_over_seeds(agg)
     assert "Mean over 3 seeds" in text and "seed 1: 90% [80%, 100%]" in text and "0.500" in text
+
+
+def test_seeds_run_the_whole_flow_each_with_its_own_registry(tmp_path, monkeypatch, capsys):
+    """--seeds 3: run_demo once per trainer seed, each in its own work dir and registry; the exit code
+    holds over all seeds; the mean table is written beside them."""
+    import json
+
+    import demo_target_update as demo
+
+    calls = []
+
+    def fake_run_demo(cfg, extra=None):
+        calls.append(cfg)
+        return {"seed": cfg.seed, "recovered_regressed": 0.5 + 0.1 * cfg.seed, "recovered_regressed_ci": None,
+                "hook_wall_s": 10.0, "scratch": {"wall_s": 40.0}, "hook_exit": 0, "rows": []}
+
+    monkeypatch.setattr(demo, "run_demo", fake_run_demo)
+    assert demo.main(["--seeds", "3", "--out", str(tmp_path / "w")]) == 0
+    assert [c.seed for c in calls] == [0, 1, 2] and all(c.seeds == 1 for c in calls)
+    assert len({c.registry for c in calls}) == 3 and all(c.registry.startswith(str(tmp_path / "w")) for c in calls)
+    agg = json.loads((tmp_path / "w" / "summary.json").read_text())
+    assert agg["recovered_regressed"] == pytest.approx(0.6) and agg["time_ratio"] == pytest.approx(0.25)
+    assert "Mean over 3 seeds" in capsys.readouterr().out
