@@ -57,6 +57,16 @@ class DynamicTreeBuilder:
                                   torch.tensor(self._parents, dtype=torch.int64),
                                   torch.tensor(self._depths, dtype=torch.int64), ancestors=self._anc[: n + 1, : n + 1])
 
+    def node_inputs(self, ids: Sequence[int]) -> tuple[list[int], list[int], list[int]]:
+        """(tokens, parents, depths) of candidates `ids` (parent -1 = the root): what a draft step feeds them."""
+        return ([self._tokens[i] for i in ids], [self._parents[i] for i in ids], [self._depths[i] for i in ids])
+
+    def ancestor_mask(self, query_ids: Sequence[int], key_ids: Sequence[int]) -> Tensor:
+        """bool [len(query_ids), len(key_ids)]: key candidate is the query itself or one of its ancestors."""
+        rows = torch.tensor(query_ids, dtype=torch.int64) + 1
+        cols = torch.tensor(key_ids, dtype=torch.int64) + 1
+        return self._anc[rows][:, cols]
+
     def _extend_ancestors(self, first: int) -> None:
         """Ancestor rows of candidates first.. (rows already written never change)."""
         end = len(self._tokens) + 1

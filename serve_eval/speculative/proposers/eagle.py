@@ -13,10 +13,9 @@ Per propose call, for all sequences at once:
    the next on_accepted / propose, and the accepted positions come back as true features and are ingested.
    chain: T = 0 -> argmax point masses; T > 0 -> tokens sampled from logits_to_probs rows (draft_probs).
    tree (EAGLE-2): DynamicTreeBuilder expands the top_k most valuable frontier nodes per depth (value: the
-   calibrated acceptance of serve_eval.speculative.tree_budget under tree_budget='cost'); each depth
-   re-runs every node expanded so far with a tree mask, because the paged kernel lets query tokens see ALL
-   earlier context - recomputing the tree as this step's queries is how siblings stay invisible to each
-   other. Tree nodes are point masses. Confidence is the plain softmax of the draft logits (EAGLE-2's),
+   calibrated acceptance of serve_eval.speculative.tree_budget under tree_budget='cost'); each depth runs
+   the draft only on its new frontier nodes, which attend to the committed entries plus their tree
+   ancestors' entries (serve_eval.speculative.proposers.eagle_tree). Tree nodes are point masses. Confidence is the plain softmax of the draft logits (EAGLE-2's),
    independent of the request's temperature, so T = 0 trees still branch.
 
 The draft KV cache is PAGED (its own KVCacheManager over its own block pool, kernels.attention for the
@@ -61,6 +60,7 @@ from serve_eval.speculative.proposers.features import (
     serving_form,
 )
 from serve_eval.speculative.proposers.registry import register_proposer
+from serve_eval.speculative.proposers.eagle_tree import IncrementalTreeDrafter, TreeShapeLimits
 from serve_eval.speculative.tree_budget import TreeBudget
 from serve_eval.speculative.tree_dynamic import DynamicTreeBuilder
 from serve_eval.speculative.verify import VerifyResult
@@ -86,7 +86,6 @@ class _Query:
     token_ids: list[int]
     hidden_in: Tensor  # [q, d]
     positions: list[int]
-    tree_mask: Tensor | None = None  # bool [q, q] over these query tokens
 
 
 @register_proposer("eagle")
@@ -266,16 +265,9 @@ class EagleProposer(Proposer):
     def _forward(self, queries: list[_Query], ingest: bool = True) -> Tensor:
         """One flattened draft forward; each query's tokens are its cache's last entries. -> hidden out [T, d]."""
         lens = [len(q.token_ids) for q in queries]
-        tree_mask = None
-        if any(q.tree_mask is not None for q in queries):
-            tree_mask = torch.zeros(sum(lens), max(lens), dtype=torch.bool, device=self.device)
-            row = 0
-            for q, n in zip(queries, lens):
-                tree_mask[row:row + n, :n] = q.tree_mask if q.tree_mask is not None else torch.ones(n, n, dtype=torch.bool, device=self.device).tril()
-                row += n
         meta = AttentionMetadata.build(
             lens, [q.state.record.num_computed_tokens for q in queries],
-            [self.cache.block_table(q.state.record) for q in queries], self.cache.block_size, self.device, tree_mask)
+            [self.cache.block_table(q.state.record) for q in queries], self.cache.block_size, self.device)
         hidden_in = torch.cat([q.hidden_in for q in queries])
         if ingest:
             hidden_in = self._ingest_input(hidden_in)
@@ -317,55 +309,10 @@ class EagleProposer(Proposer):
         return [Proposal(torch.tensor(t, dtype=torch.int64, device=self.device),
                          None if greedy[i] else torch.stack(rows[i])) for i, t in enumerate(tokens)]
 
-    # -- EAGLE-2 dynamic trees -----------------------------------------------------------------
+    # -- EAGLE-2 dynamic trees (serve_eval.speculative.proposers.eagle_tree) ---------------------
     def _trees(self, states, root_positions, root_feats: Tensor) -> list[Proposal]:
-        top_k, depth, max_nodes = self.tree
-        builders = [DynamicTreeBuilder(top_k, depth, max_nodes, self.tree_budget) for _ in states]
-        # Per sequence: row 0 = its root feature, row node + 1 = the output hidden of an expanded node.
-        capacity = 1 + top_k + max(depth - 1, 0) * top_k * top_k
-        tables = [root_feats.new_zeros(capacity, root_feats.shape[-1]) for _ in states]
-        expanded: list[list[int]] = [[] for _ in states]
-        conf, cand = self._candidates(root_feats, top_k)
-        frontiers = []
-        for i, builder in enumerate(builders):
-            tables[i][0] = root_feats[i]
-            frontiers.append(builder.add_root_candidates(cand[i], conf[i]))
-        while any(frontiers):
-            active = [i for i, f in enumerate(frontiers) if f]
-            queries = [self._tree_query(states[i], builders[i], expanded[i], frontiers[i], tables[i],
-                                        root_positions[i]) for i in active]
-            hidden = self._forward(queries, ingest=False)
-            ends = torch.tensor([len(q.token_ids) for q in queries]).cumsum(0).tolist()
-            new_rows = []
-            for j, i in enumerate(active):  # the newest frontier is each query's tail
-                tail = torch.arange(ends[j] - len(frontiers[i]), ends[j])
-                tables[i][torch.tensor(frontiers[i]) + 1] = hidden[tail.to(hidden.device)]
-                new_rows.append(tail)
-            conf, cand = self._candidates(hidden[torch.cat(new_rows).to(hidden.device)], top_k)
-            row = 0
-            for i in active:
-                width = len(frontiers[i])
-                frontiers[i] = builders[i].add_children(frontiers[i], cand[row:row + width], conf[row:row + width])
-                row += width
-        trees = [b.build() for b in builders]
+        drafter = IncrementalTreeDrafter(self.draft, self._logits, self.cache, self.draft.config.decoder.head_dim,
+                                         TreeShapeLimits(*self.tree), self.tree_budget)
+        trees = drafter.grow([s.record for s in states], [s.num_committed for s in states], root_positions,
+                             root_feats)
         return [Proposal(t.tokens, None, t) for t in trees]
-
-    def _tree_query(self, state: _RequestState, builder: DynamicTreeBuilder, expanded: list[int],
-                    frontier: list[int], table: Tensor, root_position: int) -> _Query:
-        """Every node expanded so far, re-run with an ancestor mask; geometry comes from the builder's
-        candidate tree (DraftTree), the input hidden of a node is its parent's output (the root's feature)."""
-        expanded.extend(frontier)
-        if not self.cache.resize(state.record, state.num_committed + len(expanded)):
-            raise RuntimeError("EAGLE draft KV pool exhausted while growing a tree (raise draft_num_blocks)")
-        tree = builder.candidates()
-        nodes = torch.tensor(expanded, dtype=torch.int64)  # [n]; every ancestor of an expanded node is expanded
-        rows = nodes + 1
-        mask = tree.ancestors()[rows][:, rows]  # [n, n] over the expanded nodes
-        positions = root_position + tree.depths[nodes] - 1  # a depth-d node is fed at the root's position + d - 1
-        hidden_in = table[tree.parents[nodes] + 1]  # [n, d]
-        return _Query(state, tree.tokens[nodes].tolist(), hidden_in, positions.tolist(), mask.to(self.device))
-
-    def _candidates(self, hidden: Tensor, top_k: int) -> tuple[Tensor, Tensor]:
-        """(confidence, token) [n, top_k] of the draft's plain softmax: EAGLE-2's ranking signal."""
-        top = torch.softmax(self._logits(hidden), dim=-1).topk(top_k, dim=-1)
-        return top.values.cpu(), top.indices.cpu()
