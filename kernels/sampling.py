@@ -95,24 +95,38 @@ def logits_to_probs(
     # Greedy rows become one-hot below; filtering them would be wasted work.
     use_top_k = (top_k > 0) & (top_k < vocab_size) & ~greedy
     use_top_p = (top_p < 1) & ~greedy
-    candidates = None  # (logits [Rk, kmax], ids [Rk, kmax]) of the top-k rows, by value, -inf past each row's k
+    candidates = None  # (logits [Rk, W], ids [Rk, W]) of the top-k rows, in id order, -inf outside each row's k
     if bool(use_top_k.any()):
+        every_k = bool(use_top_k.all())  # the common batch: no row copies in or out
         k_rows = use_top_k.nonzero().squeeze(1)
-        candidates = _top_k_candidates(scaled[k_rows], top_k[k_rows])
-        if candidates is None:  # a tie straddles some row's k-th place: settle it by token id over the full row
+        k_scaled = scaled if every_k else scaled[k_rows]
+        candidates = _top_k_candidates(k_scaled, top_k if every_k else top_k[k_rows])
+        if candidates is None:  # a tie runs past the candidate window: settle it by token id over the full row
             scaled = scaled.masked_fill(~_top_k_keep(scaled, top_k, use_top_k), float("-inf"))
         else:
-            scaled[k_rows] = torch.full_like(scaled[k_rows], float("-inf")).scatter_(-1, candidates[1], candidates[0])
+            filtered = torch.full_like(k_scaled, float("-inf")).scatter_(-1, candidates[1], candidates[0])
+            if every_k:
+                scaled = filtered
+            else:
+                scaled[k_rows] = filtered
     if bool(use_top_p.any()):
+        every_p = bool(use_top_p.all())
         rows = use_top_p.nonzero().squeeze(1)
         if candidates is not None and bool(use_top_k[rows].all()):
             # Only the top-k survivors can be in the nucleus: sort just those.
-            at = (use_top_k.cumsum(0) - 1)[rows]  # position of each top-p row among the top-k rows
-            cand_logits, cand_ids = candidates[0][at], candidates[1][at]
+            if every_p:   # then every row is a top-k row too, in the same order
+                cand_logits, cand_ids = candidates
+            else:
+                at = (use_top_k.cumsum(0) - 1)[rows]  # position of each top-p row among the top-k rows
+                cand_logits, cand_ids = candidates[0][at], candidates[1][at]
         else:
-            cand_logits = scaled[rows]
+            cand_logits = scaled if every_p else scaled[rows]
             cand_ids = torch.arange(vocab_size, device=device).expand_as(cand_logits)
-        scaled[rows] = _top_p_filter(cand_logits, cand_ids, top_p[rows], vocab_size)
+        nucleus = _top_p_filter(cand_logits, cand_ids, top_p if every_p else top_p[rows], vocab_size)
+        if every_p:
+            scaled = nucleus
+        else:
+            scaled[rows] = nucleus
     probs = scaled.softmax(dim=-1)
     if bool(greedy.any()):
         one_hot = torch.zeros_like(probs).scatter_(-1, logits.argmax(dim=-1, keepdim=True), 1.0)
@@ -120,21 +134,37 @@ def logits_to_probs(
     return probs
 
 
+# Extra entries _top_k_candidates reads past each row's k-th, so that a tie at the k-th place (common with bf16
+# logits, which take only 256 values per octave) is settled inside the window instead of over the full row.
+_TIE_WINDOW_MARGIN = 16
+
+
 def _top_k_candidates(
     scaled: Tensor,  # [R, V], rows that use top-k
     top_k: Tensor,  # int64 [R], each in [1, V)
-) -> tuple[Tensor, Tensor] | None:  # (logits [R, kmax] by value descending, -inf past k; ids [R, kmax])
-    """Each row's k highest entries via one torch.topk (k << V, no full sort).
+) -> tuple[Tensor, Tensor] | None:  # (logits [R, W], -inf outside each row's top k; ids [R, W])
+    """Each row's k highest entries (ties at the k-th value to the lower ids) via one torch.topk (k << V, no sort).
 
-    topk's order among equal values is unspecified, so when the k-th and (k+1)-th values of some row are
-    equal (which token survives must then be the lower id) this returns None and the caller decides by id.
+    topk's order among equal values is unspecified, so the kept set is fixed by value and id, not by that order:
+    a window of the W highest entries, W a margin past the largest k, holds every entry tied with a row's k-th
+    value unless its last entry still equals it; then (rare) this returns None and the caller decides over the
+    full row.
     """
+    vocab_size = scaled.shape[-1]
     k = top_k[:, None]
-    values, ids = scaled.topk(int(top_k.max()) + 1, dim=-1)  # k < V, so k + 1 entries exist
-    if bool((values.gather(-1, k - 1) == values.gather(-1, k)).any()):
+    width = min(vocab_size, int(top_k.max()) + _TIE_WINDOW_MARGIN)
+    values, ids = scaled.topk(width, dim=-1)  # by value, descending
+    kth_value = values.gather(-1, k - 1)  # [R, 1]
+    if width < vocab_size and bool((values[:, -1:] == kth_value).any()):
         return None
-    values = values.masked_fill(torch.arange(values.shape[-1], device=values.device) >= k, float("-inf"))
-    return values[:, :-1], ids[:, :-1]
+    # In id order (the top-p filter's stable sort then breaks its ties by id too), the cumulative count takes
+    # the lowest tied ids.
+    ids, by_id = ids.sort(dim=-1)
+    values = values.gather(-1, by_id)
+    above = values > kth_value
+    tied = values == kth_value
+    keep = above | (tied & (tied.cumsum(dim=-1) <= k - above.sum(dim=-1, keepdim=True)))
+    return values.masked_fill(~keep, float("-inf")), ids
 
 
 def _top_k_keep(

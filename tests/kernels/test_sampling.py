@@ -56,6 +56,25 @@ def test_logits_to_probs_matches_reference(logits, temperature, top_k, top_p):
     assert abs(float(got.sum()) - 1) < 1e-5
 
 
+@settings(max_examples=60, deadline=None)
+@given(
+    st.integers(0, 2**31 - 1),
+    st.sampled_from([1, 3, 8, 20]),   # k well below V = 256: the candidate window is narrower than the row
+    st.sampled_from([1.0, 0.9, 0.5]),
+    st.sampled_from([3, 12, 60]),     # distinct values per row: few -> ties run past the window (full-row fallback)
+)
+def test_wide_rows_with_ties_at_the_kth_place_match_reference(seed, top_k, top_p, num_values):
+    """bf16-like logits (few distinct values, many ties at the k-th place) on rows wider than the top-k window:
+    the windowed tie rule and its full-row fallback both equal the naive definition, row by row, in one batch."""
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randint(0, num_values, (4, 256), generator=gen).float() / 4
+    got = logits_to_probs(logits, 0.8, top_k, top_p)
+    for row in range(logits.shape[0]):
+        want = reference_probs(logits[row].tolist(), 0.8, top_k, top_p)
+        if want is not None:
+            assert torch.allclose(got[row], torch.tensor(want), atol=1e-5), row
+
+
 def test_rows_use_their_own_parameters():
     """A batch with different params per row equals each row transformed alone."""
     torch.manual_seed(0)
