@@ -108,15 +108,18 @@ class SpeculativeStrategy:
                 seq.num_lookahead_tokens = max(0, min(slots, room))
 
     def _probe_tree_costs(self, engine: "LLMEngine") -> None:
-        """The target's forward timed at a tree's query lengths, while no KV block holds anything yet."""
-        budget = self.proposer.tree_budget
+        """The target's forward timed at a tree's query lengths, while no KV block holds anything yet; one
+        probe serves every cost model of the proposer (the curve is the target's, whichever draft proposes)."""
+        budgets = [b for b in self.proposer.tree_budgets() if b.curve is None]
         pool = engine.kv.pool
-        if budget is None or budget.curve is not None or pool.num_used_blocks or pool.num_cached_free:
+        if not budgets or pool.num_used_blocks or pool.num_cached_free:
             return
         cap = min(engine.config.max_num_batched_tokens, engine.config.max_num_seqs * (1 + self.config.max_draft_nodes))
-        budget.curve = probe_verify_costs(engine.executor, engine.kv.block_size, engine.kv.num_gpu_blocks,
-                                          probe_token_counts(self.config.max_draft_nodes, cap),
-                                          budget.config.probe_repeats)
+        curve = probe_verify_costs(engine.executor, engine.kv.block_size, engine.kv.num_gpu_blocks,
+                                   probe_token_counts(self.config.max_draft_nodes, cap),
+                                   max(b.config.probe_repeats for b in budgets))
+        for budget in budgets:
+            budget.curve = curve
 
     def _num_speculative_tokens(self, engine: "LLMEngine", seq: Sequence) -> int:
         k = self.policy.num_speculative_tokens(seq.domain)
@@ -210,20 +213,20 @@ class SpeculativeStrategy:
         if drafts:
             outcome = self._verify(engine, out, drafts, logits, offsets)
             results = outcome.results
-            self._calibrate(drafts, results)
+            self._calibrate(out, drafts, results)
             self._compact(engine, slot_mapping, outcome, cu)
             for i, res in results.items():
                 new_tokens[i] = list(res.accepted_tokens)
         return new_tokens, results
 
-    def _calibrate(self, drafts: dict[int, SpecDraft], results: dict[int, VerifyResult]) -> None:
+    def _calibrate(self, out: SchedulerOutput, drafts: dict[int, SpecDraft], results: dict[int, VerifyResult]) -> None:
         """Each verified budgeted tree updates the acceptance calibration its nodes were valued by."""
-        budget = self.proposer.tree_budget
-        if budget is None:
-            return
         for i, res in results.items():
             tree = drafts[i].tree
-            if tree.cells is not None:
+            if tree.cells is None:
+                continue
+            budget = self.proposer.tree_budget_for(out.seqs[i].request_id)
+            if budget is not None:
                 budget.observe_round(tree.cells, tree.parents, res.accepted_node_ids)
 
     def _observe_step(self, out: SchedulerOutput, drafts: dict[int, SpecDraft], new_tokens: list[list[int]],
@@ -233,10 +236,28 @@ class SpeculativeStrategy:
             return
         emitted = sum(map(len, new_tokens))
         self.batch_gate.observe_step(self._batch_size, bool(drafts), step_s, emitted)
-        budget = self.proposer.tree_budget
-        if budget is not None and drafts:
-            nodes = sum(d.num_nodes for d in drafts.values())
-            budget.observe_step(len(out.seqs), step_s, emitted, len(out.seqs) + nodes, nodes)
+        if drafts:
+            self._observe_tree_costs(out, drafts, new_tokens, step_s)
+
+    def _observe_tree_costs(self, out: SchedulerOutput, drafts: dict[int, SpecDraft], new_tokens: list[list[int]],
+                            step_s: float) -> None:
+        """Each cost model gets its own requests' share of the step: their count, tokens and nodes, and the
+        step's seconds split by sequence (the query tokens, where the verify slope is read, are the step's)."""
+        members: dict[int, list[int]] = {}  # id(budget) -> sequence indices
+        budgets = {}
+        for i, seq in enumerate(out.seqs):
+            budget = self.proposer.tree_budget_for(seq.request_id)
+            if budget is not None:
+                budgets[id(budget)] = budget
+                members.setdefault(id(budget), []).append(i)
+        if not members:
+            return
+        nodes = {i: d.num_nodes for i, d in drafts.items()}
+        query_tokens = len(out.seqs) + sum(nodes.values())
+        for key, index in members.items():
+            budgets[key].observe_step(len(index), step_s * len(index) / len(out.seqs),
+                                      sum(len(new_tokens[i]) for i in index), query_tokens,
+                                      sum(nodes.get(i, 0) for i in index))
 
     def _propose(self, engine: "LLMEngine", out: SchedulerOutput, spec_idx: list[int]) -> tuple[dict[int, SpecDraft], float]:
         """One proposer call for the sequences with lookahead slots -> their non-empty drafts, and its time."""

@@ -108,13 +108,17 @@ class Proposer(Protocol):
     needs_hidden: the target forward keeps hidden states and the strategy calls add_features;
     aux_layers: HF hidden_states indices to concatenate into TargetFeatures.aux (EAGLE-3);
     supports_tree: the proposer may return tree proposals (else a tree config is refused);
+    tree_modes: the SpecConfig.tree modes it builds trees for (a routed proposer gives a child the tree
+    settings only when the child builds that mode, chains otherwise);
     tree_budget: the cost model its dynamic trees are sized by (None: a fixed node budget); the strategy
-    feeds it the verified rounds and the measured step costs.
+    feeds it the verified rounds and the measured step costs, through tree_budgets / tree_budget_for
+    (a proposer holding several drafts has one budget per draft).
     """
 
     needs_hidden: bool = False
     aux_layers: tuple[int, ...] = ()
     supports_tree: bool = False
+    tree_modes: tuple[str, ...] = ()
     tree_budget: TreeBudget | None = None
 
     def propose(
@@ -131,6 +135,14 @@ class Proposer(Protocol):
     def max_tokens_for(self, seq: SequenceView) -> int | None:
         """A cap on this request's K (0: decode it plainly), or None for no cap (most proposers)."""
         return None
+
+    def tree_budgets(self) -> tuple[TreeBudget, ...]:
+        """Every cost model this proposer's trees are sized by (the strategy probes the verify costs into each)."""
+        return () if self.tree_budget is None else (self.tree_budget,)
+
+    def tree_budget_for(self, request_id: str) -> TreeBudget | None:
+        """The cost model that sizes this request's trees, fed with its verified rounds and its step share."""
+        return self.tree_budget
 
     def rounds_by_draft(self) -> dict[tuple[str, str], int]:
         """(domain, method) -> proposals made, for proposers that hold several drafts (else empty)."""

@@ -95,6 +95,7 @@ class EagleProposer(Proposer):
     kind = "eagle"
     needs_hidden = True
     supports_tree = True
+    tree_modes = ("dynamic",)
     aux_layers: tuple[int, ...] = ()
 
     def __init__(self, spec_config: Any, target_executor: Any, device: str | torch.device = "cpu",

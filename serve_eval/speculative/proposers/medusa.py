@@ -49,6 +49,7 @@ class MedusaProposer(Proposer):
     needs_hidden = True
     aux_layers: tuple[int, ...] = ()
     supports_tree = True
+    tree_modes = ("static",)
 
     def __init__(self, spec_config: Any, target_executor: Any, device: str | torch.device = "cpu",
                  dtype: torch.dtype = torch.float32, target_model_dir: str | Path | None = None) -> None:

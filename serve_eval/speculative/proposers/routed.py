@@ -6,6 +6,11 @@ holds one child proposer per recommended method and routes every request to its 
 whose choice is "off" gets K = 0 and decodes plainly. The target forward keeps the union of what the
 children read (hidden states, aux layers); each child gets its own aux columns. Verification,
 rollback and metrics stay the strategy's, exactly as with one draft.
+
+Trees: with a tree config (SpecConfig.tree), a child whose proposer builds that tree mode gets it and the
+others propose chains. Each tree-building child keeps its own cost model (tree_budget: its acceptance
+calibration is its draft's); the strategy probes the target's verify costs into every one of them and
+feeds each request's verified trees and step share to its child's (tree_budgets, tree_budget_for).
 """
 from __future__ import annotations
 
@@ -24,7 +29,8 @@ from serve_eval.speculative.proposers.base import (
     SequenceView,
     TargetFeatures,
 )
-from serve_eval.speculative.proposers.registry import register_proposer
+from serve_eval.speculative.proposers.registry import proposer_class, register_proposer
+from serve_eval.speculative.tree_budget import TreeBudget
 from serve_eval.speculative.verify import VerifyResult
 
 if TYPE_CHECKING:
@@ -40,7 +46,7 @@ def recommended_k(recs: Recommendations) -> int:
 
 @register_proposer("routed")
 class RoutedProposer(Proposer):
-    supports_tree = False
+    supports_tree = True  # children that build the configured tree mode propose trees, the rest chains
 
     def __init__(self, recs: Recommendations, children: dict[str, Proposer]) -> None:
         self.recs = recs
@@ -58,7 +64,8 @@ class RoutedProposer(Proposer):
         for method, route in sorted(recs.routes().items()):
             # A method label need not be a proposer's name (standalone@int4-g64 runs the standalone proposer
             # on the quantized dir, at the dtype the eval measured it with).
-            child = replace(config, method=route.kind, draft_path=route.path, routes=None,
+            tree = config.tree if config.tree in proposer_class(route.kind).tree_modes else "none"
+            child = replace(config, method=route.kind, draft_path=route.path, routes=None, tree=tree,
                             draft_dtype=route.dtype or config.draft_dtype, num_speculative_tokens=recommended_k(recs))
             children[method] = child.make_proposer(engine)
         return cls(recs, children)
@@ -83,6 +90,13 @@ class RoutedProposer(Proposer):
 
     def rounds_by_draft(self) -> dict[tuple[str, str], int]:
         return dict(self.rounds_by_route)
+
+    def tree_budgets(self) -> tuple[TreeBudget, ...]:
+        return tuple(budget for method in sorted(self.children) for budget in self.children[method].tree_budgets())
+
+    def tree_budget_for(self, request_id: str) -> TreeBudget | None:
+        child = self._child_of(request_id)
+        return None if child is None else child.tree_budget_for(request_id)
 
     def _child_of(self, request_id: str) -> Proposer | None:
         if request_id not in self._route and self._engine is not None and request_id in self._engine.requests:

@@ -72,3 +72,28 @@ def test_the_server_serves_from_a_recommendations_file_and_shows_the_choice(tmp_
     assert 'draftsmith:spec_decode_num_drafts_by_draft_total{domain="chat",method="eagle"}' in text
     assert 'draftsmith:spec_decode_num_drafts_by_draft_total{domain="code",method="ngram"}' in text
     assert 'domain="prose",method=' not in text
+
+
+def test_routed_trees_feed_each_childs_cost_model(tmp_path):
+    """tree='dynamic' under routing: the EAGLE child proposes cost-sized trees and the n-gram child chains; the
+    target's verify curve is probed into the EAGLE child's cost model, every verified tree of its requests
+    calibrates it, its step share is measured, and greedy output stays exact."""
+    target = make_llama(tmp_path / "target")
+    eagle = feature_draft("eagle", target, tmp_path / "eagle")
+    prompts, lengths = workload(6, seed=7)
+    domains = ["chat", "code", "chat", "code", "chat", "prose"]
+    reference = greedy_reference(target, prompts, lengths)
+    spec = SpecConfig("routed", routes=routes(tmp_path, eagle), tree="dynamic", tree_top_k=2, max_draft_nodes=6)
+    engine = LLMEngine(EngineConfig(str(target)), speculative=spec)
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lengths]
+    outputs = run_engine(engine, prompts, params, domains)
+    assert {rid: out.output_token_ids for rid, out in outputs.items()} == reference
+    proposer = engine.strategy.proposer
+    eagle_child, ngram_child = proposer.children["eagle"], proposer.children["ngram"]
+    budget = eagle_child.tree_budget
+    assert eagle_child.tree is not None and budget is not None and ngram_child.tree_budgets() == ()
+    assert proposer.tree_budgets() == (budget,)
+    assert budget.curve is not None and budget.measured
+    stats = engine.stats().spec
+    assert budget.calibration.rounds == stats.by_domain["chat"].num_rounds > 0   # chat routes to EAGLE only
+    assert stats.by_domain["code"].num_rounds > 0   # n-gram chains in the same engine
