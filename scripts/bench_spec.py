@@ -4,7 +4,11 @@ Batch 1, T = 0 and T = 1, per domain: ms/token (decode phase, serve_eval.specula
 over our own no-spec engine for no-spec, n-gram, standalone, Medusa, EAGLE-1, EAGLE-3, and
 transformers' generate(assistant_model=...) with the same standalone draft (ms/token = (time of n
 new tokens - time of 1) / (n - 1), so its prefill is excluded too). Then batch 16: speculation (with
-the policy's fallback) vs no-spec.
+the policy's fallback) vs no-spec. Then trees (issue 12, "trees that pay"): EAGLE-1's chain against its
+dynamic tree sized by the cost model (eagle-tree, tree_budget="cost") and EAGLE-2's fixed 16-node tree
+(eagle-tree-fixed), each engine kept across `--tree-repeats` interleaved repetitions (order rotated; the cost
+tree keeps calibrating), batch 1, all prompts pooled: tau and ms/token as median (spread = max - min) over
+the repetitions, the speedup paired with the no-spec run of the same repetition.
 
 Inputs: --target DIR, else the embedded target found under artifacts/ (target-cache/*/ or
 targets/<fp>/target.json), else a small untrained Llama. Drafts: the newest of each kind under
@@ -13,6 +17,7 @@ the eval split of the corpus under artifacts/corpus/*/ (per domain) when present
 token prompts (domain "synthetic"). The table says which of these it used.
 
   python scripts/bench_spec.py --max-tokens 64 --prompts-per-domain 2 --dtype bfloat16
+  python scripts/bench_spec.py --sections trees --threads 1 --tree-repeats 5
 """
 from __future__ import annotations
 
@@ -20,6 +25,7 @@ import argparse
 import json
 import math
 import random
+import statistics
 import sys
 import tempfile
 import time
@@ -32,9 +38,14 @@ sys.path.insert(0, str(ROOT))
 
 from serve_eval.engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
 from serve_eval.speculative.config import SpecConfig  # noqa: E402
-from serve_eval.speculative.metrics import ms_per_token, speedup  # noqa: E402
+from serve_eval.speculative.metrics import SpecStats, ms_per_token, speedup  # noqa: E402
 
 METHODS = ("nospec", "ngram", "standalone", "medusa", "eagle", "eagle3", "hf-assisted")
+SECTIONS = ("batch1", "batch16", "trees")
+# The tree section's methods: EAGLE-1 draft, chain or tree (the same shapes as bench_spec_round.py's).
+TREE_METHODS = {"eagle": {},
+                "eagle-tree": {"tree": "dynamic", "tree_top_k": 4, "max_draft_nodes": 16, "tree_budget": "cost"},
+                "eagle-tree-fixed": {"tree": "dynamic", "tree_top_k": 4, "max_draft_nodes": 16, "tree_budget": "fixed"}}
 
 
 # -- inputs ---------------------------------------------------------------------------------
@@ -116,16 +127,21 @@ def load_prompts(artifacts: Path, per_domain: int, vocab: int, tokenizer) -> tup
 
 
 # -- measurement ------------------------------------------------------------------------------
+def engine_config(args, target: Path) -> EngineConfig:
+    return EngineConfig(str(target), dtype=args.dtype, device=args.device, kv_cache_memory_gb=args.kv_gb,
+                        max_model_len=args.max_model_len, num_threads=args.threads)
+
+
 def engine_for(args, target: Path, method: str, drafts: dict[str, Path], fallback: bool = True,
-               batch_gate: str = "off") -> LLMEngine:
-    cfg = EngineConfig(str(target), dtype=args.dtype, device=args.device, kv_cache_memory_gb=args.kv_gb,
-                       max_model_len=args.max_model_len)
+               batch_gate: str = "off", tree: dict | None = None) -> LLMEngine:
+    cfg = engine_config(args, target)
     if method == "nospec":
         return LLMEngine(cfg)
     from serve_eval.speculative.policy import SpecPolicyConfig
 
     spec = SpecConfig(method, draft_path=None if method == "ngram" else str(drafts[method]),
-                      num_speculative_tokens=args.k, policy=SpecPolicyConfig(fallback=fallback), batch_gate=batch_gate)
+                      num_speculative_tokens=args.k, policy=SpecPolicyConfig(fallback=fallback), batch_gate=batch_gate,
+                      **(tree or {}))
     return LLMEngine(cfg, speculative=spec)
 
 
@@ -192,7 +208,13 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--kv-gb", type=float, default=0.5)
     ap.add_argument("--batch16-prompts", type=int, default=16, help="0 skips the batch-16 comparison")
     ap.add_argument("--temperatures", default="0,1")
-    return ap.parse_args()
+    ap.add_argument("--threads", default="auto", help="engine intra-op threads: a count or 'auto'")
+    ap.add_argument("--sections", default=",".join(SECTIONS), help=f"comma list of {SECTIONS}")
+    ap.add_argument("--tree-repeats", type=int, default=5, help="trees section: interleaved repetitions")
+    args = ap.parse_args()
+    if args.threads != "auto":
+        args.threads = int(args.threads)
+    return args
 
 
 def resolve_inputs(args: argparse.Namespace, tmp: Path) -> tuple[Path, dict[str, Path], dict[str, list]]:
@@ -201,8 +223,7 @@ def resolve_inputs(args: argparse.Namespace, tmp: Path) -> tuple[Path, dict[str,
     target_source = "given" if args.target else ("embedded (artifacts)" if target else "untrained (no artifacts)")
     target = target or untrained_target(tmp)
     drafts, draft_source = find_drafts(args.artifacts, target, tmp)
-    base = LLMEngine(EngineConfig(str(target), dtype=args.dtype, device=args.device, kv_cache_memory_gb=args.kv_gb,
-                                  max_model_len=args.max_model_len))
+    base = LLMEngine(engine_config(args, target))
     prompts, prompt_source = load_prompts(args.artifacts, args.prompts_per_domain, base.executor.vocab_size,
                                           base.tokenizer)
     threads = base.threads
@@ -269,16 +290,63 @@ def batch16_comparison(args: argparse.Namespace, target: Path, methods: list[str
               f"({'meets' if ratio >= 0.95 else 'BELOW'} the 0.95x floor)")
 
 
+def tree_comparison(args: argparse.Namespace, target: Path, drafts: dict[str, Path], prompts: dict[str, list]) -> None:
+    """Chain vs cost tree vs fixed tree, interleaved; printed with the goal check (tree tau >= chain tau + 0.5
+    at an equal or better speedup)."""
+    flat = [p for ps in prompts.values() for p in ps]
+    params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True, seed=0)
+    engines = {"nospec": engine_for(args, target, "nospec", drafts)}
+    engines.update({m: engine_for(args, target, "eagle", drafts, fallback=False, tree=tree)
+                    for m, tree in TREE_METHODS.items()})
+    warm = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    for engine in engines.values():
+        decode_ms_per_token(engine, flat[:1], warm, 1)
+    order = list(engines)
+    ms: dict[str, list[float]] = {m: [] for m in order}
+    taus: dict[str, list[float]] = {m: [] for m in order if m != "nospec"}
+    for rep in range(args.tree_repeats):
+        for method in order[rep % len(order):] + order[:rep % len(order)]:
+            engine = engines[method]
+            # a copy: the engine keeps adding to its live counters
+            before = SpecStats.merged([engine.stats().spec.total]) if method != "nospec" else None
+            ms[method].append(decode_ms_per_token(engine, flat, params, batch=1))
+            if before is not None:
+                taus[method].append(engine.stats().spec.total.minus(before).tau)
+    print(f"\ntrees: batch 1, T=0, K={args.k}, {len(flat)} prompts x {args.max_tokens} tokens, "
+          f"{args.tree_repeats} interleaved repetitions: median (spread = max - min)")
+    print(f"{'method':<18} {'tau':>14} {'ms/token':>16} {'speedup':>9}")
+    summary = {}
+    for method in order:
+        paired = [speedup(base, m) for base, m in zip(ms["nospec"], ms[method])]
+        tau = (statistics.median(taus[method]), max(taus[method]) - min(taus[method])) if method in taus else None
+        summary[method] = (tau[0] if tau else math.nan, statistics.median(paired))
+        tau_cell = f"{tau[0]:6.2f} ({tau[1]:4.2f})" if tau else f"{'-':>14}"
+        print(f"{method:<18} {tau_cell:>14} {statistics.median(ms[method]):8.2f} ({max(ms[method]) - min(ms[method]):5.2f}) "
+              f"{summary[method][1]:8.2f}x")
+    chain_tau, chain_sp = summary["eagle"]
+    for method in ("eagle-tree", "eagle-tree-fixed"):
+        tau, sp = summary[method]
+        met = tau >= chain_tau + 0.5 and sp >= chain_sp
+        print(f"goal ({method} vs chain): tau {tau - chain_tau:+.2f} (need >= +0.50), speedup {sp:.2f}x vs "
+              f"{chain_sp:.2f}x: {'met' if met else 'NOT met'}")
+
+
 def main() -> None:
     args = parse_args()
     methods = [m for m in args.methods.split(",") if m]
     unknown = sorted(set(methods) - set(METHODS))
     if unknown:
         raise SystemExit(f"--methods: unknown {unknown} (choose from {METHODS})")
+    sections = [s for s in args.sections.split(",") if s]
+    if set(sections) - set(SECTIONS):
+        raise SystemExit(f"--sections: unknown {sorted(set(sections) - set(SECTIONS))} (choose from {SECTIONS})")
     target, drafts, prompts = resolve_inputs(args, Path(tempfile.mkdtemp(prefix="bench_spec_")))
-    batch1_table(args, target, methods, drafts, prompts)
-    if args.batch16_prompts:
+    if "batch1" in sections:
+        batch1_table(args, target, methods, drafts, prompts)
+    if "batch16" in sections and args.batch16_prompts:
         batch16_comparison(args, target, methods, drafts, prompts)
+    if "trees" in sections and args.tree_repeats:
+        tree_comparison(args, target, drafts, prompts)
 
 
 if __name__ == "__main__":
