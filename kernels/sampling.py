@@ -296,7 +296,8 @@ def argmax_rows(logits: Tensor) -> Tensor:  # [N, V] -> int64 [N]
     first block with the maximum contains its first occurrence, so ties resolve as argmax does.
     """
     rows, vocab = logits.shape
-    if rows * vocab < _BLOCKED_ARGMAX_MIN_ENTRIES or vocab % _ARGMAX_BLOCK or logits.device.type != "cpu":
+    if (rows * vocab < _BLOCKED_ARGMAX_MIN_ENTRIES or vocab % _ARGMAX_BLOCK or logits.device.type != "cpu"
+            or not logits.is_contiguous()):
         return logits.argmax(dim=-1)
     blocks = logits.view(rows, vocab // _ARGMAX_BLOCK, _ARGMAX_BLOCK)
     best_block = blocks.amax(dim=-1).argmax(dim=-1)  # [N]

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 
 from kernels.attention import AttentionMetadata
-from kernels.sampling import logits_to_probs, sample
+from kernels.sampling import argmax_rows, logits_to_probs, sample
 from serve_eval.engine.kv_cache_manager import KVCacheManager, cdiv
 from serve_eval.engine.logprobs import MAX_LOGPROBS
 from serve_eval.engine.model_executor import ModelExecutor
@@ -280,17 +280,22 @@ class LLMEngine:
 
     def sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list[int]:
         """logits [N, V] fp32, one row per seq -> one token per seq (kernels.sampling)."""
-        # Greedy rows take the argmax directly: the same rule as logits_to_probs' temperature-0
-        # rows, without the sort, softmax and noise that only the sampled rows need.
-        tokens = logits.argmax(dim=-1).tolist()
         for i, seq in enumerate(seqs):   # an n > 1 request's other samples draw from this same row
             if seq.group is not None and seq.group.awaits_first_draw(seq):
                 seq.group.first_draw = draw_first_tokens(seq.group, logits[i], self.generator)
         rows = [i for i, s in enumerate(seqs) if s.params.temperature != 0]
+        # Greedy rows take the argmax directly (the same rule as logits_to_probs' temperature-0 rows), without
+        # the sort, softmax and noise that only the sampled rows need; sampled rows skip the argmax.
         if not rows:
-            return tokens
+            return argmax_rows(logits).tolist()
+        tokens = [0] * len(seqs)
+        if len(rows) < len(seqs):
+            greedy = [i for i, s in enumerate(seqs) if s.params.temperature == 0]
+            picked = argmax_rows(logits.index_select(0, torch.tensor(greedy, device=logits.device)))
+            for i, tok in zip(greedy, picked.tolist()):
+                tokens[i] = tok
         sampled = [seqs[i] for i in rows]
-        sub = logits if len(rows) == len(seqs) else logits[torch.tensor(rows, device=logits.device)]
+        sub = logits if len(rows) == len(seqs) else logits.index_select(0, torch.tensor(rows, device=logits.device))
         probs = logits_to_probs(sub, [s.params.temperature for s in sampled], [s.params.top_k for s in sampled],
                                 [s.params.top_p for s in sampled])
         if any(s.generator is not None for s in sampled):
