@@ -33,7 +33,7 @@ class TreeStepLayout:
 
     @classmethod
     def build(cls, block_tables: Sequence[list[int]], block_size: int, num_committed: Sequence[int],
-              tree_masks: Sequence[Tensor], device: torch.device | str) -> "TreeStepLayout":
+              tree_masks: Sequence[Tensor], device: torch.device | str) -> TreeStepLayout:
         """tree_masks[b]: bool [q_b, t_b] over sequence b's t_b tree entries (the new q_b nodes are the last
         q_b of them); its context is its num_committed[b] committed entries followed by those t_b entries."""
         query_lens = [int(m.shape[0]) for m in tree_masks]

@@ -15,7 +15,12 @@ from serve_eval.speculative.tree_budget import TreeBudget, VerifyCostCurve
 from serve_eval.speculative.tree_dynamic import DynamicTreeBuilder
 from serve_eval.speculative.verify import VerifyResult
 from spec_helpers import Seq, params
-from test_eagle_proposer import PROPOSERS, VOCAB, feature_table, feats, make_draft, target_dir  # noqa: F401
+from test_eagle_proposer import PROPOSERS, TARGET, VOCAB, feature_table, feats, make_draft
+
+
+@pytest.fixture(scope="module")
+def target_dir(family_checkpoint):
+    return family_checkpoint("llama", **TARGET)
 
 
 class RecordingBuilder(DynamicTreeBuilder):
@@ -107,7 +112,7 @@ def assert_same_expansions(got: RecordingBuilder, want: RecordingBuilder) -> Non
 @pytest.mark.parametrize("kind", ["eagle", "eagle3"])
 @pytest.mark.parametrize("budgeted", [False, True])
 @torch.inference_mode()
-def test_incremental_tree_equals_full_recompute(kind, budgeted, target_dir, monkeypatch):  # noqa: F811
+def test_incremental_tree_equals_full_recompute(kind, budgeted, target_dir, monkeypatch):
     """A batch of three sequences (different lengths, so their tree entries sit at different cache offsets
     across block boundaries): each builder gets exactly the reference's expansions, and the cache holds only
     committed entries again after verification."""
