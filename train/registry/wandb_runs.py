@@ -84,12 +84,16 @@ def wait_until_written(run_dir: str | Path, timeout_s: float = 60.0) -> Path:
     before wandb's core has flushed the file, and a reader must not find half a run."""
     run_dir = Path(run_dir)
     deadline = time.monotonic() + timeout_s
+    problem = ""
     while True:
         found = sorted(run_dir.glob("*.wandb"))
-        if found and any(r.WhichOneof("record_type") == "exit" for r in records(found[0])):
-            return found[0]
+        try:   # a file created but not yet given its header reads as "not a W&B run file": keep waiting
+            if found and any(r.WhichOneof("record_type") == "exit" for r in records(found[0])):
+                return found[0]
+        except ValueError as err:
+            problem = f" (last read: {err})"
         if time.monotonic() > deadline:
-            raise RuntimeError(f"{run_dir}: wandb wrote no complete run file within {timeout_s:g} s")
+            raise RuntimeError(f"{run_dir}: wandb wrote no complete run file within {timeout_s:g} s{problem}")
         time.sleep(0.05)
 
 
