@@ -62,13 +62,27 @@ def planned_variants(cfg: DictConfig) -> list[PlannedVariant]:
     return planned
 
 
+SOURCE_STAMP = "source_stamp.json"  # the source draft's files (name, size, mtime) when the copy was made
+
+
+def _source_stamp(source: Path) -> str:
+    """What changes when the source draft is rewritten in place (`pipeline.force=[distill_<kind>]` retrains
+    into the same dir): a copy made from older weights must not be reused."""
+    from drafts.files import stable_hash
+
+    files = sorted(p for p in source.iterdir() if p.is_file())
+    return stable_hash([[p.name, p.stat().st_size, p.stat().st_mtime_ns] for p in files])
+
+
 def _is_current(out: Path, source: Path, config: Any) -> bool:
-    """A complete quantized copy of `source` made with `config` (what a rerun may reuse)."""
+    """A complete quantized copy of `source`, as it is now, made with `config` (what a rerun may reuse)."""
     from drafts.files import COMPLETE_MARKER
     from drafts.quant import QuantRecord
 
     record = QuantRecord.read(out) if (out / COMPLETE_MARKER).is_file() else None
-    return record is not None and record.config == config and record.source == str(source.resolve())
+    stamp = out / SOURCE_STAMP
+    return (record is not None and record.config == config and record.source == str(source.resolve())
+            and stamp.is_file() and stamp.read_text() == _source_stamp(source))
 
 
 def quantize_variant(source: Path, variant: PlannedVariant, force: bool) -> tuple[Path, bool]:
@@ -81,6 +95,7 @@ def quantize_variant(source: Path, variant: PlannedVariant, force: bool) -> tupl
         return out, True
     with atomic_dir(out) as tmp:
         quantize_dir(source, variant.config, tmp)
+        (tmp / SOURCE_STAMP).write_text(_source_stamp(source))
     return out, False
 
 

@@ -4,6 +4,7 @@ this run's drafts (cached on rerun, redone when forced) and handed to the eval b
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -93,6 +94,11 @@ def test_the_stage_makes_cached_variants_and_the_eval_runs_them_beside_their_sou
                      "pipeline.force=[quantize]")
     forced.results.drafts["standalone"] = draft
     assert STAGES["quantize"](forced) == {"standalone@int4-g32": "done"}
+    # the source retrained in place (pipeline.force=[distill_standalone]): the old copy is not reused
+    weights = next(p for p in draft.iterdir() if p.suffix == ".safetensors")
+    weights.write_bytes(weights.read_bytes())
+    os.utime(weights, ns=(weights.stat().st_atime_ns, weights.stat().st_mtime_ns + 10**9))
+    assert STAGES["quantize"](ctx) == {"standalone@int4-g32": "done"}
     # another config at the same label (the head too) replaces the copy instead of reusing it
     head = context(tmp_path, "pipeline.quantize=[{draft: standalone, bits: 4, group_size: 32, quantize_head: true}]")
     head.results.drafts["standalone"] = draft
