@@ -24,7 +24,8 @@ import yaml
 from drafts.files import atomic_write_text
 from serve_eval.eval.report import BASELINE_METHOD, ResultRow
 
-RECOMMENDATIONS_SCHEMA_VERSION = 2
+RECOMMENDATIONS_SCHEMA_VERSION = 3  # 3: choices name their proposer kind and draft dtype
+READABLE_SCHEMA_VERSIONS = (2, 3)  # a v2 file reads as v3 with kind and dtype unset (the method's own)
 # Reference methods the server cannot run itself (transformers' assisted generation).
 NOT_SERVABLE = frozenset({"assisted"})
 
@@ -107,9 +108,9 @@ class Recommendations:
     def from_dict(cls, d: Any, source: str = "recommendations") -> "Recommendations":
         if not isinstance(d, dict):
             raise ValueError(f"{source}: expected a mapping")
-        if d.get("schema_version") != RECOMMENDATIONS_SCHEMA_VERSION:
+        if d.get("schema_version") not in READABLE_SCHEMA_VERSIONS:
             raise ValueError(f"{source}: schema_version is {d.get('schema_version')!r}, this draftsmith reads "
-                             f"{RECOMMENDATIONS_SCHEMA_VERSION}")
+                             f"{list(READABLE_SCHEMA_VERSIONS)}")
         try:
             thresholds = Thresholds(**d["thresholds"])
             default = _choices(d["default"], f"{source}: default")

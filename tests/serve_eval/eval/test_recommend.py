@@ -92,6 +92,12 @@ def test_yaml_snippet_round_trips(tmp_path):
     assert path.read_text().startswith("# draftsmith speculative-decoding recommendations")
     assert load_recommendations(path) == recs
     assert "domains:" in to_yaml(recs)
+    old = recs.to_dict()  # a v2 file (no proposer kind or draft dtype per choice) still loads
+    old["schema_version"] = 2
+    for choices in [old["default"], *old["domains"].values()]:
+        for c in choices:
+            c.pop("kind"), c.pop("draft_dtype")
+    assert [c.method for c in Recommendations.from_dict(old).default] == [c.method for c in recs.default]
     bad = recs.to_dict()
     bad["schema_version"] = 99
     with pytest.raises(ValueError, match="schema_version"):
