@@ -67,17 +67,11 @@ def _per_row(value, num_rows: int, name: str, dtype: torch.dtype, device) -> Ten
     return tensor
 
 
-def logits_to_probs(
-    logits: Tensor,  # [N, V]
-    temperature: Tensor | Sequence[float] | float,  # [N]
-    top_k: Tensor | Sequence[int] | int = 0,  # [N], 0 = off
-    top_p: Tensor | Sequence[float] | float = 1.0,  # [N], 1 = off
-) -> Tensor:  # float32 [N, V]
-    """Turn raw logits into the sampling distribution of each row (see module docstring)."""
+def _checked_params(logits: Tensor, temperature, top_k, top_p) -> tuple[Tensor, Tensor, Tensor]:
+    """The three parameters as [N] tensors, refused with their values when out of range."""
     if logits.dim() != 2:
         raise ValueError(f"logits must be 2-D [N, V], got shape {tuple(logits.shape)}")
-    num_rows, vocab_size = logits.shape
-    device = logits.device
+    num_rows, device = logits.shape[0], logits.device
     temperature = _per_row(temperature, num_rows, "temperature", torch.float32, device)
     top_k = _per_row(top_k, num_rows, "top_k", torch.int64, device)
     top_p = _per_row(top_p, num_rows, "top_p", torch.float32, device)
@@ -87,51 +81,72 @@ def logits_to_probs(
         raise ValueError(f"top_k must be >= 0 (0 = off), got {top_k.tolist()}")
     if bool(((top_p <= 0) | (top_p > 1)).any()):
         raise ValueError(f"top_p must be in (0, 1], got {top_p.tolist()}")
+    return temperature, top_k, top_p
 
+
+def logits_to_probs(
+    logits: Tensor,  # [N, V]
+    temperature: Tensor | Sequence[float] | float,  # [N]
+    top_k: Tensor | Sequence[int] | int = 0,  # [N], 0 = off
+    top_p: Tensor | Sequence[float] | float = 1.0,  # [N], 1 = off
+) -> Tensor:  # float32 [N, V]
+    """Turn raw logits into the sampling distribution of each row (see module docstring)."""
+    temperature, top_k, top_p = _checked_params(logits, temperature, top_k, top_p)
     logits = logits.float()
     greedy = temperature == 0
     scaled = logits / torch.where(greedy, torch.ones_like(temperature), temperature)[:, None]
 
     # Greedy rows become one-hot below; filtering them would be wasted work.
-    use_top_k = (top_k > 0) & (top_k < vocab_size) & ~greedy
+    use_top_k = (top_k > 0) & (top_k < logits.shape[1]) & ~greedy
     use_top_p = (top_p < 1) & ~greedy
     candidates = None  # (logits [Rk, W], ids [Rk, W]) of the top-k rows, in id order, -inf outside each row's k
     if bool(use_top_k.any()):
-        every_k = bool(use_top_k.all())  # the common batch: no row copies in or out
-        k_rows = use_top_k.nonzero().squeeze(1)
-        k_scaled = scaled if every_k else scaled[k_rows]
-        candidates = _top_k_candidates(k_scaled, top_k if every_k else top_k[k_rows])
-        if candidates is None:  # a tie runs past the candidate window: settle it by token id over the full row
-            scaled = scaled.masked_fill(~_top_k_keep(scaled, top_k, use_top_k), float("-inf"))
-        else:
-            filtered = torch.full_like(k_scaled, float("-inf")).scatter_(-1, candidates[1], candidates[0])
-            if every_k:
-                scaled = filtered
-            else:
-                scaled[k_rows] = filtered
+        scaled, candidates = _apply_top_k(scaled, top_k, use_top_k)
     if bool(use_top_p.any()):
-        every_p = bool(use_top_p.all())
-        rows = use_top_p.nonzero().squeeze(1)
-        if candidates is not None and bool(use_top_k[rows].all()):
-            # Only the top-k survivors can be in the nucleus: sort just those.
-            if every_p:   # then every row is a top-k row too, in the same order
-                cand_logits, cand_ids = candidates
-            else:
-                at = (use_top_k.cumsum(0) - 1)[rows]  # position of each top-p row among the top-k rows
-                cand_logits, cand_ids = candidates[0][at], candidates[1][at]
-        else:
-            cand_logits = scaled if every_p else scaled[rows]
-            cand_ids = torch.arange(vocab_size, device=device).expand_as(cand_logits)
-        nucleus = _top_p_filter(cand_logits, cand_ids, top_p if every_p else top_p[rows], vocab_size)
-        if every_p:
-            scaled = nucleus
-        else:
-            scaled[rows] = nucleus
+        scaled = _apply_top_p(scaled, top_p, use_top_p, use_top_k, candidates)
     probs = scaled.softmax(dim=-1)
     if bool(greedy.any()):
         one_hot = torch.zeros_like(probs).scatter_(-1, logits.argmax(dim=-1, keepdim=True), 1.0)
         probs = torch.where(greedy[:, None], one_hot, probs)
     return probs
+
+
+def _apply_top_k(scaled: Tensor, top_k: Tensor, use_top_k: Tensor) -> tuple[Tensor, tuple[Tensor, Tensor] | None]:
+    """(scaled with -inf outside each filtered row's top k, the rows' candidates or None)."""
+    every_k = bool(use_top_k.all())  # the common batch: no row copies in or out
+    k_rows = use_top_k.nonzero().squeeze(1)
+    k_scaled = scaled if every_k else scaled[k_rows]
+    candidates = _top_k_candidates(k_scaled, top_k if every_k else top_k[k_rows])
+    if candidates is None:  # a tie runs past the candidate window: settle it by token id over the full row
+        return scaled.masked_fill(~_top_k_keep(scaled, top_k, use_top_k), float("-inf")), None
+    filtered = torch.full_like(k_scaled, float("-inf")).scatter_(-1, candidates[1], candidates[0])
+    if every_k:
+        return filtered, candidates
+    scaled[k_rows] = filtered
+    return scaled, candidates
+
+
+def _apply_top_p(scaled: Tensor, top_p: Tensor, use_top_p: Tensor, use_top_k: Tensor,
+                 candidates: tuple[Tensor, Tensor] | None) -> Tensor:
+    """scaled with -inf outside each filtered row's nucleus."""
+    vocab_size = scaled.shape[1]
+    every_p = bool(use_top_p.all())
+    rows = use_top_p.nonzero().squeeze(1)
+    if candidates is not None and bool(use_top_k[rows].all()):
+        # Only the top-k survivors can be in the nucleus: sort just those.
+        if every_p:   # then every row is a top-k row too, in the same order
+            cand_logits, cand_ids = candidates
+        else:
+            at = (use_top_k.cumsum(0) - 1)[rows]  # position of each top-p row among the top-k rows
+            cand_logits, cand_ids = candidates[0][at], candidates[1][at]
+    else:
+        cand_logits = scaled if every_p else scaled[rows]
+        cand_ids = torch.arange(vocab_size, device=scaled.device).expand_as(cand_logits)
+    nucleus = _top_p_filter(cand_logits, cand_ids, top_p if every_p else top_p[rows], vocab_size)
+    if every_p:
+        return nucleus
+    scaled[rows] = nucleus
+    return scaled
 
 
 # Extra entries _top_k_candidates reads past each row's k-th, so that a tie at the k-th place (common with bf16
