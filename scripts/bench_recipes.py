@@ -3,11 +3,13 @@ step budgets, on the same target, prompts and init, measured in one eval run (al
 
 Recipes (a recipe = the draft's objective settings + the data it trains on):
   standalone  old: sequence KD on greedy answers | new: token KD (forward KL) on the stored top-16 of the
-              mixed greedy/T=1 answers + 0.1 hard CE | alt: the same with TVD | alt: JSD, no hard CE
+              mixed greedy/T=1 answers + 0.1 hard CE | alt: the same with TVD | alt: JSD, no hard CE |
+              alt: TVD at lr 5e-3 | alt: TVD with 2 layers (a step and a round cost more)
   eagle       old: feature + token loss on greedy answers | new: the same on the mixed answers | alt: token
               weight 0.5 on the mixed answers
   eagle3      old: TTT 2, 1024-token vocabulary, greedy answers | new: TTT 4, vocabulary covering 99% of the
-              answer tokens, mixed answers | alt: 95% coverage | alt: TTT 4 with the full vocabulary
+              answer tokens, mixed answers | alt: 95% coverage | alt: TTT 4 with the full vocabulary |
+              alt: lr 5e-3 | alt: lr 5e-3 and equal step weights
   medusa      old: greedy answers | new: mixed answers | alt: mixed answers, equal head weights
 
 The data the new defaults train on is the pipeline profile's own (pipeline.data): with the same
@@ -15,9 +17,13 @@ The data the new defaults train on is the pipeline profile's own (pipeline.data)
 data with sampled_fraction 0 (greedy only), no top-k requirement beyond what the old recipe needs.
 
   python scripts/bench_recipes.py                                   # smoke profile: tiny target, a few minutes
-  python scripts/bench_recipes.py --profile embedded --artifacts artifacts --steps 150 --prompts 4
+  python scripts/bench_recipes.py --profile embedded --artifacts artifacts --prompts 12 --max-tokens 64 \
+      -o target.path=<a trained target dir>   # the profile's step budgets; a given target is not retrained
   python scripts/bench_recipes.py --kinds standalone --steps 300 -o pipeline.data.max_new_tokens=64
 
+--steps 0 (the default) trains each kind for the step budget the profile's pipeline gives it
+(pipeline.train_by_kind.<kind>.max_steps), with no wall-clock cap, so figures do not depend on the load.
+Besides the means it prints, per domain, alpha at T=1 and tau and a_K at T=0 (the issue's goals are per domain).
 Figures of the smoke profile say nothing about quality (its target is tiny); they show the mechanics.
 """
 from __future__ import annotations
@@ -44,6 +50,7 @@ class Recipe:
     what: str  # one line for the table
     draft: dict[str, Any] = field(default_factory=dict)  # over the profile's pipeline.drafts.<kind>
     data: dict[str, Any] = field(default_factory=dict)  # over the profile's pipeline.data
+    train: dict[str, Any] = field(default_factory=dict)  # over the profile's trainer (e.g. lr; steps stay equal)
 
 
 def recipes(target_vocab: int) -> list[Recipe]:
@@ -54,6 +61,9 @@ def recipes(target_vocab: int) -> list[Recipe]:
         Recipe("standalone", "new", "token KD fwd-KL top-k + 0.1 CE, mixed data", {}),
         Recipe("standalone", "alt-tv", "token KD TVD top-k + 0.1 CE, mixed data", {"divergence": "tv"}),
         Recipe("standalone", "alt-jsd", "token KD JSD top-k, no CE, mixed data", {"divergence": "jsd", "hard_weight": 0.0}),
+        Recipe("standalone", "alt-tv-lr", "TVD + 0.1 CE, lr 5e-3", {"divergence": "tv"}, train={"lr": 5.0e-3}),
+        Recipe("standalone", "alt-tv-2l", "TVD + 0.1 CE, 2 layers (costlier steps and rounds)",
+               {"divergence": "tv", "num_layers": 2}),
         Recipe("eagle", "old", "feature + token loss, greedy data", {}, GREEDY),
         Recipe("eagle", "new", "feature + token loss, mixed data", {}),
         Recipe("eagle", "alt-tok0.5", "token weight 0.5, mixed data", {"token_weight": 0.5}),
@@ -63,6 +73,9 @@ def recipes(target_vocab: int) -> list[Recipe]:
         Recipe("eagle3", "alt-cov0.95", "TTT 4, vocab by 95% coverage, mixed data", {"draft_vocab_coverage": 0.95}),
         Recipe("eagle3", "alt-fullvocab", "TTT 4, full vocab, mixed data",
                {"draft_vocab_size": None, "draft_vocab_coverage": None}),
+        Recipe("eagle3", "alt-lr", "TTT 4, 99% vocab, lr 5e-3", {}, train={"lr": 5.0e-3}),
+        Recipe("eagle3", "alt-lr-flat", "TTT 4, 99% vocab, lr 5e-3, equal step weights",
+               {"step_weight_decay": 1.0}, train={"lr": 5.0e-3}),
         Recipe("medusa", "old", "greedy data", {}, GREEDY),
         Recipe("medusa", "new", "mixed data", {}),
         Recipe("medusa", "alt-flat", "equal head weights, mixed data", {"head_weight_decay": 1.0}),
@@ -75,7 +88,9 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--artifacts", default="/tmp/draftsmith-bench-recipes", help="artifacts_root (reuse a pipeline's)")
     ap.add_argument("--kinds", default="standalone,eagle,eagle3,medusa")
     ap.add_argument("--recipes", default="", help="comma list of labels to keep (default: all)")
-    ap.add_argument("--steps", type=int, default=40, help="optimizer steps, the same for every recipe")
+    ap.add_argument("--steps", type=int, default=0,
+                    help="optimizer steps, the same for every recipe of a kind (0: the profile's "
+                         "pipeline.train_by_kind.<kind>.max_steps, what the pipeline trains)")
     ap.add_argument("--k", type=int, default=0, help="drafted tokens per round in the eval (0: the profile's largest eval K)")
     ap.add_argument("--prompts", type=int, default=3, help="held-out prompts per domain")
     ap.add_argument("--max-tokens", type=int, default=24, help="tokens generated per prompt")
@@ -102,6 +117,13 @@ def base_context(args: argparse.Namespace) -> Any:
     return ctx
 
 
+def kind_steps(ctx: Any, kind: str, steps: int) -> int:
+    """--steps, or (0) the step budget the profile's pipeline gives this kind."""
+    from train.pipeline.distill import trainer_node
+
+    return steps if steps > 0 else int(trainer_node(ctx.cfg, kind).max_steps)
+
+
 def recipe_job(ctx: Any, recipe: Recipe, steps: int) -> Any:
     """The distill job config of one recipe: the profile's kind config + the recipe, at `steps` steps."""
     from omegaconf import open_dict
@@ -113,8 +135,8 @@ def recipe_job(ctx: Any, recipe: Recipe, steps: int) -> Any:
     with open_dict(job):  # as train.pipeline.distill.job_config, with the recipe merged on
         job.draft = merge_checked(draft_config(ctx.cfg, recipe.kind), {**recipe.draft, "data": recipe.data},
                                   f"recipe {recipe.kind}:{recipe.label}")
-        job.train = merge_checked(trainer_node(ctx.cfg, recipe.kind), {"max_steps": steps, "max_minutes": None,
-                                  "checkpoint_every": 0, "eval_every": 0}, "recipe train")
+        job.train = merge_checked(trainer_node(ctx.cfg, recipe.kind), {**recipe.train, "max_steps": steps,
+                                  "max_minutes": None, "checkpoint_every": 0, "eval_every": 0}, "recipe train")
     check_recipe(recipe.kind, job.draft, ctx.results.target.shape.get("vocab_size"))
     return job
 
@@ -190,10 +212,12 @@ def mean(values: list[float]) -> float | None:
     return sum(values) / len(values) if values else None
 
 
-def print_table(report: Any, chosen: list[Recipe], steps: int, k: int, prompts: int, max_tokens: int) -> None:
+def print_table(report: Any, chosen: list[Recipe], steps: dict[str, int], k: int, prompts: int,
+                max_tokens: int) -> None:
     domains = sorted({r.domain for r in report.results})
-    print(f"\nrecipes at {steps} steps each; eval K={k}, T=0 and T=1, mean over domains {','.join(domains)} "
-          f"({prompts} held-out prompts x {max_tokens} tokens each, one run)")
+    budgets = ", ".join(f"{kind} {n}" for kind, n in steps.items())
+    print(f"\nrecipes at equal steps per kind ({budgets}); eval K={k}, T=0 and T=1, mean over domains "
+          f"{','.join(domains)} ({prompts} held-out prompts x {max_tokens} tokens each, one run)")
     header = f"{'kind':<11}{'recipe':<15}{'alpha T=0':>10}{'tau T=0':>9}{'alpha T=1':>11}{'tau T=1':>9}  what"
     print(header + "\n" + "-" * len(header))
     for r in chosen:
@@ -204,6 +228,35 @@ def print_table(report: Any, chosen: list[Recipe], steps: int, k: int, prompts: 
             cells += [mean([x.alpha for x in rows]), mean([x.tau for x in rows])]
         fmt = [f"{c:.3f}" if c is not None else "-" for c in cells]
         print(f"{r.kind:<11}{r.label:<15}{fmt[0]:>10}{fmt[1]:>9}{fmt[2]:>11}{fmt[3]:>9}  {r.what}")
+
+
+def domain_cell(row: Any, what: str, k: int) -> str:
+    if row is None:
+        return "-"
+    if what == "a_K":
+        return f"{row.a_k[k - 1]:.2f}" if len(row.a_k) >= k else "-"
+    value = getattr(row, what)
+    return "-" if value is None else f"{value:.2f}"
+
+
+def print_domains(report: Any, chosen: list[Recipe], k: int) -> None:
+    """Per domain: alpha at T=1, tau and a_K at T=0 (the issue's goals are per domain, not means)."""
+    domains = sorted({r.domain for r in report.results})
+    cols = [("alpha T=1", 1.0, "alpha"), ("tau T=0", 0.0, "tau"), (f"a_{k} T=0", 0.0, "a_K")]
+    print(f"\nper domain (K={k}): " + "; ".join(name for name, _, _ in cols))
+    header = f"{'recipe':<26}" + "".join(f"{d:>20}" for d in domains)
+    print(header + "\n" + "-" * len(header))
+    for r in chosen:
+        label = f"{r.kind}:{r.label}"
+        cells = []
+        for d in domains:
+            values = []
+            for _, t, what in cols:
+                row = next((x for x in report.results if x.method == label and x.domain == d
+                            and x.temperature == t and x.K == k), None)
+                values.append(domain_cell(row, what, k))
+            cells.append("/".join(values))
+        print(f"{label:<26}" + "".join(f"{c:>20}" for c in cells))
 
 
 def main() -> None:
@@ -220,12 +273,14 @@ def main() -> None:
               if r.kind in kinds and (not keep or r.label in keep)]
     if not chosen:
         raise SystemExit(f"no recipe matches --kinds {args.kinds} --recipes {args.recipes}")
-    drafts = {f"{r.kind}:{r.label}": train_recipe(ctx, r, args.steps) for r in chosen}
+    steps = {kind: kind_steps(ctx, kind, args.steps) for kind in dict.fromkeys(r.kind for r in chosen)}
+    drafts = {f"{r.kind}:{r.label}": train_recipe(ctx, r, steps[r.kind]) for r in chosen}
     t_eval = time.perf_counter()
     report = evaluate(ctx, drafts, args)
     print(f"load average: {' '.join(f'{x:.2f}' for x in os.getloadavg())}; train {t_eval - t0:.0f} s, "
           f"eval {time.perf_counter() - t_eval:.0f} s")
-    print_table(report, chosen, args.steps, args.k, args.prompts, args.max_tokens)
+    print_table(report, chosen, steps, args.k, args.prompts, args.max_tokens)
+    print_domains(report, chosen, args.k)
     for s in report.skipped:
         print(f"skipped: domain={s.domain} method={s.method}: {s.reason}")
 
