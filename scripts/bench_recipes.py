@@ -4,7 +4,8 @@ step budgets, on the same target, prompts and init, measured in one eval run (al
 Recipes (a recipe = the draft's objective settings + the data it trains on):
   standalone  old: sequence KD on greedy answers | new: token KD (forward KL) on the stored top-16 of the
               mixed greedy/T=1 answers + 0.1 hard CE | alt: the same with TVD | alt: JSD, no hard CE |
-              alt: TVD at lr 5e-3 | alt: TVD with 2 layers (a step and a round cost more)
+              alt: TVD at lr 5e-3 | alt: TVD with 2 layers (a step and a round cost more) | alt: TVD or forward
+              KL against the full distribution (teacher=hidden: the cached final hidden through the target's head)
   eagle       old: feature + token loss on greedy answers | new: the same on the mixed answers | alt: token
               weight 0.5 on the mixed answers
   eagle3      old: TTT 2, 1024-token vocabulary, greedy answers | new: TTT 4, vocabulary covering 99% of the
@@ -62,6 +63,10 @@ def recipes(target_vocab: int) -> list[Recipe]:
         Recipe("standalone", "alt-tv", "token KD TVD top-k + 0.1 CE, mixed data", {"divergence": "tv"}),
         Recipe("standalone", "alt-jsd", "token KD JSD top-k, no CE, mixed data", {"divergence": "jsd", "hard_weight": 0.0}),
         Recipe("standalone", "alt-tv-lr", "TVD + 0.1 CE, lr 5e-3", {"divergence": "tv"}, train={"lr": 5.0e-3}),
+        Recipe("standalone", "alt-hidden-tv", "TVD + 0.1 CE on the full distribution (cached final hidden)",
+               {"divergence": "tv", "teacher": "hidden"}),
+        Recipe("standalone", "alt-hidden-kl", "fwd-KL + 0.1 CE on the full distribution (cached final hidden)",
+               {"teacher": "hidden"}),
         Recipe("standalone", "alt-tv-2l", "TVD + 0.1 CE, 2 layers (costlier steps and rounds)",
                {"divergence": "tv", "num_layers": 2}),
         Recipe("eagle", "old", "feature + token loss, greedy data", {}, GREEDY),

@@ -73,6 +73,17 @@ def test_eagle3_offline_matches_online(world):
     assert offline[-1]["eval/loss"] == pytest.approx(online[-1]["eval/loss"], rel=0.05)
 
 
+def test_standalone_hidden_teacher_matches_online(world):
+    """teacher=hidden (the cached final hidden through the target's head: the full distribution, no target
+    forward) trains like the online teacher up to the bf16 rounding of the cache."""
+    kd = {"draft.loss": "token_kd", "draft.divergence": "tv"}
+    _, online = distill(world, draft="standalone", **kd, **{"draft.teacher": "online"})
+    _, cached = distill(world, draft="standalone", **kd, **{"draft.teacher": "hidden"})
+    assert cached[-1]["eval/loss"] < cached[0]["eval/loss"]
+    assert cached[0]["eval/loss"] == pytest.approx(online[0]["eval/loss"], rel=0.02)
+    assert cached[-1]["eval/loss"] == pytest.approx(online[-1]["eval/loss"], rel=0.05)
+
+
 def test_init_from_warm_starts(world):
     """init_from loads an earlier draft: with a vanishing LR the job starts where that draft ended."""
     source, source_evals = distill(world, draft="eagle")

@@ -32,7 +32,8 @@ def extras_for(draft_cfg: Any, num_target_layers: int) -> StoredExtras:
         raise ValueError(f"draft.mode: {mode!r} is not one of {MODES}")
     spec = KINDS.get(kind)   # None for "none" (data for no draft in particular)
     store_hidden = data.store_hidden if data.store_hidden is not None else (
-        mode == "offline" and spec is not None and spec.reads_target_features)
+        mode == "offline" and spec is not None and spec.reads_target_features
+        or kind == "standalone" and draft_cfg.get("teacher") == "hidden")  # its KD labels: the cached final hidden
     aux: list[int] = []
     if store_hidden and spec is not None and spec.reads_aux_layers:  # EAGLE-3, and the block draft reads its layers
         from drafts.eagle3 import default_aux_layers

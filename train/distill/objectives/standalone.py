@@ -3,7 +3,10 @@
 * sequence_kd: hard cross-entropy on the target's own tokens (the regenerated answers).
 * token_kd: any divergence of train.losses between the draft's and the target's next-token distributions;
   the target's come from the stored top-k log-probs (the rest of the mass spread evenly over the other
-  tokens, so reverse KL stays finite) or from the target run inside the loop (online).
+  tokens, so reverse KL stays finite), from the cached final-norm hidden through the target's LM head
+  (teacher=hidden: the full distribution, no target forward; it matters when the target is flat: the
+  embedded target's top-16 hold ~0.42 of the mass, and a draft taught an even tail proposes tokens at T=1
+  the target rarely samples), or from the target run inside the loop (online).
 * on_policy_fraction: that share of training batches is rewritten before the loss: the draft continues each
   prompt itself, the target scores those tokens, and the divergence is taken on them (Agarwal et al. GKD).
 """
@@ -61,9 +64,14 @@ def _agreed_across_ranks(flag: bool, device: torch.device) -> bool:
     return bool(agreed.item())
 
 
+TEACHERS = ("auto", "topk", "hidden", "online")
+
+
 class StandaloneObjective:
-    def __init__(self, cfg, teacher: Teacher | None, num_eval_positions: int = 4) -> None:
+    def __init__(self, cfg, teacher: Teacher | None, num_eval_positions: int = 4,
+                 target_lm_head: Tensor | None = None) -> None:
         self.cfg, self.teacher, self.num_eval_positions = cfg, teacher, num_eval_positions
+        self.target_lm_head = target_lm_head  # [V, d_target], frozen: teacher=hidden only
         if cfg.loss not in ("sequence_kd", "token_kd"):
             raise ValueError(f"draft.loss: {cfg.loss!r} is not one of ('sequence_kd', 'token_kd')")
         if cfg.divergence not in losses.DIVERGENCES:
@@ -73,18 +81,22 @@ class StandaloneObjective:
         needs_teacher = cfg.on_policy_fraction > 0 or (cfg.loss == "token_kd" and self.teacher_kind() == "online")
         if needs_teacher and teacher is None:
             raise ValueError("draft: token_kd with teacher=online and on-policy batches need the target in the loop")
+        if cfg.loss == "token_kd" and self.teacher_kind() == "hidden" and target_lm_head is None:
+            raise ValueError("draft.teacher=hidden: the objective needs the target's LM head")
 
     def teacher_kind(self) -> str:
         if self.cfg.teacher == "auto":
             return "topk" if self.cfg.data.topk_logits > 0 else "online"
-        if self.cfg.teacher not in ("topk", "online"):
-            raise ValueError(f"draft.teacher: {self.cfg.teacher!r} is not one of ('auto', 'topk', 'online')")
+        if self.cfg.teacher not in TEACHERS:
+            raise ValueError(f"draft.teacher: {self.cfg.teacher!r} is not one of {TEACHERS}")
         return self.cfg.teacher
 
     def build(self, models: Mapping, device: torch.device) -> nn.Module:
         if self.teacher is not None:
             self.teacher.to(device)
         self.vocab_size = models["draft"].config.vocab_size
+        if self.target_lm_head is not None:
+            self.target_lm_head = self.target_lm_head.to(device)
         return StandaloneModule(models["draft"]).to(device)
 
     def _divergence(self, student: Tensor, teacher_logits: Tensor, mask: Tensor) -> Tensor:
@@ -131,13 +143,7 @@ class StandaloneObjective:
             loss = losses.hard_cross_entropy(logits, targets, mask=mask)
             components["hard_ce"] = loss.detach()
             return loss, components
-        if on_policy or self.teacher_kind() == "online":
-            teacher_logits = self.teacher(batch["input_ids"], batch["attention_mask"]).logits
-        else:
-            for name in ("topk_ids", "topk_logprobs"):
-                if name not in batch:
-                    raise ValueError(f"token_kd with teacher=topk: batch has no field '{name}' (set draft.data.topk_logits > 0)")
-            teacher_logits = topk_to_logprobs(batch["topk_ids"], batch["topk_logprobs"], logits.shape[-1])
+        teacher_logits = self._teacher_logits(batch, on_policy, logits.shape[-1])
         kd = self._divergence(logits, teacher_logits, mask)
         components[self.cfg.divergence] = kd.detach()
         loss = kd
@@ -147,6 +153,21 @@ class StandaloneObjective:
             loss = loss + self.cfg.hard_weight * hard
         components["on_policy"] = torch.tensor(float(on_policy))
         return loss, components
+
+    @torch.no_grad()
+    def _teacher_logits(self, batch: Mapping[str, Tensor], on_policy: bool, vocab_size: int) -> Tensor:
+        """The target's next-token logits (or log-probs) per position [B, S, V], aligned with the draft's."""
+        if on_policy or self.teacher_kind() == "online":
+            return self.teacher(batch["input_ids"], batch["attention_mask"]).logits
+        if self.teacher_kind() == "hidden":
+            if "hidden" not in batch:
+                raise ValueError("token_kd with teacher=hidden: batch has no field 'hidden' (the dataset must store "
+                                 "the target's final hidden states)")
+            return torch.nn.functional.linear(batch["hidden"].float(), self.target_lm_head.float())
+        for name in ("topk_ids", "topk_logprobs"):
+            if name not in batch:
+                raise ValueError(f"token_kd with teacher=topk: batch has no field '{name}' (set draft.data.topk_logits > 0)")
+        return topk_to_logprobs(batch["topk_ids"], batch["topk_logprobs"], vocab_size)
 
     @torch.no_grad()
     def eval_metrics(self, model: nn.Module, batch: Mapping[str, Tensor]) -> PositionCounts:
@@ -166,4 +187,9 @@ class StandaloneObjective:
 
 @register_objective("standalone")
 def build_standalone_objective(dcfg, teacher, target_dir, draft) -> StandaloneObjective:
-    return StandaloneObjective(dcfg, teacher)
+    lm_head = None
+    if dcfg.loss == "token_kd" and dcfg.teacher == "hidden":
+        from kernels.layers.checkpoint import load_target_embed_and_head
+
+        _, lm_head = load_target_embed_and_head(target_dir)
+    return StandaloneObjective(dcfg, teacher, target_lm_head=lm_head)
