@@ -302,7 +302,9 @@ class LLMEngine:
                     seq.logprobs.append(lps[j])
                 tokens.append(tok)
                 if seq.group is not None and not seq.group.forked:   # before the parent may finish
-                    for child in fork_samples(seq.group, self.scheduler):
+                    children = fork_samples(seq.group, self.scheduler)
+                    self.strategy.on_fork(seq, children)   # drafts keep per-sample state (EAGLE's features)
+                    for child in children:
                         self.requests[child.request_id] = child
                         emitted[child.seq_id] = (child, [child.token_ids[-1]])
                         self._check_stop(child, child.token_ids[-1], now)

@@ -10,6 +10,7 @@ from serve_eval.engine.scheduler import SchedulerOutput
 
 if TYPE_CHECKING:   # the speculative package builds on the engine; the engine only names its types
     from serve_eval.engine.llm_engine import LLMEngine
+    from serve_eval.engine.request import Sequence
     from serve_eval.speculative.metrics import SpecEngineStats
 
 
@@ -31,6 +32,7 @@ class StepStrategy(Protocol):
     def execute(self, engine: "LLMEngine", out: SchedulerOutput) -> StepResult: ...
     def after_step(self, engine: "LLMEngine", out: SchedulerOutput, outputs: list[RequestOutput]) -> None: ...
     def stats(self) -> "SpecEngineStats | None": ...
+    def on_fork(self, parent: "Sequence", children: "list[Sequence]") -> None: ...
 
 
 class DefaultStrategy:
@@ -45,6 +47,9 @@ class DefaultStrategy:
 
     def stats(self) -> None:
         return None
+
+    def on_fork(self, parent: "Sequence", children: "list[Sequence]") -> None:
+        pass
 
     def execute(self, engine: "LLMEngine", out: SchedulerOutput) -> StepResult:
         batch = engine.prepare_batch(out)

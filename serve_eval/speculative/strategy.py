@@ -88,6 +88,13 @@ class SpeculativeStrategy:
             if seq.is_finished and seq.request_id in self._tracked:
                 self._release(seq)
 
+    def on_fork(self, parent: Sequence, children: list[Sequence]) -> None:
+        """Parallel sampling forked `parent` after its first token: each child starts from the proposer's
+        state for the parent (the prompt's target features), as a separate request would have it."""
+        for child in children:
+            self.proposer.fork(parent.request_id, child.request_id)
+            self._tracked[child.request_id] = child   # released with the others when it finishes
+
     def before_schedule(self, engine: "LLMEngine") -> None:
         if not self._attached:
             self.proposer.attach(engine)

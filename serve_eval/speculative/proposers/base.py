@@ -154,6 +154,11 @@ class Proposer(Protocol):
     def reset(self, request_id: str) -> None:
         """Forget the request (finished, aborted or preempted)."""
 
+    def fork(self, parent_id: str, child_id: str) -> None:
+        """A sample forked from `parent_id` (parallel sampling, right after the parent's first token) continues
+        from the parent's state: copy what is kept per request. Proposers that rebuild their state from the
+        sequence's tokens (standalone, n-gram) keep nothing to copy."""
+
     def add_features(self, request_id: str, features: TargetFeatures) -> None:
         """Target features of the positions the target just computed and kept (needs_hidden only).
 

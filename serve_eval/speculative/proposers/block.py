@@ -65,6 +65,9 @@ class LayeredKVCache(DraftKVCache):
     def layer_attn_fns(self, meta: AttentionMetadata, head_dim: int) -> list[AttnFn]:
         return [paged_attn_fn(self.attention, k, v, meta, head_dim ** -0.5) for k, v in zip(self.k_caches, self.v_caches)]
 
+    def layers(self) -> list[tuple[Tensor, Tensor]]:
+        return list(zip(self.k_caches, self.v_caches))
+
     def inject(self, kv: list[tuple[Tensor, Tensor]], slot_mapping: Tensor) -> None:
         for (k, v), k_cache, v_cache in zip(kv, self.k_caches, self.v_caches):
             write_kv(k, v, k_cache, v_cache, slot_mapping)
@@ -154,6 +157,11 @@ class BlockProposer(Proposer):
         state = self._states.pop(request_id, None)
         if state is not None:
             self.cache.free(state.record)
+
+    def fork(self, parent_id: str, child_id: str) -> None:
+        parent = self._states.get(parent_id)
+        if parent is not None:
+            self._states[child_id] = parent.fork(self.cache)
 
     def check_integrity(self) -> None:
         if self.cache is not None:

@@ -55,6 +55,28 @@ class DraftKVCache:
     def free(self, record: _CacheRecord) -> None:
         self.manager.free(record)
 
+    def layers(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(K, V) cache pairs, one per draft layer that keeps attention state."""
+        return [(self.k_cache, self.v_cache)]
+
+    def copy_entries(self, source: _CacheRecord, dest: _CacheRecord, num_entries: int) -> bool:
+        """Back `dest` with its own blocks holding `source`'s first num_entries entries (a fork: the
+        copies diverge from the next write on); False if the pool is full."""
+        if not self.resize(dest, num_entries):
+            return False
+        if num_entries:
+            slots = [self._slots(record, num_entries) for record in (source, dest)]
+            for k, v in self.layers():
+                for cache in (k, v):
+                    flat = cache.view(-1, *cache.shape[2:])
+                    flat[slots[1]] = flat[slots[0]]
+        return True
+
+    def _slots(self, record: _CacheRecord, num_entries: int) -> torch.Tensor:
+        table = torch.tensor(self.block_table(record), dtype=torch.int64, device=self.k_cache.device)
+        entries = torch.arange(num_entries, device=self.k_cache.device)
+        return table[entries // self.block_size] * self.block_size + entries % self.block_size
+
     def block_table(self, record: _CacheRecord) -> list[int]:
         return self.manager.get_block_ids(record)
 

@@ -77,6 +77,15 @@ class _RequestState:
     def next_pos(self) -> int:  # the position the next fed row must have
         return (self.base_pos or 0) + self.num_committed + self.num_pending
 
+    def fork(self, cache: DraftKVCache) -> "_RequestState":
+        """A forked sample's own copy (parallel sampling): the committed entries pair prompt features with
+        prompt tokens, which the samples share; the rows still pending pair with each sample's own tokens."""
+        child = _RequestState(base_pos=self.base_pos, num_committed=self.num_committed,
+                              pending=list(self.pending), num_pending=self.num_pending)
+        if not cache.copy_entries(self.record, child.record, self.num_committed):
+            raise RuntimeError("draft KV cache is full: cannot fork a sample's draft state")
+        return child
+
 
 @dataclass
 class _Query:
@@ -203,6 +212,11 @@ class EagleProposer(Proposer):
         state = self._states.pop(request_id, None)
         if state is not None:
             self.cache.free(state.record)
+
+    def fork(self, parent_id: str, child_id: str) -> None:
+        parent = self._states.get(parent_id)
+        if parent is not None:
+            self._states[child_id] = parent.fork(self._ensure_cache())
 
     def num_cached_entries(self, request_id: str) -> tuple[int, int]:
         """(committed entries, entries backed by blocks) of a request's draft cache (tests, stats)."""

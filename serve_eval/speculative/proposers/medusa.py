@@ -96,6 +96,10 @@ class MedusaProposer(Proposer):
     def reset(self, request_id: str) -> None:
         self._last.pop(request_id, None)
 
+    def fork(self, parent_id: str, child_id: str) -> None:
+        if parent_id in self._last:
+            self._last[child_id] = self._last[parent_id]
+
     # -- proposing -------------------------------------------------------------------
     @torch.inference_mode()
     def propose(self, seqs: Sequence[SequenceView], num_tokens: Sequence[int],

@@ -132,6 +132,13 @@ class RoutedProposer(Proposer):
             child.reset(request_id)
         self._route.pop(request_id, None)
 
+    def fork(self, parent_id: str, child_id: str) -> None:
+        if parent_id in self._route:
+            self._route[child_id] = self._route[parent_id]
+        child = self._child_of(parent_id)
+        if child is not None:
+            child.fork(parent_id, child_id)
+
     def add_features(self, request_id: str, features: TargetFeatures) -> None:
         child = self._child_of(request_id)
         if child is None or not child.needs_hidden:

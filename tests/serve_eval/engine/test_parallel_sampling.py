@@ -7,9 +7,9 @@ draft; the policy's fallback off so every round speculates K, as for the referen
 through the model once, its blocks are shared by the n samples and the shared partial last block is
 copied on the first write; abort frees every sample.
 
-Feature drafts (EAGLE, Medusa, block) are compared greedy only: a forked sample's proposer has no target
-features of the prompt (they went to sample 0), so it decodes its first step plainly and speculates from
-the next; at T > 0 that changes which random draws a token takes (the law stays the target's).
+Feature drafts (EAGLE-1/3, Medusa, block) keep per-request state built from the prompt's target features,
+which only sample 0's prefill computes: the fork hands each sample a copy (Proposer.fork), so at T > 0 every
+sample drafts, and takes its random draws, exactly as its n == 1 reference does.
 Speculation at T > 0 under recompute preemption is not compared: a recomputed sequence's next token is
 a plain sample of its re-prefill where an unpreempted one would have run a speculative round, so even two
 n == 1 runs differ there (swap preemption keeps the rounds, and is compared).
@@ -129,6 +129,24 @@ def test_speculative_samples_match_under_preemption(models, method):
     recomputing = engine_for(target, _spec(method, draft), num_gpu_blocks=17, num_cpu_blocks=0)
     assert_matches(run(recomputing, greedy), greedy, references(target, greedy, _spec(method, draft)))
     assert swapping.stats().num_swap_preemptions > 0 and recomputing.stats().num_preemptions > 0
+
+
+@pytest.mark.parametrize("kind", ["eagle", "eagle3", "medusa", "block"])
+def test_feature_draft_samples_match_at_t1(models, tmp_path, kind):
+    """The forked samples start from the prompt's features: same tokens and the same speculative rounds as their
+    seeded n == 1 references (a sample drafting without them would take other draws, and fewer rounds)."""
+    target, _ = models
+    draft = feature_draft(kind, target, tmp_path / kind)
+    requests = n_requests(3, n=3, seed=7, **SAMPLED)
+    engine, reference = engine_for(target, _spec(kind, draft)), engine_for(target, _spec(kind, draft))
+    finals = run(engine, requests)
+    singles = [(f"{rid}/{i}", prompt, SamplingParams(**{**vars(p), "n": 1, "seed": p.seed + i}))
+               for rid, prompt, p in requests for i in range(p.n)]
+    refs = run(reference, singles)
+    assert_matches(finals, requests, {(rid, i): refs[f"{rid}/{i}"].output_token_ids
+                                      for rid, _, p in requests for i in range(p.n)})
+    rounds = engine.stats().spec.total.num_rounds
+    assert rounds > 0 and rounds == reference.stats().spec.total.num_rounds
 
 
 def test_feature_draft_samples_match_greedy(models, tmp_path):
