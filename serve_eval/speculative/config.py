@@ -3,8 +3,8 @@
 `LLMEngine(config, speculative=SpecConfig(...))` calls `make_strategy(engine)`, which builds the
 proposer named by `method` and wraps it in the SpeculativeStrategy (serve_eval.speculative.strategy).
 
-Proposer classes are registered by method name as "module:Class" strings and imported lazily, so a
-proposer module (Medusa / EAGLE, written elsewhere) plugs in by existing. A registered class builds
+Proposer classes register themselves by method name (`@register_proposer`, proposers/registry.py), so a
+proposer module plugs in by existing in serve_eval/speculative/proposers/. A registered class builds
 itself with `from_spec_config(config, engine)`; it may define `attach(engine)`, called once when the
 engine's KV cache exists (to size its own draft cache), before the first propose.
 """
