@@ -170,6 +170,30 @@ class BlockDraft(nn.Module):
             with torch.no_grad():
                 dst.copy_(src.to(dst.dtype))
 
+    def init_layers_from_target(self, target_state: dict[str, Tensor], layer_ids: list[int] | None = None) -> None:
+        """Warm-start the draft layers from target decoder layers (default: its last ``num_layers``) and ``norm``
+        from the target's final norm (the frozen head was trained behind it).
+
+        Why: a 1.5-minute budget trains ~100-250 steps; from random layers the block's offset-1 prediction
+        barely uses the root token (measured on the embedded target: held-out offset-1 loss 0.17 warm vs 0.28
+        cold at 110 steps, served T=0 tau 3.93 vs 3.79 over four domains)."""
+        num_target = 1 + max((int(k.split(".")[2]) for k in target_state if k.startswith("model.layers.")), default=-1)
+        ids = list(layer_ids) if layer_ids is not None else list(range(num_target - self.num_layers, num_target))
+        if len(ids) != self.num_layers or min(ids, default=0) < 0:
+            raise ValueError(f"block draft init: layer_ids {ids} must name {self.num_layers} target layers "
+                             f"(the target has {num_target})")
+        pairs = [(self.norm.weight, "model.norm.weight")]
+        for layer, src in zip(self.layers, ids):
+            pairs += [(tensor, f"model.layers.{src}.{name}") for name, tensor in layer.state_dict(keep_vars=True).items()]
+        with torch.no_grad():
+            for dst, name in pairs:
+                if name not in target_state:
+                    raise ValueError(f"block draft init: the target has no weight {name!r}")
+                if tuple(target_state[name].shape) != tuple(dst.shape):
+                    raise ValueError(f"block draft init: {name} is {tuple(target_state[name].shape)} in the target, "
+                                     f"{tuple(dst.shape)} in the draft")
+                dst.copy_(target_state[name].to(dst.dtype))
+
     # ---------------------------------------------------------------------------------------- pieces
 
     def fuse(self, aux_hidden: Tensor) -> Tensor:

@@ -123,3 +123,22 @@ def test_pipeline_refuses_an_eval_k_above_the_block_before_any_stage():
     check_stage_configs(cfg)
     with pytest.raises(ValueError, match=r"block_size: 3 proposes at most 2 tokens, but the eval asks for K=4"):
         check_stage_configs(compose(["pipeline.drafts.block.block_size=3"]))
+
+
+def test_layers_warm_start_from_the_targets_last_layers(world):
+    """init_layers_from_target copies the target's last decoder layers and final norm; a bad layer list or a
+    checkpoint without a named weight is one line."""
+    from kernels.layers.checkpoint import read_state_dict
+
+    _, target, _ = world
+    state = read_state_dict(target)  # a 4-layer target
+    draft = BlockDraft.from_target_config(target, aux_layers=[1, 2, 3], num_layers=2, block_size=5)
+    draft.init_layers_from_target(state)
+    for dst, src in ((0, 2), (1, 3)):
+        for name, tensor in draft.layers[dst].state_dict().items():
+            assert torch.equal(tensor, state[f"model.layers.{src}.{name}"]), name
+    assert torch.equal(draft.norm.weight, state["model.norm.weight"])
+    with pytest.raises(ValueError, match=r"layer_ids \[3\] must name 2 target layers \(the target has 4\)"):
+        draft.init_layers_from_target(state, layer_ids=[3])
+    with pytest.raises(ValueError, match=r"the target has no weight 'model.norm.weight'"):
+        draft.init_layers_from_target({k: v for k, v in state.items() if k != "model.norm.weight"})

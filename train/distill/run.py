@@ -138,6 +138,9 @@ def build_draft(kind: str, dcfg: Any, target_dir: Path, train_set: DistillDatase
                                               num_layers=dcfg.num_layers, block_size=dcfg.block_size,
                                               num_mask_tokens=dcfg.num_mask_tokens)
         draft.init_from_target(embed, lm_head)
+        from kernels.layers.checkpoint import read_state_dict
+
+        draft.init_layers_from_target(read_state_dict(target_dir))  # its last layers and final norm
         return draft
     from drafts.eagle3 import Eagle3Draft, build_reduced_vocab
 
