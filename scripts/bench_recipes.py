@@ -2,15 +2,15 @@
 step budgets, on the same target, prompts and init, measured in one eval run (alpha and tau at T=0 and T=1).
 
 Recipes (a recipe = the draft's objective settings + the data it trains on):
-  standalone  old: sequence KD on greedy answers | new: token KD (forward KL) on the stored top-16 of the
-              mixed greedy/T=1 answers + 0.1 hard CE | alt: the same with TVD | alt: JSD, no hard CE |
-              alt: TVD at lr 5e-3 | alt: TVD with 2 layers (a step and a round cost more) | alt: TVD or forward
-              KL against the full distribution (teacher=hidden: the cached final hidden through the target's head)
+  standalone  old: sequence KD on greedy answers | new: token KD (forward KL) on the mixed greedy/T=1 answers
+              against the target's full distribution (teacher=hidden: the cached final hidden through its head)
+              + 0.1 hard CE | alt: the same on the stored top-16 (the previous default) | alt: TVD on the full
+              distribution | alt: on the top-16: TVD, JSD without hard CE, TVD at lr 5e-3, TVD with 2 layers
   eagle       old: feature + token loss on greedy answers | new: the same on the mixed answers | alt: token
               weight 0.5 on the mixed answers
-  eagle3      old: TTT 2, 1024-token vocabulary, greedy answers | new: TTT 4, vocabulary covering 99% of the
-              answer tokens, mixed answers | alt: 95% coverage | alt: TTT 4 with the full vocabulary |
-              alt: lr 5e-3 | alt: lr 5e-3 and equal step weights
+  eagle3      old: TTT 2, 1024-token vocabulary, greedy answers | new: TTT 4, equal step weights, vocabulary
+              covering 99% of the answer tokens, lr 5e-3, mixed answers | alt: step weights 0.8^j at lr 2e-3
+              (the previous default) | alt: 0.8^j at lr 5e-3 | alt: 95% coverage | alt: the full vocabulary
   medusa      old: greedy answers | new: mixed answers | alt: mixed answers, equal head weights
 
 The data the new defaults train on is the pipeline profile's own (pipeline.data): with the same
@@ -59,28 +59,31 @@ def recipes(target_vocab: int) -> list[Recipe]:
     return [
         Recipe("standalone", "old", "sequence KD, greedy data",
                {"loss": "sequence_kd", "hard_weight": 0.0, "teacher": "auto"}, GREEDY),
-        Recipe("standalone", "new", "token KD fwd-KL top-k + 0.1 CE, mixed data", {}),
-        Recipe("standalone", "alt-tv", "token KD TVD top-k + 0.1 CE, mixed data", {"divergence": "tv"}),
-        Recipe("standalone", "alt-jsd", "token KD JSD top-k, no CE, mixed data", {"divergence": "jsd", "hard_weight": 0.0}),
-        Recipe("standalone", "alt-tv-lr", "TVD + 0.1 CE, lr 5e-3", {"divergence": "tv"}, train={"lr": 5.0e-3}),
-        Recipe("standalone", "alt-hidden-tv", "TVD + 0.1 CE on the full distribution (cached final hidden)",
+        Recipe("standalone", "new", "token KD fwd-KL on the full distribution (cached hidden) + 0.1 CE, mixed data", {}),
+        Recipe("standalone", "alt-topk", "token KD fwd-KL on the stored top-k + 0.1 CE (the previous default)",
+               {"teacher": "topk"}),
+        Recipe("standalone", "alt-hidden-tv", "TVD + 0.1 CE on the full distribution (cached hidden)",
                {"divergence": "tv", "teacher": "hidden"}),
-        Recipe("standalone", "alt-hidden-kl", "fwd-KL + 0.1 CE on the full distribution (cached final hidden)",
-               {"teacher": "hidden"}),
-        Recipe("standalone", "alt-tv-2l", "TVD + 0.1 CE, 2 layers (costlier steps and rounds)",
-               {"divergence": "tv", "num_layers": 2}),
+        Recipe("standalone", "alt-tv", "token KD TVD top-k + 0.1 CE, mixed data", {"divergence": "tv", "teacher": "topk"}),
+        Recipe("standalone", "alt-jsd", "token KD JSD top-k, no CE, mixed data",
+               {"divergence": "jsd", "hard_weight": 0.0, "teacher": "topk"}),
+        Recipe("standalone", "alt-tv-lr", "TVD top-k + 0.1 CE, lr 5e-3", {"divergence": "tv", "teacher": "topk"},
+               train={"lr": 5.0e-3}),
+        Recipe("standalone", "alt-tv-2l", "TVD top-k + 0.1 CE, 2 layers (costlier steps and rounds)",
+               {"divergence": "tv", "teacher": "topk", "num_layers": 2}),
         Recipe("eagle", "old", "feature + token loss, greedy data", {}, GREEDY),
         Recipe("eagle", "new", "feature + token loss, mixed data", {}),
         Recipe("eagle", "alt-tok0.5", "token weight 0.5, mixed data", {"token_weight": 0.5}),
         Recipe("eagle3", "old", f"TTT 2, vocab {old_vocab}, greedy data",
                {"ttt_steps": 2, "draft_vocab_size": old_vocab, "draft_vocab_coverage": None}, GREEDY),
-        Recipe("eagle3", "new", "profile's TTT (embedded 4) + vocab coverage (0.99), mixed data", {}),
+        Recipe("eagle3", "new", "profile's TTT (embedded 4), step weights (1.0), vocab coverage (0.99), lr", {}),
+        Recipe("eagle3", "alt-decay0.8", "TTT 4, 99% vocab, step weights 0.8^j, lr 2e-3 (the previous default)",
+               {"step_weight_decay": 0.8}, train={"lr": 2.0e-3}),
+        Recipe("eagle3", "alt-lr", "TTT 4, 99% vocab, step weights 0.8^j, lr 5e-3", {"step_weight_decay": 0.8},
+               train={"lr": 5.0e-3}),
         Recipe("eagle3", "alt-cov0.95", "TTT 4, vocab by 95% coverage, mixed data", {"draft_vocab_coverage": 0.95}),
         Recipe("eagle3", "alt-fullvocab", "TTT 4, full vocab, mixed data",
                {"draft_vocab_size": None, "draft_vocab_coverage": None}),
-        Recipe("eagle3", "alt-lr", "TTT 4, 99% vocab, lr 5e-3", {}, train={"lr": 5.0e-3}),
-        Recipe("eagle3", "alt-lr-flat", "TTT 4, 99% vocab, lr 5e-3, equal step weights",
-               {"step_weight_decay": 1.0}, train={"lr": 5.0e-3}),
         Recipe("medusa", "old", "greedy data", {}, GREEDY),
         Recipe("medusa", "new", "mixed data", {}),
         Recipe("medusa", "alt-flat", "equal head weights, mixed data", {"head_weight_decay": 1.0}),
