@@ -79,8 +79,8 @@ def dataset_needs(kind: str, dcfg: Any, num_target_layers: int) -> StoredExtras:
 
     stored = extras_for(dcfg, num_target_layers)
     if kind == "standalone":
-        uses_topk = (dcfg.loss == "token_kd" and not needs_teacher(kind, dcfg)) or dcfg.teacher == "topk"
         hidden = dcfg.loss == "token_kd" and dcfg.teacher == "hidden"  # the full distribution via the target's head
+        uses_topk = (dcfg.loss == "token_kd" and not needs_teacher(kind, dcfg) and not hidden) or dcfg.teacher == "topk"
         return StoredExtras(topk=stored.topk if uses_topk else 0, final_hidden=hidden)
     if dcfg.mode == "offline":
         # the block draft's teacher=topk reads the stored top-k labels (auto: the cached hidden's full distribution)
