@@ -6,9 +6,11 @@ answers are structured yet not trivially constant. Prompts are short word lists 
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -87,3 +89,15 @@ def toy_records(out: Path) -> list[dict]:
     for record in records:
         record.pop("tokens_per_s", None)
     return records
+
+
+def free_port() -> int:
+    """A free loopback port for one torchrun / accelerate rendezvous."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def tensor_digest(tensor: torch.Tensor) -> str:
+    """Same bytes -> same digest (train.distill.launch.write_rank_report hashes parameters this way)."""
+    return hashlib.sha256(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()).hexdigest()

@@ -17,18 +17,6 @@ from server_helpers import (ENGINE_KWARGS, SlowEngine, engine_call, kv_is_clean,
 PROMPTS = ["hello world", "tell me a story about the cat", "one two three four", "write python code"]
 
 
-@pytest.fixture(scope="module")
-def server(ckpt):
-    with serve(make_engine(ckpt)) as srv:
-        yield srv
-
-
-@pytest.fixture()
-def client(server):
-    with httpx.Client(base_url=server.base_url, timeout=60) as c:
-        yield c
-
-
 def sse_events(response_or_lines) -> list:
     """Parsed `data:` payloads of an SSE response (or of its remaining lines); the [DONE]
     sentinel kept as a string."""

@@ -4,7 +4,6 @@ count each sample as a finished request, and a client leaving a stream frees eve
 from __future__ import annotations
 
 import httpx
-import pytest
 
 from serve_eval.engine.sampling_params import SamplingParams
 from serve_eval.server.prom import parse_text
@@ -12,18 +11,6 @@ from server_helpers import SlowEngine, engine_call, kv_is_clean, make_engine, se
 from test_server_http import sse_events
 
 SAMPLED = {"temperature": 1.0, "top_p": 0.9, "seed": 11}
-
-
-@pytest.fixture(scope="module")
-def server(ckpt):
-    with serve(make_engine(ckpt)) as srv:
-        yield srv
-
-
-@pytest.fixture()
-def client(server):
-    with httpx.Client(base_url=server.base_url, timeout=60) as c:
-        yield c
 
 
 def streamed_texts(events: list, field) -> tuple[dict[int, str], dict[int, list]]:

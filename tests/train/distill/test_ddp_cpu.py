@@ -3,13 +3,13 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 from pathlib import Path
 
 import pytest
 import torch
 import yaml
+from distill_fixtures import free_port
 
 from train.distill.data import ShardedResumableSampler
 from train.distill.launch import LauncherConfig, accelerate_config, relaunch_command
@@ -20,14 +20,9 @@ for _var in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
     ENV.pop(_var, None)
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
 
 def _run_two_ranks(out: Path, strategy: str, *extra: str) -> list[dict]:
-    launcher = LauncherConfig(name=strategy, strategy=strategy, num_processes=2, main_process_port=_free_port())
+    launcher = LauncherConfig(name=strategy, strategy=strategy, num_processes=2, main_process_port=free_port())
     command = relaunch_command(launcher, ["--out", str(out), "--strategy", strategy, *extra], module="tests.distill_toy")
     assert command is not None
     done = subprocess.run(command, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=240)

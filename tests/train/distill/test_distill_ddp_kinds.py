@@ -13,11 +13,9 @@ each a transformers import in its launching process.
 """
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -25,7 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from distill_fixtures import make_corpus, make_target, overrides
+from distill_fixtures import free_port, make_corpus, make_target, overrides, tensor_digest
 
 REPO = Path(__file__).resolve().parents[3]
 ENV = {**os.environ, "DRAFTSMITH_NO_PROGRESS": "1", "OMP_NUM_THREADS": "1", "DRAFTSMITH_TRACEBACK": "1"}
@@ -44,15 +42,6 @@ HAS_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
 PREFIX = {"medusa": "heads."}  # how the objective's module names the draft's parameters (else "draft.")
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _digest(tensor: torch.Tensor) -> str:
-    """Same bytes -> same digest (train.distill.launch.write_rank_report hashes parameters this way)."""
-    return hashlib.sha256(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +61,7 @@ def world(tmp_path_factory):
             continue
         env = ENV if index == 0 else {**ENV, PREPARED_ENV: json.dumps(prepared.__dict__)}
         command = [sys.executable, "-m", "train.cli", "distill", f"draft={kind}", f"launcher={launcher}",
-                   f"launcher.main_process_port={_free_port()}", *base]
+                   f"launcher.main_process_port={free_port()}", *base]
         log = (tmp / f"{kind}-{launcher}.log").open("w")
         jobs[kind, launcher] = (subprocess.Popen(command, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT), log)
     results = {}
@@ -144,7 +133,7 @@ def test_distill_two_ranks(world, kind, launcher):
     loaded = load_draft(out, target)
     assert loaded.kind == kind and loaded.meta.metrics["steps"] == STEPS
     prefix = PREFIX.get(kind, "draft.")
-    exported = {f"{prefix}{name}": _digest(p) for name, p in loaded.model.state_dict().items()}
+    exported = {f"{prefix}{name}": tensor_digest(p) for name, p in loaded.model.state_dict().items()}
     if launcher not in SHARDED:
         assert {name: exported.get(name) for name in digests[0]} == digests[0]
     logits = _finite_outputs(kind, loaded.model.float().eval(), target)

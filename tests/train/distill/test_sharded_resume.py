@@ -12,14 +12,14 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 from pathlib import Path
 
 import pytest
 import torch
-
+from distill_fixtures import free_port
 from distill_toy import ToyDraft
+
 from train.distill import checkpoint as ckpt
 from train.distill.launch import LauncherConfig, relaunch_command
 
@@ -38,11 +38,6 @@ TRAIN = ("--max-steps", "4", "--checkpoint-every", "2", "--eval-every", "2", "--
 KILL_AT = "3"  # accum 1: the third micro-batch is step 3, after the step-2 checkpoint
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
 
 def _has_deepspeed() -> bool:
     try:
@@ -54,7 +49,7 @@ def _has_deepspeed() -> bool:
 
 def _start(out: Path, launcher: str, *extra: str) -> tuple[subprocess.Popen, Path]:
     strategy, zero_stage, _ = LAUNCHERS[launcher]
-    config = LauncherConfig(name=launcher, strategy=strategy, num_processes=2, main_process_port=_free_port())
+    config = LauncherConfig(name=launcher, strategy=strategy, num_processes=2, main_process_port=free_port())
     argv = ["--out", str(out), "--strategy", strategy, "--zero-stage", zero_stage, *TRAIN, *extra]
     command = relaunch_command(config, argv, module="tests.distill_toy")
     assert command is not None

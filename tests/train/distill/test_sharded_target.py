@@ -9,10 +9,8 @@ same batch (hidden, aux and logits) for tiny random Llama, Qwen3 and Qwen3-MoE t
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -20,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from distill_fixtures import make_corpus, make_target, overrides
+from distill_fixtures import free_port, make_corpus, make_target, overrides, tensor_digest
 from tiny_models import tiny_model
 
 REPO = Path(__file__).resolve().parents[3]
@@ -45,18 +43,10 @@ PREFIX = {"medusa": "heads."}
 FAMILIES = ("llama", "qwen3", "qwen3_moe")
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _digest(tensor: torch.Tensor) -> str:
-    return hashlib.sha256(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
 
 
 def _torchrun(module: str, *args: str) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port()),
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
             "--module", module, *args]
 
 
@@ -75,7 +65,7 @@ def world(tmp_path_factory):
     started = {}
     for kind, launcher, extra in JOBS:
         command = [sys.executable, "-m", "train.cli", "distill", f"draft={kind}", f"launcher={launcher}",
-                   f"launcher.main_process_port={_free_port()}", *extra, *base]
+                   f"launcher.main_process_port={free_port()}", *extra, *base]
         started[kind, launcher] = (command, tmp / f"{kind}-{launcher}.log")
     for family in FAMILIES:
         started["probe", family] = (_torchrun("tests.sharded_teacher_probe", "--out", str(tmp / "probe" / family),
@@ -132,7 +122,7 @@ def test_online_draft_trains_against_a_sharded_target(world, kind, launcher, ext
     digests = [r["param_sha256"] for r in reports]
     assert digests[0] and digests[0] == digests[1]
     prefix = PREFIX.get(kind, "draft.")
-    exported = {f"{prefix}{name}": _digest(p) for name, p in loaded.model.state_dict().items()}
+    exported = {f"{prefix}{name}": tensor_digest(p) for name, p in loaded.model.state_dict().items()}
     assert {name: exported.get(name) for name in digests[0]} == digests[0]
 
 
