@@ -1,8 +1,11 @@
 """Intervals an eval can be trusted by: a paired percentile bootstrap over prompts.
 
 A cell's figures are ratios of sums over its prompts (alpha = accepted / proposed draft tokens,
-tau = emitted tokens / rounds, ms/token = decode time / decode tokens), so a resample draws prompts
-with replacement and recomputes the ratios from the same per-prompt sums. A speed-up resamples
+tau = emitted tokens / rounds), so a resample draws prompts with replacement and recomputes the
+ratios from the same per-prompt sums. Its ms/token is the median over repetitions of each
+repetition's decode time / decode tokens (one slow repetition must not move it), so the decode sums
+are kept per repetition and a resample recomputes that same median: the interval is an interval of
+the statistic the row reports, and contains it. A speed-up resamples
 the *same* prompts for the method and for its baseline (paired): the prompt-to-prompt spread that
 both share cancels, and what is left is the uncertainty of the comparison itself.
 """
@@ -23,12 +26,12 @@ class PromptSums:
     proposed: np.ndarray        # int [P] draft tokens proposed
     accepted: np.ndarray        # int [P] draft tokens accepted
     rounds: np.ndarray          # int [P] verification rounds
-    decode_s: np.ndarray        # float [P] decode seconds (after each request's first token)
-    decode_tokens: np.ndarray   # int [P] tokens generated after the first
+    decode_s: np.ndarray        # float [R, P] decode seconds (after each request's first token), per repetition
+    decode_tokens: np.ndarray   # int [R, P] tokens generated after the first, per repetition
 
     @property
     def num_prompts(self) -> int:
-        return len(self.decode_s)
+        return self.decode_s.shape[-1]
 
 
 @dataclass(frozen=True)
@@ -55,9 +58,22 @@ def _interval(values: np.ndarray) -> Interval | None:
 
 
 def _ratio(numerator: np.ndarray, denominator: np.ndarray, idx: np.ndarray) -> np.ndarray:
-    num, den = numerator[idx].sum(axis=1), denominator[idx].sum(axis=1)
+    """[N]: sum(numerator) / sum(denominator) over each resample's prompts (idx [N, P])."""
+    num, den = numerator[..., idx].sum(axis=-1), denominator[..., idx].sum(axis=-1)
     with np.errstate(divide="ignore", invalid="ignore"):
         return np.where(den > 0, num / np.where(den > 0, den, 1), np.nan)
+
+
+def median_ms_per_token(sums: PromptSums, idx: np.ndarray) -> np.ndarray:
+    """[N]: the median over repetitions of each repetition's ms/token on each resample's prompts
+    (repetitions that decoded nothing are left out, as the row's own median leaves them out)."""
+    per_rep = 1000 * _ratio(sums.decode_s, sums.decode_tokens, idx)    # [R, N]
+    with np.errstate(all="ignore"):
+        finite = np.where(np.isfinite(per_rep), per_rep, np.nan)
+        out = np.full(per_rep.shape[1], np.nan)
+        defined = np.isfinite(finite).any(axis=0)
+        out[defined] = np.nanmedian(finite[:, defined], axis=0)
+    return out
 
 
 def alpha_interval(sums: PromptSums, idx: np.ndarray) -> Interval | None:
@@ -72,7 +88,6 @@ def speedup_interval(method: PromptSums, baseline: PromptSums, idx: np.ndarray) 
     """Baseline ms/token over the method's, each resample taking the same prompts for both."""
     if method.num_prompts != baseline.num_prompts:
         raise ValueError(f"paired bootstrap needs the same prompts: {method.num_prompts} vs {baseline.num_prompts}")
-    base = _ratio(baseline.decode_s, baseline.decode_tokens, idx)
-    mine = _ratio(method.decode_s, method.decode_tokens, idx)
+    base, mine = median_ms_per_token(baseline, idx), median_ms_per_token(method, idx)
     with np.errstate(divide="ignore", invalid="ignore"):
         return _interval(base / mine)

@@ -13,22 +13,23 @@ from serve_eval.eval.runners import RunResult
 
 
 def prompt_sums(runs: list[RunResult]) -> B.PromptSums | None:
-    """Per-prompt sums over repetitions (None when repetitions disagree on the prompt count)."""
+    """Per-prompt sums over repetitions, decode sums per repetition (None when repetitions disagree
+    on the prompt count)."""
     counts = {len(run.records) for run in runs}
     if len(counts) != 1:
         return None
     size = counts.pop()
     proposed, accepted, rounds = np.zeros(size, np.int64), np.zeros(size, np.int64), np.zeros(size, np.int64)
-    decode_s, decode_tokens = np.zeros(size), np.zeros(size, np.int64)
-    for run in runs:
+    decode_s, decode_tokens = np.zeros((len(runs), size)), np.zeros((len(runs), size), np.int64)
+    for rep, run in enumerate(runs):
         for i, record in enumerate(run.records):
             if record.spec is not None:
                 proposed[i] += record.spec.num_proposed
                 accepted[i] += record.spec.num_accepted
                 rounds[i] += record.spec.num_rounds
             if record.num_output_tokens > 1:
-                decode_s[i] += record.token_times[-1] - record.token_times[0]
-                decode_tokens[i] += record.num_output_tokens - 1
+                decode_s[rep, i] = record.token_times[-1] - record.token_times[0]
+                decode_tokens[rep, i] = record.num_output_tokens - 1
     return B.PromptSums(proposed, accepted, rounds, decode_s, decode_tokens)
 
 

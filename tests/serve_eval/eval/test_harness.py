@@ -158,6 +158,31 @@ def test_rows_carry_bootstrap_intervals_that_contain_their_figure():
     assert by["no-spec"].alpha_ci is None and by["no-spec"].speedup_ci is None   # exactly 1: no interval
 
 
+def test_a_speedup_interval_holds_its_point_when_prompts_and_repetitions_differ_in_cost():
+    """Prompts of 1x-4x cost and one repetition slow for each method: the row's speed-up (median ms/token
+    over repetitions) lies inside its bootstrap interval, which resamples that same statistic."""
+    prompt_cost = [1.0, 2.0, 4.0, 1.5, 3.0, 2.5]
+    slow_rep = {"no-spec": 0, "ngram": 2}
+
+    class Uneven(ScriptedRunner):
+        def run(self, prompts, spec, domain):
+            rep = len(self.calls) - 1            # the first call is the warm-up
+            self.calls.append((domain, spec.temperature, len(prompts)))
+            scale = (10.0 if self.K == 0 else 5.0) * (2.5 if rep == slow_rep[self.method] else 1.0)
+            records = []
+            for i, _ in enumerate(prompts):
+                gap = scale * prompt_cost[i] / 1000 * (1 + 0.05 * ((i + rep) % 3))
+                records.append(RequestRecord(5, 0.1, [10 + j * gap for j in range(5)],
+                                             _stats([(2, 1)] * 2) if self.K else None))
+            return RunResult(records, 1.0, 0.001 if self.K else 0.0, 0.01, 0.02)
+
+    plans = [MethodPlan("no-spec", 0), MethodPlan("ngram", 2, "ngram")]
+    rows = run_cells(_cfg(temperatures=[0.0], repetitions=3),  plans, {"a": [f"p{i}" for i in range(6)]},
+                     lambda plan: Uneven(plan.method, plan.K, {}, None), [])
+    spec = {r.method: r for r in rows}["ngram"]
+    assert spec.speedup_ci[0] <= spec.speedup <= spec.speedup_ci[1], (spec.speedup, spec.speedup_ci)
+
+
 def _tiny_standalone(target: dict, path: Path) -> Path:
     from drafts.io import save_draft
     from drafts.standalone import StandaloneDraft
