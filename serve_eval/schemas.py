@@ -61,6 +61,9 @@ class EvalConfig:
     strict_fingerprint: bool | None = None
     num_speculative_tokens: list[int] = field(default_factory=lambda: [2, 4])
     temperatures: list[float] = field(default_factory=lambda: [0.0])
+    # Method label -> the temperatures it runs at (a subset of `temperatures`); a method not named runs at
+    # every one. A budget knob: drop a method where it is dominated (no-spec always runs at each).
+    temperatures_of: dict[str, list[float]] = field(default_factory=dict)
     max_tokens: int = 64
     ignore_eos: bool = False
     batch_size: int = 1               # requests in flight at once (1 = latency)

@@ -221,6 +221,12 @@ def _rotated(items: list, by: int) -> list:
     return items[by:] + items[:by]
 
 
+def runs_at(cfg: EvalConfig, method: str, temperature: float) -> bool:
+    """Whether `method` is measured at `temperature` (eval.temperatures_of; the baselines everywhere)."""
+    temps = cfg.temperatures_of.get(method)
+    return temps is None or method in (BASELINE_METHOD, HF_BASELINE) or float(temperature) in map(float, temps)
+
+
 def _sweep(cfg: EvalConfig, opened: list[tuple[MethodPlan, Runner]], prompts: dict[str, list[str]],
            skipped: list[SkippedEntry], progress: Callable[[str], None]) -> dict[tuple, _Cell]:
     """Repetitions interleaved across methods, the method order rotated each repetition, so that a
@@ -231,7 +237,11 @@ def _sweep(cfg: EvalConfig, opened: list[tuple[MethodPlan, Runner]], prompts: di
         for domain, domain_prompts in prompts.items():
             for temperature in cfg.temperatures:
                 spec = RunSpec(temperature, cfg.max_tokens, cfg.ignore_eos, cfg.seed, cfg.batch_size)
-                for plan, runner in _rotated(opened, rep):
+                here = [(plan, runner) for plan, runner in opened if runs_at(cfg, plan.method, temperature)]
+                if rep > 0:
+                    progress(f"eval repetition {rep + 1}/{cfg.repetitions} domain={domain} T={temperature:g} "
+                             f"({len(here)} methods)")
+                for plan, runner in _rotated(here, rep):
                     key = (domain, plan.method, plan.K, float(temperature))
                     if key in failed:
                         continue

@@ -92,6 +92,12 @@ def validate(cfg: EvalConfig) -> None:
                          f"got {list(cfg.num_speculative_tokens)}")
     if not cfg.temperatures or any(t < 0 for t in cfg.temperatures):
         raise ValueError(f"eval.temperatures must be a non-empty list of numbers >= 0, got {list(cfg.temperatures)}")
+    for method, temps in cfg.temperatures_of.items():
+        if method == "no-spec":
+            raise ValueError("eval.temperatures_of.no-spec: the baseline runs at every temperature")
+        extra = sorted(set(map(float, temps)) - set(map(float, cfg.temperatures)))
+        if extra:
+            raise ValueError(f"eval.temperatures_of.{method}: {extra} not in eval.temperatures {list(cfg.temperatures)}")
     for name in ("max_prompts_per_domain", "max_tokens", "batch_size", "repetitions"):
         if getattr(cfg, name) < 1:
             raise ValueError(f"eval.{name} must be >= 1, got {getattr(cfg, name)}")

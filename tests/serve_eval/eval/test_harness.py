@@ -120,6 +120,29 @@ def test_speedup_is_against_the_same_runs_no_spec_per_domain_and_temperature():
     assert [c for c in runners["ngram"].calls if c[:2] == ("a", 0.0)] == [("a", 0.0, 1), ("a", 0.0, 2), ("a", 0.0, 2)]
 
 
+def test_a_method_runs_only_at_its_temperatures_and_the_baseline_at_every_one():
+    """eval.temperatures_of drops a method where it is not wanted; the others and no-spec run everywhere,
+    and each repetition after the first logs a progress line."""
+    ran: list[tuple[str, float]] = []
+
+    class Logged(ScriptedRunner):
+        def run(self, prompts, spec, domain):
+            ran.append((self.method, spec.temperature))
+            return super().run(prompts, spec, domain)
+
+    def factory(plan: MethodPlan):
+        return Logged(plan.method, plan.K, {("a", 0.0): 10.0, ("a", 1.0): 10.0}, None if plan.K == 0 else (2, 1))
+
+    plans = [MethodPlan("no-spec", 0), MethodPlan("ngram", 2, "ngram"), MethodPlan("ngram4", 4, "ngram")]
+    lines: list[str] = []
+    rows = run_cells(_cfg(temperatures_of={"ngram4": [0.0]}, warmup=0), plans, {"a": ["p1"]}, factory, [],
+                     lines.append)
+    assert sorted({(r.method, r.temperature) for r in rows}) == [
+        ("ngram", 0.0), ("ngram", 1.0), ("ngram4", 0.0), ("no-spec", 0.0), ("no-spec", 1.0)]
+    assert ("ngram4", 1.0) not in ran
+    assert "eval repetition 2/2 domain=a T=1 (2 methods)" in lines
+
+
 def test_repetitions_are_interleaved_with_the_method_order_rotated():
     """Repetition r runs every method of a (domain, T) before repetition r + 1 starts, and begins with
     method r mod M, so a slow spell of the machine is shared by all methods."""
@@ -308,6 +331,10 @@ def test_settings_profiles_and_bad_overrides():
         load_settings("default", ["eval.temperatures=[-1.0]"])
     with pytest.raises(ValueError, match="no-such-profile"):
         load_settings("no-such-profile")
+    with pytest.raises(ValueError, match=r"eval.temperatures_of.ngram: \[0.7\] not in eval.temperatures"):
+        load_settings("default", ["eval.temperatures=[0.0,1.0]", "eval.temperatures_of={ngram: [0.7]}"])
+    with pytest.raises(ValueError, match="temperatures_of.no-spec"):
+        load_settings("default", ["eval.temperatures_of={no-spec: [0.0]}"])
 
 
 def test_hydra_job_writes_report_under_target_fingerprint(tiny_target, prompts_file, tmp_path):
