@@ -1,10 +1,11 @@
-"""Issue 4 benchmark: speculative decoding in our engine, side by side.
+"""Speculative decoding in our engine, side by side, every cell repeated `--repeats` times interleaved.
 
 Batch 1, T = 0 and T = 1, per domain: ms/token (decode phase, serve_eval.speculative.metrics) and speedup
-over our own no-spec engine for no-spec, n-gram, standalone, Medusa, EAGLE-1, EAGLE-3, and
+over our own no-spec engine for no-spec, n-gram, standalone, Medusa, EAGLE-1, EAGLE-3, block, and
 transformers' generate(assistant_model=...) with the same standalone draft (ms/token = (time of n
-new tokens - time of 1) / (n - 1), so its prefill is excluded too). Then batch 16: speculation (with
-the policy's fallback) vs no-spec. Then trees (issue 12, "trees that pay"): EAGLE-1's chain against its
+new tokens - time of 1) / (n - 1), so its prefill is excluded too), with the mean over domains and our
+standalone path against transformers'. Then batches of `--batch-sizes` (16 and 32): speculation under
+the server's default policy (fallback and the measured batch gate) vs no-spec. Then trees (issue 12, "trees that pay"): EAGLE-1's chain against its
 dynamic tree sized by the cost model (eagle-tree, tree_budget="cost") and EAGLE-2's fixed 16-node tree
 (eagle-tree-fixed), each engine kept across `--tree-repeats` interleaved repetitions (order rotated; the cost
 tree keeps calibrating), batch 1, all prompts pooled: tau and ms/token as median (spread = max - min) over
@@ -30,6 +31,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -40,8 +42,8 @@ from serve_eval.engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E
 from serve_eval.speculative.config import SpecConfig  # noqa: E402
 from serve_eval.speculative.metrics import SpecStats, ms_per_token, speedup  # noqa: E402
 
-METHODS = ("nospec", "ngram", "standalone", "medusa", "eagle", "eagle3", "hf-assisted")
-SECTIONS = ("batch1", "batch16", "trees")
+METHODS = ("nospec", "ngram", "standalone", "medusa", "eagle", "eagle3", "block", "hf-assisted")
+SECTIONS = ("batch1", "batch", "trees")
 # The tree section's methods: EAGLE-1 draft, chain or tree (the same shapes as bench_spec_round.py's).
 TREE_METHODS = {"eagle": {},
                 "eagle-tree": {"tree": "dynamic", "tree_top_k": 4, "max_draft_nodes": 16, "tree_budget": "cost"},
@@ -206,7 +208,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--prompts-per-domain", type=int, default=2)
     ap.add_argument("--max-model-len", type=int, default=None)
     ap.add_argument("--kv-gb", type=float, default=0.5)
-    ap.add_argument("--batch16-prompts", type=int, default=16, help="0 skips the batch-16 comparison")
+    ap.add_argument("--batch-sizes", default="16,32", help="batch section: comma list of batch sizes")
+    ap.add_argument("--repeats", type=int, default=3, help="batch1 and batch sections: interleaved repetitions")
     ap.add_argument("--temperatures", default="0,1")
     ap.add_argument("--threads", default="auto", help="engine intra-op threads: a count or 'auto'")
     ap.add_argument("--sections", default=",".join(SECTIONS), help=f"comma list of {SECTIONS}")
@@ -234,60 +237,96 @@ def resolve_inputs(args: argparse.Namespace, tmp: Path) -> tuple[Path, dict[str,
     return target, drafts, prompts
 
 
-def method_ms_per_token(args: argparse.Namespace, target: Path, method: str, drafts: dict[str, Path], prompts: list,
-                        params: SamplingParams) -> float:
-    """One (method, domain, temperature) cell at batch 1; NaN when the method cannot run here."""
+def cell_runner(args: argparse.Namespace, target: Path, method: str, drafts: dict[str, Path]):
+    """(prompts, params, batch) -> decode ms/token for one method, its engine (or transformers' models)
+    built once and kept across the interleaved repetitions; None when the method cannot run here."""
     try:
         if method == "hf-assisted":
-            return hf_assisted_ms_per_token(args, target, drafts["standalone"], prompts, params.temperature)
+            if "standalone" not in drafts:
+                raise ValueError("no standalone draft to assist with")
+            return lambda prompts, params, batch: hf_assisted_ms_per_token(
+                args, target, drafts["standalone"], prompts, params.temperature)
+        if method not in ("nospec", "ngram") and method not in drafts:
+            raise ValueError(f"no {method} draft for this target")
         engine = engine_for(args, target, method, drafts, fallback=False)
         # warm-up: lazy allocations, first-call kernels
-        decode_ms_per_token(engine, prompts[:1], SamplingParams(temperature=0, max_tokens=4), 1)
-        return decode_ms_per_token(engine, prompts, params, batch=1)
-    except (ValueError, ImportError) as exc:
+        decode_ms_per_token(engine, [[1, 2, 3, 4]], SamplingParams(temperature=0, max_tokens=4), 1)
+        return lambda prompts, params, batch: decode_ms_per_token(engine, prompts, params, batch)
+    except (ValueError, ImportError, KeyError) as exc:
         print(f"  {method}: skipped ({exc})")
-        return math.nan
+        return None
+
+
+def interleaved(cells: dict[str, Any], repeats: int, *call_args) -> dict[str, list[float]]:
+    """Each cell's ms/token per repetition: every method runs once per repetition before the next starts,
+    the order rotated, so a slow spell of the machine is spread over all methods alike."""
+    order = list(cells)
+    samples: dict[str, list[float]] = {m: [] for m in order}
+    for rep in range(repeats):
+        for method in order[rep % len(order):] + order[:rep % len(order)]:
+            samples[method].append(cells[method](*call_args))
+    return samples
+
+
+def paired_speedups(base: list[float], mine: list[float]) -> list[float]:
+    """Speed-up of each repetition against the baseline run of the same repetition."""
+    return [speedup(b, m) for b, m in zip(base, mine)]
 
 
 def batch1_table(args: argparse.Namespace, target: Path, methods: list[str], drafts: dict[str, Path],
                  prompts: dict[str, list]) -> None:
-    # Process-wide warm-up (allocator, first-use kernel setup) so the first measured cell is not charged for it.
-    first = next(iter(prompts.values()))[:1]
-    decode_ms_per_token(engine_for(args, target, "nospec", drafts), first,
-                        SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True), 1)
-    rows = []
+    methods = ["nospec"] + [m for m in methods if m != "nospec"]
+    cells = {m: c for m in methods if (c := cell_runner(args, target, m, drafts)) is not None}
+    rows, by_method = [], {}
     for temperature in [float(t) for t in args.temperatures.split(",")]:
         params = SamplingParams(temperature=temperature, max_tokens=args.max_tokens, ignore_eos=True, seed=0)
         for domain, domain_prompts in prompts.items():
-            results = {method: method_ms_per_token(args, target, method, drafts, domain_prompts, params)
-                       for method in methods}
-            for method in methods:
-                rows.append((f"T={temperature:g}", domain, method, results[method],
-                             speedup(results.get("nospec", math.nan), results[method])))
+            samples = interleaved(cells, args.repeats, domain_prompts, params, 1)
+            for method, ms in samples.items():
+                sp = paired_speedups(samples["nospec"], ms)
+                rows.append((f"T={temperature:g}", domain, method, statistics.median(ms), max(ms) - min(ms),
+                             statistics.median(sp), min(sp), max(sp)))
+                by_method.setdefault((temperature, method), []).append((statistics.median(ms), statistics.median(sp)))
+    print(f"\nbatch 1, {args.repeats} interleaved repetitions per cell: median ms/token (spread = max - min), "
+          "speed-up = median of the repetitions' paired ratios [min, max]")
+    print(f"{'temp':<6} {'domain':<10} {'method':<12} {'ms/token':>16} {'speedup':>24}")
+    for temp, domain, method, ms, spread, sp, lo, hi in rows:
+        print(f"{temp:<6} {domain:<10} {method:<12} {ms:8.2f} ({spread:5.2f}) {sp:8.2f}x [{lo:.2f}, {hi:.2f}]")
+    print("\nmean over domains (speed-up over our no-spec; standalone vs transformers' assisted generation)")
+    for (temperature, method), cells_of in sorted(by_method.items()):
+        line = f"T={temperature:g} {method:<12} {statistics.mean(sp for _, sp in cells_of):6.2f}x"
+        assisted = by_method.get((temperature, "hf-assisted"))
+        if method == "standalone" and assisted:
+            vs = statistics.mean(a / s for (s, _), (a, _) in zip(cells_of, assisted))
+            line += f"   our speed / transformers' assisted: {vs:.2f}x"
+        print(line)
 
-    print(f"\n{'temp':<6} {'domain':<14} {'method':<12} {'ms/token':>10} {'speedup':>9}")
-    for temp, domain, method, ms, sp in rows:
-        print(f"{temp:<6} {domain:<14} {method:<12} {ms:>10.2f} {sp:>8.2f}x")
 
-
-def batch16_comparison(args: argparse.Namespace, target: Path, methods: list[str], drafts: dict[str, Path],
-                       prompts: dict[str, list]) -> None:
+def batch_comparison(args: argparse.Namespace, target: Path, methods: list[str], drafts: dict[str, Path],
+                     prompts: dict[str, list]) -> None:
+    """Speculation under the server's default policy (fallback on, the measured batch gate) against plain
+    decoding, at each --batch-sizes, engines kept across interleaved repetitions (the gate calibrates)."""
     flat = [p for ps in prompts.values() for p in ps]
-    batch_prompts = (flat * (args.batch16_prompts // max(len(flat), 1) + 1))[:args.batch16_prompts]
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
-    base_ms = decode_ms_per_token(engine_for(args, target, "nospec", drafts), batch_prompts, params, batch=16)
-    print(f"\nbatch 16, T=0: nospec {base_ms:.2f} ms/token")
-    for method in [m for m in methods if m not in ("nospec", "hf-assisted")]:
-        try:
-            # The server's default policy: fallback on, and the batch gate measuring what pays at 16.
-            ms = decode_ms_per_token(engine_for(args, target, method, drafts, fallback=True,
-                                                batch_gate="measured"), batch_prompts, params, batch=16)
-        except (ValueError, ImportError) as exc:
-            print(f"  {method}: skipped ({exc})")
-            continue
-        ratio = speedup(base_ms, ms)
-        print(f"batch 16, T=0: {method:<12} {ms:.2f} ms/token  {ratio:.2f}x of no-spec "
-              f"({'meets' if ratio >= 0.95 else 'BELOW'} the 0.95x floor)")
+    spec = [m for m in methods if m not in ("nospec", "hf-assisted") and (m == "ngram" or m in drafts)]
+    for batch in [int(b) for b in args.batch_sizes.split(",") if b]:
+        waves = flat * (2 * batch // max(len(flat), 1) + 1)
+        batch_prompts = waves[:2 * batch]          # two full waves of `batch` requests
+        engines = {"nospec": engine_for(args, target, "nospec", drafts)}
+        engines.update({m: engine_for(args, target, m, drafts, fallback=True, batch_gate="measured") for m in spec})
+        cells = {m: (lambda e: lambda: decode_ms_per_token(e, batch_prompts, params, batch))(e)
+                 for m, e in engines.items()}
+        for call in cells.values():      # warm-up: the gate's first measurements, lazy allocations
+            call()
+        samples = interleaved(cells, args.repeats)
+        print(f"\nbatch {batch}, T=0, {len(batch_prompts)} prompts x {args.max_tokens} tokens, server default policy "
+              f"(fallback + measured batch gate), {args.repeats} interleaved repetitions")
+        for method, ms in samples.items():
+            sp = paired_speedups(samples["nospec"], ms)
+            verdict = "" if method == "nospec" else ("  meets" if statistics.median(sp) >= 1.0 else "  BELOW") + \
+                " the 1.0x goal"
+            print(f"batch {batch}: {method:<12} {statistics.median(ms):7.2f} ms/token ({max(ms) - min(ms):.2f}) "
+                  f"{statistics.median(sp):6.2f}x [{min(sp):.2f}, {max(sp):.2f}]{verdict}")
 
 
 def tree_comparison(args: argparse.Namespace, target: Path, drafts: dict[str, Path], prompts: dict[str, list]) -> None:
@@ -343,8 +382,8 @@ def main() -> None:
     target, drafts, prompts = resolve_inputs(args, Path(tempfile.mkdtemp(prefix="bench_spec_")))
     if "batch1" in sections:
         batch1_table(args, target, methods, drafts, prompts)
-    if "batch16" in sections and args.batch16_prompts:
-        batch16_comparison(args, target, methods, drafts, prompts)
+    if "batch" in sections:
+        batch_comparison(args, target, methods, drafts, prompts)
     if "trees" in sections and args.tree_repeats:
         tree_comparison(args, target, drafts, prompts)
 
