@@ -60,6 +60,9 @@ class EvalConfig:
     # (skip feature drafts - medusa/eagle/eagle3 read hidden states -, warn for standalone).
     strict_fingerprint: bool | None = None
     num_speculative_tokens: list[int] = field(default_factory=lambda: [2, 4])
+    # Method label -> its own K list, in place of num_speculative_tokens (e.g. a block draft, whose round is
+    # one forward whatever K is, at the larger K it was trained for).
+    num_speculative_tokens_of: dict[str, list[int]] = field(default_factory=dict)
     temperatures: list[float] = field(default_factory=lambda: [0.0])
     # Method label -> the temperatures it runs at (a subset of `temperatures`); a method not named runs at
     # every one. A budget knob: drop a method where it is dominated (no-spec always runs at each).
@@ -79,6 +82,14 @@ class EvalConfig:
     endpoints: list[EndpointEntry] = field(default_factory=list)
     external_domains: list[ExternalDomain] = field(default_factory=list)
     allow_download: bool = False
+
+    def ks_of(self, method: str) -> list[int]:
+        """The K values `method` is measured at: its own num_speculative_tokens_of entry, else the common list."""
+        return sorted(set(map(int, self.num_speculative_tokens_of.get(method, self.num_speculative_tokens))))
+
+    def largest_k(self) -> int:
+        """The largest K any method is measured at."""
+        return max(int(k) for ks in [self.num_speculative_tokens, *self.num_speculative_tokens_of.values()] for k in ks)
 
 
 # schema_default too: train.config registers a placeholder under that name, this replaces it.

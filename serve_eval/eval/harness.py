@@ -166,10 +166,10 @@ def _check_draft(source: DraftSource, target_dir: Path, cfg: EvalConfig) -> list
 def plan_methods(cfg: EvalConfig, drafts: list[DraftSource], target_dir: Path,
                  skipped: list[SkippedEntry], notes: list[str]) -> list[MethodPlan]:
     """Every (method, K) this run measures, no-spec first; unusable drafts go to `skipped`."""
-    ks = sorted(set(cfg.num_speculative_tokens))
+    ks = cfg.ks_of
     plans = [MethodPlan(BASELINE_METHOD, 0)]
     if "ngram" in cfg.methods:
-        plans += [MethodPlan("ngram", k, "ngram") for k in ks]
+        plans += [MethodPlan("ngram", k, "ngram") for k in ks("ngram")]
     usable: list[DraftSource] = []
     if "drafts" in cfg.methods or ASSISTED in cfg.methods:
         notes += mark_variants(drafts)
@@ -181,12 +181,12 @@ def plan_methods(cfg: EvalConfig, drafts: list[DraftSource], target_dir: Path,
                 skipped.append(SkippedEntry("*", source.method, f"draft {source.path} cannot run on this target: {e}"))
     if "drafts" in cfg.methods:
         for source in usable:
-            plans += [MethodPlan(source.method, k, source.kind, source.path, draft=source) for k in ks]
+            plans += [MethodPlan(source.method, k, source.kind, source.path, draft=source) for k in ks(source.method)]
     if ASSISTED in cfg.methods:
         standalone = [s for s in usable if s.kind == "standalone" and s.quantization is None]
         if standalone:
             plans.append(MethodPlan(HF_BASELINE, 0, framework="hf"))
-            plans += [MethodPlan(ASSISTED, k, None, standalone[0].path, "hf") for k in ks]
+            plans += [MethodPlan(ASSISTED, k, None, standalone[0].path, "hf") for k in ks(ASSISTED)]
             notes.append(f"{ASSISTED}: transformers generate(assistant_model={standalone[0].path}); its speed-up is "
                          f"relative to {HF_BASELINE!r} (transformers without assistant), whose speed-up is relative "
                          "to our engine's no-spec")

@@ -92,6 +92,10 @@ def validate(cfg: EvalConfig) -> None:
                          f"got {list(cfg.num_speculative_tokens)}")
     if not cfg.temperatures or any(t < 0 for t in cfg.temperatures):
         raise ValueError(f"eval.temperatures must be a non-empty list of numbers >= 0, got {list(cfg.temperatures)}")
+    for method, ks in cfg.num_speculative_tokens_of.items():
+        if method == "no-spec" or not ks or any(int(k) < 1 for k in ks):
+            raise ValueError(f"eval.num_speculative_tokens_of.{method}: a non-empty list of ints >= 1 for a "
+                             f"speculative method, got {list(ks) if ks else ks}")
     for method, temps in cfg.temperatures_of.items():
         if method == "no-spec":
             raise ValueError("eval.temperatures_of.no-spec: the baseline runs at every temperature")

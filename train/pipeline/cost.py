@@ -21,7 +21,7 @@ from train.pipeline.context import CostResult, PipelineContext, need
 def largest_eval_k(ctx: PipelineContext) -> int:
     from train.pipeline.evaluate import check_eval_settings
 
-    return max(check_eval_settings(ctx.cfg).num_speculative_tokens, default=4) or 4
+    return check_eval_settings(ctx.cfg).largest_k()
 
 
 def stage_cost(ctx: PipelineContext) -> dict[str, Any]:

@@ -111,11 +111,11 @@ def check_stage_configs(cfg: DictConfig) -> list[str]:
         recipe_warnings,
     )
 
-    eval_ks: list[int] = []
+    eval_settings = None
     if "eval" in cfg.pipeline.stages:
         from train.pipeline.evaluate import check_eval_settings
 
-        eval_ks = list(check_eval_settings(cfg).num_speculative_tokens)
+        eval_settings = check_eval_settings(cfg)
     if "quantize" in cfg.pipeline.stages:  # a bad variant setting fails before the target trains, not after
         from train.pipeline.quantize import planned_variants
 
@@ -125,6 +125,7 @@ def check_stage_configs(cfg: DictConfig) -> list[str]:
         dcfg = draft_config(cfg, kind)
         trainer_node(cfg, kind)
         check_recipe(kind, dcfg, vocab)
+        eval_ks = eval_settings.ks_of(kind) if eval_settings is not None else []
         check_eval_ks(kind, dcfg, eval_ks)
         warnings += recipe_warnings(kind, dcfg, eval_ks)
     for line in warnings:

@@ -333,6 +333,10 @@ def test_settings_profiles_and_bad_overrides():
         load_settings("no-such-profile")
     with pytest.raises(ValueError, match=r"eval.temperatures_of.ngram: \[0.7\] not in eval.temperatures"):
         load_settings("default", ["eval.temperatures=[0.0,1.0]", "eval.temperatures_of={ngram: [0.7]}"])
+    with pytest.raises(ValueError, match=r"eval.num_speculative_tokens_of.ngram: a non-empty list of ints >= 1"):
+        load_settings("default", ["eval.num_speculative_tokens_of={ngram: [0]}"])
+    own = load_settings("default", ["eval.num_speculative_tokens_of={ngram: [8, 3]}"]).eval
+    assert own.ks_of("ngram") == [3, 8] and own.ks_of("eagle") == [2, 4] and own.largest_k() == 8
     with pytest.raises(ValueError, match="temperatures_of.no-spec"):
         load_settings("default", ["eval.temperatures_of={no-spec: [0.0]}"])
 
@@ -369,3 +373,11 @@ def test_compare_subcommand_routes_to_compare_main(tmp_path, capsys):
         main(["compare", str(a), str(b)])
     assert exit_info.value.code == 0
     assert "no-spec" in capsys.readouterr().out
+
+
+def test_a_method_with_its_own_k_list_is_planned_at_those_k_only(tmp_path):
+    """eval.num_speculative_tokens_of replaces the common K list for the methods it names."""
+    cfg = EvalConfig(methods=["no-spec", "ngram"], num_speculative_tokens=[2, 4],
+                     num_speculative_tokens_of={"ngram": [8]})
+    plans = harness.plan_methods(cfg, [], tmp_path, [], [])
+    assert [(p.method, p.K) for p in plans] == [("no-spec", 0), ("ngram", 8)]
