@@ -101,6 +101,13 @@ class ConfiguredLineage:
 
     def log_chain(self, target: RegisteredTarget, data_dir: Path, draft_dir: Path, report_path: Path,
                   parents: list[ArtifactRef] | tuple = ()) -> list[ArtifactRef]:
+        return self._lineage().log_chain(target, data_dir, draft_dir, report_path, parents)
+
+    def log_pipeline_run(self, target: RegisteredTarget, data_dir: Path, drafts: dict[str, Path],
+                         report_path: Path) -> dict[str, list[ArtifactRef]]:
+        return self._lineage().log_pipeline_run(target, data_dir, drafts, report_path)
+
+    def _lineage(self) -> Lineage:
         if self._inner is None:
             from drafts.artifacts import Artifacts
             from train.config import compose
@@ -109,7 +116,7 @@ class ConfiguredLineage:
 
             cfg = compose(self.overrides)
             self._inner = lineage_for(WandbSettings.from_config(cfg), Artifacts(Path(cfg.artifacts_root)).wandb_dir)
-        return self._inner.log_chain(target, data_dir, draft_dir, report_path, parents)
+        return self._inner
 
 
 @dataclass

@@ -8,7 +8,9 @@ eval settings, draft dirs), and a ``.complete`` marker makes the next run with t
 
 ``report`` turns report.json into one table (domain x method: alpha, tau, ms/token, speed-up; the best
 K per temperature) that the pipeline prints last, and writes it to ``summary.md`` beside the report.
-``register`` files each draft in the registry (``train.registry``) as promoted, with that report.
+``register`` files each draft in the registry (``train.registry``) as promoted, with that report, and
+logs its lineage (target -> data -> draft -> report) as W&B artifacts into the entry, as the retrain
+hook does; a W&B failure costs the lineage, never the registration.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from __future__ import annotations
 import math
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
@@ -24,6 +26,10 @@ from drafts.files import stable_hash
 from serve_eval.eval.report_files import fmt_with_interval
 from train.pipeline.context import PipelineContext, SummaryReport, need
 from train.pipeline.distill import DONE_MARKER, as_dict, merge_checked
+
+if TYPE_CHECKING:  # (annotations only: the stages import the registry when they run)
+    from train.registry.records import DraftEntry, RegisteredTarget
+    from train.registry.store import Registry
 
 REPORT_SUFFIX = "-pipeline-"
 SUMMARY_FILE = "summary.md"
@@ -151,7 +157,8 @@ def print_report(ctx: PipelineContext) -> None:
 
 
 def stage_register(ctx: PipelineContext) -> dict[str, Any]:
-    """Each draft of this run -> promoted in the registry, with this run's report (idempotent on reruns)."""
+    """Each draft of this run -> promoted in the registry, with this run's report and its W&B lineage
+    (idempotent on reruns)."""
     from train.registry.records import RegisteredTarget
     from train.registry.store import Registry
 
@@ -160,6 +167,7 @@ def stage_register(ctx: PipelineContext) -> dict[str, Any]:
     registry = Registry(ctx.artifacts.root)
     info = RegisteredTarget.from_dir(target.model_dir)
     fields: dict[str, Any] = {}
+    entries: dict[str, DraftEntry] = {}
     for kind, draft_dir in ctx.results.drafts.items():
         path = str(Path(draft_dir).resolve())
         entry = next((e for e in registry.entries(info.fingerprint) if e.path == path and e.status != "retired"), None)
@@ -173,5 +181,34 @@ def stage_register(ctx: PipelineContext) -> dict[str, Any]:
             registry.update(entry.id, report_path=str(report_path), report_method=kind)
             entry = registry.promote(entry.id)
             fields[kind] = "promoted"
+        entries[kind] = entry
+    fields.update(_register_lineage(ctx, registry, info, entries, report_path))
     ctx.results.registry_manifest = registry.manifest_path(info.fingerprint)
     return {**fields, "manifest": registry.manifest_path(info.fingerprint)}
+
+
+def _register_lineage(ctx: PipelineContext, registry: Registry, target: RegisteredTarget,
+                      entries: dict[str, DraftEntry], report_path: Path) -> dict[str, Any]:
+    """Log the lineage of the drafts whose entry has none ending in this report (a cached rerun logs
+    nothing) and store it in their entries. W&B's errors are many and unrelated to the drafts: one
+    costs the lineage, is reported in the stage's line, and the drafts stay registered."""
+    from train.logs import WandbSettings
+    from train.registry.lineage import lineage_for, report_artifact_name
+
+    settings = WandbSettings.from_config(ctx.cfg)
+    if settings.mode == "disabled":
+        return {"lineage": "disabled"}
+    name = report_artifact_name(report_path)
+    todo = {kind: e for kind, e in entries.items()
+            if not (e.lineage and e.lineage[-1].type == "report" and e.lineage[-1].name == name)}
+    if not todo:
+        return {"lineage": "cached" if entries else "none"}
+    dataset = need(ctx.results.dataset, "generate")
+    try:
+        chains = lineage_for(settings, ctx.artifacts.wandb_dir).log_pipeline_run(
+            target, dataset, {kind: Path(e.path) for kind, e in todo.items()}, report_path)
+    except Exception as err:  # noqa: BLE001 - see the docstring
+        return {"lineage": "failed", "lineage_error": " ".join(f"{type(err).__name__}: {err}".split())}
+    for kind, entry in todo.items():
+        registry.update(entry.id, lineage=chains[kind])
+    return {"lineage": "logged", "lineage_drafts": ",".join(todo)}

@@ -89,7 +89,7 @@ def print_entry(entry: DraftEntry, registry: Registry, console=None) -> None:
 def lineage_lines(entry: DraftEntry) -> list[str]:
     """The entry's W&B lineage: the chain of types, then one line per artifact with where it lives."""
     if not entry.lineage:
-        return [f"{'lineage':>20}: none recorded (W&B disabled, or registered outside the hook)"]
+        return [f"{'lineage':>20}: none recorded (W&B disabled or failing, or registered by hand)"]
     lines = [f"{'lineage':>20}: " + " -> ".join(ref.type for ref in entry.lineage)]
     for ref in entry.lineage:
         where = (f"W&B id {ref.id} ({ref.version})" if ref.id

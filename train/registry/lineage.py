@@ -5,6 +5,12 @@ Each link is one small W&B run of its own job type (``register_target``, ``gener
 draft was made. The registry entry keeps the four `ArtifactRef`s (``draftsmith drafts show`` prints
 the chain).
 
+The hook logs one chain per recovery round (`log_chain`). The pipeline logs a whole run's drafts at
+once (`log_pipeline_run`) in at most four W&B runs, whatever the number of drafts: starting a W&B run
+costs seconds and the main job has a fixed budget. Its ``distill`` run logs every draft and its
+``eval`` run the one report, which uses every draft; `logged_chain` is then told which draft a
+chain goes through.
+
 Offline (the default), wandb 0.31 allows ``log_artifact`` (the artifact, its digest and metadata go
 into the run's ``.wandb`` file) but refuses ``Run.use_artifact`` ("Cannot use artifact when in
 offline mode", for a name, a logged artifact or a draft one alike), ``Artifact.wait()`` and
@@ -26,7 +32,7 @@ from __future__ import annotations
 import json
 import re
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -43,12 +49,20 @@ class Lineage(Protocol):
                   parents: Sequence[ArtifactRef] = ()) -> list[ArtifactRef]:
         """Log target, data, draft and report (the draft also uses ``parents``); their refs, in that order."""
 
+    def log_pipeline_run(self, target: RegisteredTarget, data_dir: Path, drafts: Mapping[str, Path],
+                         report_path: Path) -> dict[str, list[ArtifactRef]]:
+        """Log a pipeline run's drafts (key -> draft dir), all made from one dataset and judged by one report;
+        per key, that draft's chain [target, data, draft, report]."""
+
 
 class NoLineage:
     """W&B disabled (or a test's fakes): nothing logged, no refs."""
 
     def log_chain(self, target, data_dir, draft_dir, report_path, parents=()) -> list[ArtifactRef]:
         return []
+
+    def log_pipeline_run(self, target, data_dir, drafts, report_path) -> dict[str, list[ArtifactRef]]:
+        return {key: [] for key in drafts}
 
 
 @dataclass(frozen=True)
@@ -82,45 +96,62 @@ class WandbLineage:
 
     def log_chain(self, target: RegisteredTarget, data_dir: Path, draft_dir: Path, report_path: Path,
                   parents: Sequence[ArtifactRef] = ()) -> list[ArtifactRef]:
-        data_dir, draft_dir, report_path = Path(data_dir), Path(draft_dir), Path(report_path)
+        return self._log_chains(target, data_dir, {"draft": (Path(draft_dir), parents)}, report_path)["draft"]
+
+    def log_pipeline_run(self, target: RegisteredTarget, data_dir: Path, drafts: Mapping[str, Path],
+                         report_path: Path) -> dict[str, list[ArtifactRef]]:
+        return self._log_chains(target, data_dir, {key: (Path(d), ()) for key, d in drafts.items()}, report_path)
+
+    def _log_chains(self, target: RegisteredTarget, data_dir: Path,
+                    drafts: Mapping[str, tuple[Path, Sequence[ArtifactRef]]],
+                    report_path: Path) -> dict[str, list[ArtifactRef]]:
+        """One run each for target, data, all the drafts (each also using its parents) and the report."""
+        if not drafts:
+            return {}
+        data_dir, report_path = Path(data_dir), Path(report_path)
         target_ref = self._once("register_target", _target_spec(target), [])
         data_ref = self._once("generate", _data_spec(target, data_dir), [target_ref])
-        draft_ref = self._log("distill", _Spec(artifact_name("draft", draft_dir.name), "draft",
-                                               reference=draft_dir.resolve(), checksum=True,
-                                               metadata={"path": str(draft_dir.resolve())}),
-                              [data_ref, target_ref, *parents])
-        report_ref = self._log("eval", _Spec(artifact_name("eval", report_path.parent.name), "report",
-                                             files=(report_path,), metadata={"path": str(report_path.resolve())}),
-                               [draft_ref, target_ref])
-        return [target_ref, data_ref, draft_ref, report_ref]
+        draft_refs = self._log("distill", [(_draft_spec(draft_dir), [data_ref, target_ref, *parents])
+                                           for draft_dir, parents in drafts.values()])
+        [report_ref] = self._log("eval", [(_report_spec(report_path), [*draft_refs, target_ref])])
+        return {key: [target_ref, data_ref, draft_ref, report_ref] for key, draft_ref in zip(drafts, draft_refs)}
 
     def _once(self, job_type: str, spec: _Spec, uses: list[ArtifactRef]) -> ArtifactRef:
         key = (spec.type, spec.name)
         if key not in self._known:
-            self._known[key] = self._log(job_type, spec, uses)
+            [self._known[key]] = self._log(job_type, [(spec, uses)])
         return self._known[key]
 
-    def _log(self, job_type: str, spec: _Spec, uses: list[ArtifactRef]) -> ArtifactRef:
-        run = start_run(self.settings, job_type, self.wandb_dir, name=f"{job_type}-{spec.name}"[:128],
-                        reinit="create_new")
+    def _log(self, job_type: str, items: Sequence[tuple[_Spec, Sequence[ArtifactRef]]]) -> list[ArtifactRef]:
+        """Log each spec (with the inputs it uses) as an artifact of one W&B run; their refs, in order."""
+        names = [spec.name for spec, _ in items]
+        if len(set(names)) < len(names):   # one run cannot tell two same-named artifacts apart
+            raise ValueError(f"lineage: artifact names repeat within one {job_type} run: {names}")
+        name = f"{job_type}-{names[0]}" + (f"-and-{len(names) - 1}-more" if len(names) > 1 else "")
+        run = start_run(self.settings, job_type, self.wandb_dir, name=name[:128], reinit="create_new")
         online = not run.offline
         try:
-            for used in uses if online else ():
-                self._use_online(run, used)
-            with tempfile.TemporaryDirectory() as tmp:
-                artifact = _build(spec, uses, Path(tmp))
-                run.log_artifact(artifact)
-            if online:
-                artifact.wait()   # the server's id and version exist only after the upload
-                self._online_objects[f"{spec.name}@{artifact.digest}"] = artifact
-            ref = ArtifactRef(spec.name, spec.type, artifact.digest, tuple(u.key for u in uses), run.id,
-                              None if online else str(Path(run.dir).parent),
-                              artifact.id if online else None, artifact.version if online else None)
+            if online:   # W&B's edges are per run (every artifact of it reads as made from all its inputs);
+                # each artifact's own inputs stay exact in its metadata
+                for used in {u.key: u for _, uses in items for u in uses}.values():
+                    self._use_online(run, used)
+            refs = [self._log_one(run, spec, list(uses), online) for spec, uses in items]
         finally:
             run.finish()
         if not online:
-            wait_until_written(ref.run_dir)
-        return ref
+            wait_until_written(refs[0].run_dir)
+        return refs
+
+    def _log_one(self, run: Any, spec: _Spec, uses: list[ArtifactRef], online: bool) -> ArtifactRef:
+        with tempfile.TemporaryDirectory() as tmp:
+            artifact = _build(spec, uses, Path(tmp))
+            run.log_artifact(artifact)
+        if online:
+            artifact.wait()   # the server's id and version exist only after the upload
+            self._online_objects[f"{spec.name}@{artifact.digest}"] = artifact
+        return ArtifactRef(spec.name, spec.type, artifact.digest, tuple(u.key for u in uses), run.id,
+                           None if online else str(Path(run.dir).parent),
+                           artifact.id if online else None, artifact.version if online else None)
 
     def _use_online(self, run: Any, used: ArtifactRef) -> None:
         logged = self._online_objects.get(used.key)
@@ -152,6 +183,22 @@ def _target_spec(target: RegisteredTarget) -> _Spec:
                  metadata={"fingerprint": target.fingerprint, "path": target.path})
 
 
+def _draft_spec(draft_dir: Path) -> _Spec:
+    return _Spec(artifact_name("draft", draft_dir.name), "draft", reference=draft_dir.resolve(), checksum=True,
+                 metadata={"path": str(draft_dir.resolve())})
+
+
+def report_artifact_name(report_path: Path) -> str:
+    """The report artifact's name: its eval dir's (one per eval run), so a registry entry can tell whether
+    its lineage ends in this report."""
+    return artifact_name("eval", Path(report_path).parent.name)
+
+
+def _report_spec(report_path: Path) -> _Spec:
+    return _Spec(report_artifact_name(report_path), "report", files=(report_path,),
+                 metadata={"path": str(report_path.resolve())})
+
+
 def _data_spec(target: RegisteredTarget, data_dir: Path) -> _Spec:
     manifest = data_dir / "manifest.json"
     return _Spec(artifact_name("data", target.fingerprint[:8], data_dir.name), "dataset",
@@ -164,16 +211,20 @@ def lineage_for(settings: WandbSettings, wandb_dir: Path) -> Lineage:
     return NoLineage() if settings.mode == "disabled" else WandbLineage(settings, wandb_dir)
 
 
-def logged_chain(wandb_dir: Path, last: ArtifactRef) -> list[LoggedArtifact]:
+def logged_chain(wandb_dir: Path, last: ArtifactRef, along: Sequence[ArtifactRef] = ()) -> list[LoggedArtifact]:
     """Read the offline runs below ``wandb_dir`` back and walk the ``draftsmith_uses`` edges from ``last``
-    to its target, each step following its first input (the one it was made from): [target, data,
-    draft, report] for a whole chain; shorter when a link is missing from the run files."""
+    to its target, each step following its first input (the one it was made from) unless ``along`` (a
+    registry chain) names the step before: a pipeline run's report uses every draft of the run, and a
+    draft's chain goes through that draft. [target, data, draft, report] for a whole chain; shorter when
+    a link is missing from the run files."""
     by_key = {f"{a.name}@{a.digest}": a for a in logged_artifacts(wandb_dir)}
+    before = {later.key: earlier.key for earlier, later in zip(along, along[1:])}
     chain: list[LoggedArtifact] = []
     key: str | None = last.key
     while key in by_key and len(chain) <= len(by_key):
         artifact = by_key[key]
         chain.append(artifact)
         inputs = artifact.metadata.get(USES_KEY) or [None]
-        key = inputs[0]
+        step = before.get(key)
+        key = step if step is not None and step in inputs else inputs[0]
     return chain[::-1]

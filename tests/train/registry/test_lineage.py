@@ -60,6 +60,32 @@ def test_offline_run_logs_the_chain_and_reads_it_back(tmp_path, chain_inputs):
     assert chain[2].metadata["path"] == str(draft_dir.resolve())
 
 
+def test_a_pipeline_run_logs_every_draft_in_four_runs_and_each_chain_reads_back(tmp_path, chain_inputs):
+    """Two drafts of one pipeline run: one run each for target, dataset, the drafts and the report (a
+    W&B run start costs seconds), and each draft's chain goes through that draft."""
+    target, data_dir, draft_dir, report = chain_inputs
+    other = make_draft(tmp_path / "drafts" / "medusa-run-1", kind="medusa", fingerprint=target.fingerprint)
+    wandb_dir = tmp_path / "wandb"
+    lineage = WandbLineage(WandbSettings(mode="offline", project="lineage-test"), wandb_dir)
+    chains = lineage.log_pipeline_run(target, data_dir, {"eagle": draft_dir, "medusa": other}, report)
+    assert list(chains) == ["eagle", "medusa"]
+    eagle, medusa = chains["eagle"], chains["medusa"]
+    assert [r.type for r in eagle] == [r.type for r in medusa] == ["target", "dataset", "draft", "report"]
+    assert eagle[:2] == medusa[:2] and eagle[3] == medusa[3]             # shared target, data, report
+    assert eagle[2].key != medusa[2].key
+    assert all(chain[2].uses == (chain[1].key, chain[0].key) for chain in (eagle, medusa))
+    assert eagle[3].uses == (eagle[2].key, medusa[2].key, eagle[0].key)  # the report judges both drafts
+
+    run_dirs = [p for p in wandb_dir.rglob("offline-run-*") if p.is_dir()]
+    assert len(run_dirs) == 4 and len(run_files(wandb_dir)) == 4
+    assert {r.run_dir for chain in chains.values() for r in chain} == {str(p) for p in run_dirs}
+    assert len(logged_artifacts(wandb_dir)) == 5                        # target, data, 2 drafts, report
+    for chain, path in ((eagle, draft_dir), (medusa, other)):
+        read_back = logged_chain(wandb_dir, chain[-1], along=chain)
+        assert [(a.type, a.name, a.digest) for a in read_back] == [(r.type, r.name, r.digest) for r in chain]
+        assert read_back[2].metadata["path"] == str(path.resolve())
+
+
 def test_the_draft_digest_follows_its_files_and_targets_are_logged_once(tmp_path, chain_inputs):
     target, data_dir, draft_dir, report = chain_inputs
     lineage = WandbLineage(WandbSettings(mode="offline", project="lineage-test"), tmp_path / "wandb")
@@ -74,6 +100,8 @@ def test_the_draft_digest_follows_its_files_and_targets_are_logged_once(tmp_path
 def test_disabled_wandb_logs_nothing(tmp_path, chain_inputs):
     lineage = lineage_for(WandbSettings(mode="disabled"), tmp_path / "wandb")
     assert isinstance(lineage, NoLineage) and lineage.log_chain(*chain_inputs) == []
+    target, data_dir, draft_dir, report = chain_inputs
+    assert lineage.log_pipeline_run(target, data_dir, {"eagle": draft_dir}, report) == {"eagle": []}
     assert not (tmp_path / "wandb").exists()
 
 
