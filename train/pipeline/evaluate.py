@@ -203,7 +203,9 @@ def _register_lineage(ctx: PipelineContext, registry: Registry, target: Register
             if not (e.lineage and e.lineage[-1].type == "report" and e.lineage[-1].name == name)}
     if not todo:
         return {"lineage": "cached" if entries else "none"}
-    dataset = need(ctx.results.dataset, "generate")
+    dataset = ctx.results.dataset
+    if dataset is None:   # drafts from a run without a generate stage: no data link to log
+        return {"lineage": "skipped", "lineage_error": "no generate stage in this run"}
     try:
         chains = lineage_for(settings, ctx.artifacts.wandb_dir).log_pipeline_run(
             target, dataset, {kind: Path(e.path) for kind, e in todo.items()}, report_path)
