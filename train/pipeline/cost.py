@@ -21,7 +21,9 @@ from train.pipeline.context import CostResult, PipelineContext, need
 def largest_eval_k(ctx: PipelineContext) -> int:
     from train.pipeline.evaluate import check_eval_settings
 
-    return check_eval_settings(ctx.cfg).largest_k()
+    # The common K list's largest: every kind can draft it (a method's own larger K, e.g. a block draft's,
+    # is costed per row by the eval itself).
+    return max(check_eval_settings(ctx.cfg).num_speculative_tokens, default=4) or 4
 
 
 def stage_cost(ctx: PipelineContext) -> dict[str, Any]:
