@@ -215,11 +215,16 @@ def load_draft(
     return LoadedDraft(model.eval(), meta.kind, meta)
 
 
-def latest_drafts_by_kind(artifacts: Artifacts, fingerprint: str) -> dict[str, Path]:
+def latest_drafts_by_kind(artifacts: Artifacts, fingerprint: str, include_quantized: bool = False) -> dict[str, Path]:
     """The newest exported draft dir of each kind filed for one target (dirs without a readable
-    draftsmith.json are not drafts and are passed over)."""
+    draftsmith.json are not drafts and are passed over). Quantized copies (a sibling ``<dir>-int4-g64``
+    is written after its source, so it would be the newest) count only with ``include_quantized``."""
+    from drafts.quant import QUANT_FILE
+
     found: dict[str, Path] = {}
     for draft_dir in artifacts.draft_dirs(fingerprint):   # oldest first: newer ones overwrite
+        if not include_quantized and (draft_dir / QUANT_FILE).is_file():
+            continue
         try:
             found[read_draft_meta(draft_dir).kind] = draft_dir
         except ValueError:

@@ -2,8 +2,8 @@
 
 Writes a quantized copy of a draft dir (drafts.quant: weight-only INT8 per channel or INT4 grouped), with the
 source's metadata (target fingerprint, data manifest, metrics) and ``quantization.json``. The default output is
-a sibling ``<draft dir>-<label>`` (e.g. ``eagle3-ab12-int4-g64``), so ``drafts.io.latest_drafts_by_kind`` and the
-registry see it as another draft of the same target. Optionally exports it (``--export``) in compressed-tensors'
+a sibling ``<draft dir>-<label>`` (e.g. ``eagle3-ab12-int4-g64``), so the registry sees it as another draft of
+the same target (``drafts.io.latest_drafts_by_kind`` only with ``include_quantized``). Optionally exports it (``--export``) in compressed-tensors'
 ``pack-quantized`` layout (drafts.quant_export) that vLLM loads.
 """
 
