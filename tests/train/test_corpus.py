@@ -55,6 +55,15 @@ def test_code_prompts_end_before_the_line_break_the_reference_starts_with(record
     assert all(r["reference"].startswith("\n") and r["reference"][1:2] in (" ", "\t", "\n") for r in code)
 
 
+def test_prose_prompts_end_on_a_word_and_the_reference_starts_with_its_space(records):
+    """A prompt ending in a bare space is answered with EOS by a trained target (the space token mostly
+    ends a document in the packed stream): prose prompts end on the sentence's punctuation or a word."""
+    prose = [r for r in records if r["domain"] == "prose"]
+    assert prose
+    assert all(not r["prompt"][-1].isspace() for r in prose)
+    assert all(r["reference"].startswith(" ") for r in prose)
+
+
 def test_splits_disjoint_and_deterministic(records):
     """Eval prompts never appear in distill or pretraining; the split depends only on the seed."""
     cfg = small_data()
