@@ -8,7 +8,9 @@ more than the tokens it saves. The gate caps K by batch size, in one of two ways
   ({1: 4, 8: 2, 16: 0} = up to batch 1: K <= 4; up to 8: K <= 2; beyond: no speculation);
 - `measured` (the default): per batch-size bucket, the engine's own measured seconds per emitted
   token of speculative steps and of plain steps (EMAs); the faster arm runs, the other is re-tried
-  every `explore_every` steps of the bucket so that a change (another draft, longer contexts) is seen.
+  after `explore_every` steps of the bucket so that a change (another draft, longer contexts) is seen.
+  Each re-try that confirms the winner doubles that interval (up to `max_explore_every`): a losing arm
+  costs a share that shrinks from 1/16 towards 1/256 of the steps, while a flip resets the interval.
   An arm with fewer than `min_samples` steps in a bucket is measured first.
 """
 from __future__ import annotations
@@ -25,6 +27,7 @@ class BatchGateConfig:
     mode: str = "measured"
     k_by_batch_size: dict[int, int] = field(default_factory=dict)   # table mode
     explore_every: int = 16
+    max_explore_every: int = 256
     min_samples: int = 3
     ema: float = 0.2
     margin: float = 0.02      # speculation must be this much faster per token to be kept
@@ -37,8 +40,10 @@ class BatchGateConfig:
         for size, k in self.k_by_batch_size.items():
             if int(size) < 1 or int(k) < 0:
                 raise ValueError(f"batch_gate.k_by_batch_size[{size}] = {k}: sizes >= 1, K caps >= 0")
-        if self.explore_every < 2 or self.min_samples < 1 or not 0 < self.ema <= 1 or self.margin < 0:
-            raise ValueError("batch_gate: explore_every >= 2, min_samples >= 1, ema in (0, 1], margin >= 0")
+        if self.explore_every < 2 or self.max_explore_every < self.explore_every or self.min_samples < 1 \
+                or not 0 < self.ema <= 1 or self.margin < 0:
+            raise ValueError("batch_gate: 2 <= explore_every <= max_explore_every, min_samples >= 1, "
+                             "ema in (0, 1], margin >= 0")
 
 
 @dataclass
@@ -57,6 +62,8 @@ class _Bucket:
     speculative: _Arm = field(default_factory=_Arm)
     plain: _Arm = field(default_factory=_Arm)
     steps: int = 0
+    explore_interval: int = 0      # steps of the winning arm between re-tries of the other (0: not set yet)
+    steps_since_explore: int = 0
 
 
 class BatchGate:
@@ -81,23 +88,43 @@ class BatchGate:
             return self._table[-1][1]
         return None if self._speculate(self._buckets.setdefault(self.bucket_of(batch_size), _Bucket())) else 0
 
+    def _winner(self, b: _Bucket) -> bool | None:
+        """True: speculation is faster here; False: plain decoding; None: an arm is still being measured."""
+        if b.speculative.samples < self.config.min_samples or b.plain.samples < self.config.min_samples:
+            return None
+        return b.speculative.seconds_per_token < b.plain.seconds_per_token * (1 - self.config.margin)
+
     def _speculate(self, b: _Bucket) -> bool:
-        spec, plain = b.speculative, b.plain
-        if spec.samples < self.config.min_samples:
+        if b.speculative.samples < self.config.min_samples:
             return True
-        if plain.samples < self.config.min_samples:
+        winner = self._winner(b)
+        if winner is None:
             return False
-        faster = spec.seconds_per_token < plain.seconds_per_token * (1 - self.config.margin)
-        explore = b.steps % self.config.explore_every == self.config.explore_every - 1
-        return faster != explore
+        explore = b.steps_since_explore >= (b.explore_interval or self.config.explore_every) - 1
+        return winner != explore
 
     def observe_step(self, batch_size: int, speculative: bool, step_s: float, emitted_tokens: int) -> None:
         """One engine step of `batch_size` decoding sequences: its wall time and the tokens it emitted."""
         if self.config.mode != "measured" or batch_size < 1 or emitted_tokens <= 0 or step_s <= 0:
             return
         b = self._buckets.setdefault(self.bucket_of(batch_size), _Bucket())
+        before = self._winner(b)
         b.steps += 1
-        (b.speculative if speculative else b.plain).observe(step_s / emitted_tokens, self.config.ema)
+        # A re-try of the losing arm replaces its estimate: that one is as old as the last re-try, and
+        # averaged in at `ema` a real improvement would take several (ever rarer) re-tries to show.
+        retry = before is not None and speculative != before
+        (b.speculative if speculative else b.plain).observe(step_s / emitted_tokens, 1.0 if retry else self.config.ema)
+        after = self._winner(b)
+        if before is None or after is None:
+            return
+        if speculative == before:       # a step of the winning arm
+            b.steps_since_explore += 1
+            return
+        # a re-try of the losing arm: it lost again -> re-try half as often; it won -> back to the base rate
+        cfg = self.config
+        b.explore_interval = (min(2 * (b.explore_interval or cfg.explore_every), cfg.max_explore_every)
+                              if after == before else cfg.explore_every)
+        b.steps_since_explore = 0
 
     def to_dict(self) -> dict:
         return {str(size): {"speculate": self._speculate(b), "spec_s_per_token": b.speculative.seconds_per_token,

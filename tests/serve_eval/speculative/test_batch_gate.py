@@ -79,3 +79,15 @@ def test_the_engine_applies_the_gate_and_greedy_output_is_unchanged(tmp_path):
             assert total.num_rounds == 0
         else:
             assert total.num_rounds > 0 and len(total.proposed_by_position) <= max_k
+
+
+def test_re_tries_of_a_losing_arm_back_off_and_still_catch_it_getting_better():
+    """Speculation 1.4x dearer per token at batch 32: each re-try that confirms plain decoding doubles the
+    interval, so over 3,000 steps the losing arm runs well under 1/16 of them; when the draft then gets
+    cheap (0.6x), a re-try within max_explore_every steps sees it and the gate speculates again."""
+    gate = BatchGate()
+    share = run(gate, 32, 3000, spec_ms_per_token=1.4, plain_ms_per_token=1.0)
+    assert share < 0.01, share
+    assert gate.cap(32) == 0
+    share = run(gate, 32, 600, spec_ms_per_token=0.6, plain_ms_per_token=1.0)
+    assert gate.cap(32) is None and share > 0.4, share
