@@ -77,13 +77,13 @@ def _stdlib_files(max_files: int) -> list[Path]:
 
 
 def _cut_text(text: str, fraction: float = 0.4) -> tuple[str, str] | None:
-    """Split prose at the sentence (else word) boundary nearest ``fraction`` of its length. The prompt
-    ends on the punctuation (or word) and the reference starts with the space: the tokenizer glues a
-    space to the word after it, so a prompt ending in a bare space token is, in the packed pretraining
-    stream, mostly the end of a document, and a trained target answers it with EOS at once."""
+    """Split prose at the word boundary nearest ``fraction`` of its length, inside a sentence: the prompt
+    ends on a word and the reference starts with the space. A trained target answers a prompt that ends
+    a sentence (most pydoc paragraphs are whole documents, so '.' is mostly followed by EOS) or ends in a
+    bare space token (the tokenizer glues a space to the word after it) with EOS at once: cut at a
+    sentence end, 10 of 12 held-out prose prompts got a single token at T=0; cut inside one, 3."""
     target = int(len(text) * fraction)
-    cuts = [i + 1 for i in range(len(text) - 2) if text[i] in ".:;" and text[i + 1] == " "]
-    cuts = cuts or [i for i, ch in enumerate(text) if ch == " " and i > 0]
+    cuts = [i for i, ch in enumerate(text) if ch == " " and i > 0 and text[i - 1] not in ".:;!?"]
     if not cuts:
         return None
     cut = min(cuts, key=lambda i: abs(i - target))
