@@ -3,7 +3,8 @@
 Rule (seed, 18.1.1 / 18.1.2), judged on the 95% intervals, not on the point figures: a candidate
 (method, K) passes at one (domain, temperature) when the lower end of its alpha interval reaches
 min_alpha and the lower end of its speed-up interval reaches min_speedup (the point figure stands in
-where a row has no interval); the passing candidate with the best lower speed-up bound wins, and
+where a row has no interval because it measured one prompt; a row of several prompts whose interval is
+undefined, most of them having decoded nothing, is not enabled); the passing candidate with the best lower speed-up bound wins, and
 speculation is off where none passes. Each temperature is decided on its own, so a domain can
 speculate greedily and decode plainly when sampling. An enabled choice names its draft dir and
 carries its fallback: the server drops to direct decoding when live alpha falls below
@@ -158,6 +159,8 @@ class _Candidate:
     def failure(self, t: Thresholds) -> str | None:
         """Why this candidate may not be enabled (judged on the interval's lower ends), or None."""
         r = self.row
+        if r.num_prompts >= 2 and r.alpha_ci is None:   # a bootstrap ran but most resamples had no rounds
+            return f"{r.method} K={r.K}: no 95% interval (too few of its {r.num_prompts} prompts were decoded)"
         if self.alpha_low < t.min_alpha:
             return f"{r.method} K={r.K}: alpha {_described(r.alpha, r.alpha_ci)} < {t.min_alpha:g}"
         if self.speedup_low < t.min_speedup:

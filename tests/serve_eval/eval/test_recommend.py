@@ -73,6 +73,16 @@ def test_the_lower_end_of_the_interval_decides():
     assert (choice.method, choice.speedup_low) == ("standalone", 1.6)
 
 
+def test_a_row_of_several_prompts_without_an_interval_is_not_enabled():
+    """12 prompts, most of them answered with EOS at once: the bootstrap has no interval, so the point
+    figure (2 prompts' worth) must not stand in; a one-prompt row (no bootstrap at all) still may."""
+    few = r("d", "medusa", 4, 0.8, 1.9)
+    few.num_prompts = 12
+    off = choose_for_cell([few], 0.0, Thresholds())
+    assert not off.speculate and "no 95% interval" in off.reason
+    assert choose_for_cell([r("d", "medusa", 4, 0.8, 1.9)], 0.0, Thresholds()).speculate
+
+
 def test_default_for_unseen_domains():
     """Default = the (method, K) passing in every domain with the best worst-case speed-up; else off."""
     rows = [r("a", "eagle", 3, 0.7, 2.0), r("a", "medusa", 3, 0.6, 3.0),
