@@ -36,6 +36,9 @@ from train.records import check_records, read_jsonl
 logger = logging.getLogger("draftsmith")
 
 REQUIRED_FIELDS = ("domain", "prompt", "reference")
+# Part of the corpus cache key: bump it when the embedded builder's output changes for the same settings
+# (2: prose prompts cut inside a sentence), so an existing artifacts root does not keep the old corpus.
+BUILDER_VERSION = 2
 SPLITS = ("distill", "eval", "pretrain")
 
 # Chat format shared by the corpus and the tokenizer's chat template (train.tokenizer renders the same).
@@ -348,7 +351,7 @@ def _write_jsonl(records: list[dict[str, str]], path: Path) -> None:
 def build_corpus(cfg: DictConfig, artifacts: Artifacts, force: bool = False) -> tuple[Corpus, bool]:
     """Build (or reuse) the corpus for ``cfg.data`` and ``cfg.seed``; returns (corpus, was_cached)."""
     data = cfg.data
-    source_id: Any = {"python": sys.version, "stdlib": sysconfig.get_paths()["stdlib"]}
+    source_id: Any = {"python": sys.version, "stdlib": sysconfig.get_paths()["stdlib"], "builder": BUILDER_VERSION}
     if data.path:
         local = Path(data.path).expanduser()
         source_id = {"file_hash": hash_files([local]) if local.is_file() else None, "path": str(data.path)}

@@ -147,3 +147,16 @@ def test_failed_cache_build_leaves_nothing_behind(tmp_path):
     with atomic_dir(entry) as tmp:
         (tmp / "done.json").write_text("{}")
     assert is_complete(entry) and (entry / "done.json").is_file()
+
+
+def test_a_new_builder_version_builds_a_new_corpus_entry(tmp_path, monkeypatch):
+    """The embedded corpus's cache key carries the builder's version: an artifacts root built by an older
+    builder (e.g. prose cut at sentence ends) does not serve its stale corpus to the new code."""
+    import train.corpus as corpus_module
+
+    cfg = OmegaConf.create({"data": small_data(), "seed": 0})
+    artifacts = Artifacts(tmp_path)
+    first, _ = build_corpus(cfg, artifacts)
+    monkeypatch.setattr(corpus_module, "BUILDER_VERSION", corpus_module.BUILDER_VERSION + 1)
+    second, cached = build_corpus(cfg, artifacts)
+    assert not cached and second.path("eval") != first.path("eval")
