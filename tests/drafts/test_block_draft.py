@@ -121,8 +121,9 @@ def test_pipeline_refuses_an_eval_k_above_the_block_before_any_stage():
     cfg = compose([])
     assert "block" in planned_kinds(cfg)
     check_stage_configs(cfg)
-    with pytest.raises(ValueError, match=r"block_size: 3 proposes at most 2 tokens, but the eval asks for K=4"):
-        check_stage_configs(compose(["pipeline.drafts.block.block_size=3"]))
+    # the embedded eval runs the block draft at its own K (pipeline.eval.num_speculative_tokens_of.block = [8])
+    with pytest.raises(ValueError, match=r"block_size: 5 proposes at most 4 tokens, but the eval asks for K=8"):
+        check_stage_configs(compose(["pipeline.drafts.block.block_size=5"]))
 
 
 def test_layers_warm_start_from_the_targets_last_layers(world):
