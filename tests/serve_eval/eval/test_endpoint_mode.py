@@ -81,7 +81,7 @@ def test_stream_timing_math_on_a_scripted_clock(monkeypatch):
                             timeout_s=5)
     assert seen["stream"] is True and seen["seed"] == 7 and seen["ignore_eos"] is True and seen["domain"] == "code"
     assert (rec.num_output_tokens, rec.ttft, rec.token_times) == (6, 1.0, [1.0, 2.0, 3.0])
-    from serve_eval.eval.harness import run_ms_per_token
+    from serve_eval.eval.rows import run_ms_per_token
     from serve_eval.eval.runners import RunResult
 
     assert run_ms_per_token(RunResult([rec], 3.0)) == pytest.approx(1000 * (3.0 - 1.0) / 5)

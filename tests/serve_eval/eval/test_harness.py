@@ -11,7 +11,8 @@ import pytest
 import yaml
 
 from serve_eval.eval import harness
-from serve_eval.eval.harness import MethodPlan, build_row, run_cells, run_eval, write_outputs
+from serve_eval.eval.harness import MethodPlan, run_cells, run_eval, write_outputs
+from serve_eval.eval.rows import build_row
 from serve_eval.eval.recommend import load_recommendations
 from serve_eval.eval.report import SkippedEntry, load_report
 from serve_eval.eval.runners import RequestRecord, RunResult, RunSpec
