@@ -74,7 +74,9 @@ class EvalConfig:
     warmup: int = 1                   # unmeasured requests before each cell
     seed: int = 0
     engine: EngineSettings = field(default_factory=EngineSettings)
-    min_alpha: float = 0.5            # recommendations: speculation off below these
+    # recommendations: speculation off where the speed-up's lower bound is below min_speedup (or alpha's below
+    # min_alpha, an optional floor: each choice's own measured break-even alpha becomes its fallback bar)
+    min_alpha: float = 0.0
     min_speedup: float = 1.0
     plots: bool = True
     wandb: bool = True

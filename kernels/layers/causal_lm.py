@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from kernels.layers.checkpoint import EMBED, LM_HEAD, check_config
+from kernels.layers.checkpoint import LM_HEAD, check_config
 from kernels.layers.config import DecoderConfig
 from kernels.layers.decoder import AttnFn, DecoderLayer, decoder_block
 from kernels.layers.family import LayerVariant, layer_variants

@@ -1,16 +1,21 @@
 """Per (domain, temperature) choice of draft method and K from measured results, as the YAML the server loads.
 
 Rule (seed, 18.1.1 / 18.1.2), judged on the 95% intervals, not on the point figures: a candidate
-(method, K) passes at one (domain, temperature) when the lower end of its alpha interval reaches
-min_alpha and the lower end of its speed-up interval reaches min_speedup (the point figure stands in
+(method, K) passes at one (domain, temperature) when the lower end of its speed-up interval reaches
+min_speedup and the lower end of its alpha interval reaches min_alpha (the point figure stands in
 where a row has no interval because it measured one prompt; a row of several prompts whose interval is
-undefined, most of them having decoded nothing, is not enabled); the passing candidate with the best lower speed-up bound wins, and
-speculation is off where none passes. Each temperature is decided on its own, so a domain can
-speculate greedily and decode plainly when sampling. An enabled choice names its draft dir and
-carries its fallback: the server drops to direct decoding when live alpha falls below
-`fallback_below_alpha`. A quantized variant of a draft (`standalone@int4-g64`, serve_eval.eval.variants) is one
-more candidate: it is chosen where its speed-up lower bound beats its source's, and its choice names the
-proposer kind and the draft dtype it was measured with, so the server runs it as it was measured.
+undefined, most of them having decoded nothing, is not enabled); the passing candidate with the best
+lower speed-up bound wins, and speculation is off where none passes. Each temperature is decided on its
+own, so a domain can speculate greedily and decode plainly when sampling.
+
+The measured speed-up decides, so min_alpha defaults to 0: the seed's "off below alpha 0.5" is where a
+typical draft stops paying, and here each candidate's own break-even alpha is measured instead
+(serve_eval.speculative.metrics.break_even_alpha: a cheap draft at K=4 still pays at alpha 0.3). An
+enabled choice carries it as `fallback_below_alpha`, and a server that loads the file drops a domain to
+direct decoding when its live alpha falls below that bar (SpecPolicyConfig.min_alpha_by_domain).
+A quantized variant of a draft (`standalone@int4-g64`, serve_eval.eval.variants) is one more candidate:
+it is chosen where its speed-up lower bound beats its source's, and its choice names the proposer kind
+and the draft dtype it was measured with, so the server runs it as it was measured.
 """
 from __future__ import annotations
 
@@ -24,6 +29,7 @@ import yaml
 
 from drafts.files import atomic_write_text
 from serve_eval.eval.report import BASELINE_METHOD, ResultRow
+from serve_eval.speculative.metrics import DEFAULT_DOMAIN, break_even_alpha
 
 RECOMMENDATIONS_SCHEMA_VERSION = 3  # 3: choices name their proposer kind and draft dtype
 READABLE_SCHEMA_VERSIONS = (2, 3)  # a v2 file reads as v3 with kind and dtype unset (the method's own)
@@ -33,7 +39,7 @@ NOT_SERVABLE = frozenset({"assisted"})
 
 @dataclass
 class Thresholds:
-    min_alpha: float = 0.5
+    min_alpha: float = 0.0           # an extra floor; the speed-up bound and each draft's break-even decide
     min_speedup: float = 1.0
 
     def __post_init__(self) -> None:
@@ -99,6 +105,14 @@ class Recommendations:
         """method -> (draft dir, proposer kind, draft dtype) of every method some choice speculates with."""
         every = [c for cs in [self.default, *self.domains.values()] for c in cs]
         return {c.method: DraftRoute(c.draft_path, c.proposer, c.draft_dtype) for c in every if c.speculate}
+
+    def fallback_bars(self) -> dict[str, float]:
+        """domain -> the live alpha below which the server stops speculating there: the lowest break-even
+        of the domain's speculating choices (so no temperature's paying draft is switched off by the
+        other's bar); the default's under DEFAULT_DOMAIN."""
+        every = {**self.domains, DEFAULT_DOMAIN: self.default}
+        return {domain: min(c.fallback_below_alpha for c in choices if c.speculate)
+                for domain, choices in every.items() if any(c.speculate for c in choices)}
 
     def to_dict(self) -> dict[str, Any]:
         return {"schema_version": self.schema_version, "target_fingerprint": self.target_fingerprint,
@@ -192,7 +206,8 @@ def _off(t: Thresholds, temperature: float, reason: str, best: _Candidate | None
 def _on(t: Thresholds, c: _Candidate, drafts: dict[str, DraftRoute], reason: str) -> DomainChoice:
     r = c.row
     route = drafts.get(r.method, DraftRoute(None))
-    return DomainChoice(True, r.method, r.K, r.temperature, route.path, BASELINE_METHOD, t.min_alpha,
+    bar = round(max(t.min_alpha, break_even_alpha(r.K, r.alpha, r.speedup)), 3)
+    return DomainChoice(True, r.method, r.K, r.temperature, route.path, BASELINE_METHOD, bar,
                         r.alpha, c.alpha_low, r.speedup, c.speedup_low, reason, route.kind, route.dtype)
 
 
@@ -255,7 +270,7 @@ def recommend(results: list[ResultRow], thresholds: Thresholds | None = None,
 def to_yaml(recs: Recommendations) -> str:
     header = ("# draftsmith speculative-decoding recommendations (`draftsmith serve serve.recommendations=FILE`).\n"
               "# Per domain and measured temperature: speculate, method, K and draft dir; `fallback` runs when\n"
-              "# live alpha < fallback_below_alpha.\n")
+              "# live alpha < fallback_below_alpha (the measured break-even alpha of the choice).\n")
     return header + yaml.safe_dump(recs.to_dict(), sort_keys=False)
 
 
@@ -280,7 +295,7 @@ def load_recommendations(path: str | Path) -> Recommendations:
 class PolicySnippet:
     """Settings for a server that runs one draft `method` (serve_eval.speculative.policy.SpecPolicyConfig keys)."""
 
-    policy: dict[str, Any]          # num_speculative_tokens, k_by_domain, fallback, min_alpha
+    policy: dict[str, Any]          # num_speculative_tokens, k_by_domain, fallback, min_alpha(_by_domain)
     disabled_domains: list[str]     # domains where this method should not speculate at all
     default_speculate: bool         # False: unseen domains should not speculate either
 
@@ -300,5 +315,6 @@ def policy_for_method(results: list[ResultRow], method: str, thresholds: Thresho
     default_k = default.K if default.speculate else min(k_by_domain.values(), default=1)
     return PolicySnippet(
         {"num_speculative_tokens": default_k, "k_by_domain": k_by_domain, "fallback": True,
-         "min_alpha": thresholds.min_alpha},
+         "min_alpha": default.fallback_below_alpha if default.speculate else thresholds.min_alpha,
+         "min_alpha_by_domain": {d: c.fallback_below_alpha for d, c in picked.items() if c.speculate}},
         sorted(d for d, c in picked.items() if not c.speculate), default.speculate)

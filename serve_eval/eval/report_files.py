@@ -123,12 +123,15 @@ def _recommendations_md(recs: dict[str, Any]) -> list[str]:
     thresholds = recs.get("thresholds", {})
     lines = ["## Recommendations", "",
              f"Per domain and temperature; speculation is disabled where the lower end of the 95% interval of "
-             f"alpha is < {thresholds.get('min_alpha', '?')} or of the speed-up < {thresholds.get('min_speedup', '?')}.",
-             ""]
-    lines += _table(["domain", "T", "speculate", "method", "K", "alpha (low)", "speed-up (low)", "reason"], [[
+             f"the speed-up is < {thresholds.get('min_speedup', '?')} or of alpha < {thresholds.get('min_alpha', '?')}. "
+             "A server loading the file falls back to direct decoding where live alpha drops below the choice's "
+             "break-even alpha (where its measured speed-up would reach 1).", ""]
+    lines += _table(["domain", "T", "speculate", "method", "K", "alpha (low)", "speed-up (low)",
+                     "falls back below alpha", "reason"], [[
         name, f"{e.get('temperature', 0):g}", "yes" if e.get("speculate") else "no", str(e.get("method")),
         str(e.get("K")), f"{_fmt(e.get('alpha'))} ({_fmt(e.get('alpha_low'))})",
-        f"{_fmt(e.get('speedup'), '.2f')} ({_fmt(e.get('speedup_low'), '.2f')})", str(e.get("reason", ""))]
+        f"{_fmt(e.get('speedup'), '.2f')} ({_fmt(e.get('speedup_low'), '.2f')})",
+        _fmt(e.get("fallback_below_alpha")) if e.get("speculate") else "-", str(e.get("reason", ""))]
         for name, e in recommendation_entries(recs)])
     return lines + [""]
 

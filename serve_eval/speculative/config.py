@@ -73,10 +73,12 @@ class SpecConfig:
         if (self.method == "routed") != bool(self.routes):
             raise ValueError("routes: method='routed' needs routes=RECOMMENDATIONS.yaml, and routes needs "
                              f"method='routed' (got method={self.method!r})")
+        fallback_bars: dict[str, float] = {}
         if self.method == "routed":
             from serve_eval.eval.recommend import load_recommendations
             from serve_eval.speculative.proposers.routed import recommended_k
-            self.num_speculative_tokens = recommended_k(load_recommendations(self.routes))
+            recs = load_recommendations(self.routes)
+            self.num_speculative_tokens, fallback_bars = recommended_k(recs), recs.fallback_bars()
         if self.method in DRAFT_METHODS and not self.draft_path:
             raise ValueError(f"speculative method {self.method!r} needs draft_path (a draft dir)")
         if self.tree not in TREE_MODES:
@@ -95,7 +97,11 @@ class SpecConfig:
             raise ValueError(f"draft_dtype must be float32/bfloat16/float16 or None, got {self.draft_dtype!r}")
         if self.draft_num_blocks is not None and self.draft_num_blocks <= 0:
             raise ValueError(f"draft_num_blocks must be > 0, got {self.draft_num_blocks}")
-        self.policy = replace(self.policy or SpecPolicyConfig(), num_speculative_tokens=self.num_speculative_tokens)
+        policy = self.policy or SpecPolicyConfig()
+        # Routed: each domain falls back below its recommended draft's measured break-even alpha, unless the
+        # caller's policy names a bar for it.
+        self.policy = replace(policy, num_speculative_tokens=self.num_speculative_tokens,
+                              min_alpha_by_domain={**fallback_bars, **policy.min_alpha_by_domain})
         if not isinstance(self.batch_gate, BatchGateConfig):
             self.batch_gate = BatchGateConfig(mode=self.batch_gate or "off")
 

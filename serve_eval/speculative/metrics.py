@@ -34,6 +34,15 @@ def expected_speedup(k: int, beta: float, cost_ratio: float) -> float:
     return tokens / (1 + k * cost_ratio)
 
 
+def break_even_alpha(k: int, alpha: float, speedup: float) -> float:
+    """The alpha at which a draft measured at (K, alpha, speed-up) stops paying: a round's cost is fixed by
+    the draft and the verify forward, so the speed-up scales with tokens per round, 1 + K alpha (the seed
+    formula's numerator); it reaches 1 where 1 + K alpha' = (1 + K alpha) / speedup. Clamped to [0, 1]."""
+    if k < 1 or speedup <= 0:
+        raise ValueError(f"break_even_alpha needs K >= 1 and speedup > 0, got K={k}, speedup={speedup}")
+    return min(1.0, max(0.0, ((1 + k * alpha) / speedup - 1) / k))
+
+
 def simulated_tau(position_accuracies: Sequence[float]) -> float:
     """Mean accepted length a chain of these per-position acceptance rates would give.
 

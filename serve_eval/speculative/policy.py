@@ -2,7 +2,9 @@
 
 Fallback: a domain's running alpha (accepted / proposed over its last `window_rounds` rounds) is
 checked once at least `min_rounds` rounds were seen since speculation was (re)enabled; below
-`min_alpha` (default 0.5, as the seed advises) speculation is switched off for that domain. After
+`min_alpha` (default 0.5, as the seed advises; `min_alpha_by_domain` overrides it per domain, as a server
+loading an eval's recommendations does with each choice's measured break-even alpha) speculation is
+switched off for that domain. After
 `probe_after_steps` plain decode steps it is switched on again with a fresh window (a probe); each
 probe that fails again doubles the wait (`probe_backoff`, capped), a probe that survives resets it.
 
@@ -29,6 +31,7 @@ class SpecPolicyConfig:
     k_by_domain: dict[str, int] = field(default_factory=dict)
     fallback: bool = True
     min_alpha: float = 0.5
+    min_alpha_by_domain: dict[str, float] = field(default_factory=dict)
     window_rounds: int = 32  # running alpha is measured over this many recent rounds
     min_rounds: int = 32  # rounds since (re)enabling before fallback may switch a domain off
     probe_after_steps: int = 128  # plain decode steps before speculation is tried again
@@ -48,6 +51,9 @@ class SpecPolicyConfig:
                 raise ValueError(f"k_by_domain[{domain!r}] (K) must be > 0, got {k}")
         if not 0 <= self.min_alpha <= 1:
             raise ValueError(f"min_alpha must be in [0, 1], got {self.min_alpha}")
+        for domain, bar in self.min_alpha_by_domain.items():
+            if not 0 <= bar <= 1:
+                raise ValueError(f"min_alpha_by_domain[{domain!r}] must be in [0, 1], got {bar}")
         for name in ("window_rounds", "min_rounds", "probe_after_steps", "k_min"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
@@ -92,6 +98,10 @@ class SpecPolicy:
     def configured_k(self, domain: str | None) -> int:
         return self.config.k_by_domain.get(domain or DEFAULT_DOMAIN, self.config.num_speculative_tokens)
 
+    def min_alpha(self, domain: str | None) -> float:
+        """The live alpha below which this domain falls back to direct decoding."""
+        return self.config.min_alpha_by_domain.get(domain or DEFAULT_DOMAIN, self.config.min_alpha)
+
     def is_enabled(self, domain: str | None) -> bool:
         return self._state(domain).enabled
 
@@ -130,7 +140,7 @@ class SpecPolicy:
         if not self.config.fallback or state.rounds_since_enable < self.config.min_rounds:
             return
         alpha = self.running_alpha(domain)
-        if alpha < self.config.min_alpha:
+        if alpha < self.min_alpha(domain):
             if state.probing:  # the probe failed: wait longer next time
                 state.probe_wait = min(
                     int(state.probe_wait * self.config.probe_backoff), self.config.max_probe_after_steps

@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import copy
-from pathlib import Path
 
 import pytest
 import torch
 
 from drafts.identity import target_fingerprint
 from drafts.io import load_draft, save_draft
-from drafts.quant import QuantConfig, weight_bytes
+from drafts.quant import QuantConfig
 from drafts.quantize_job import quantize_dir
 from drafts.standalone import StandaloneDraft
 from kernels.quant import QuantizedLinear, QuantScheme, QuantServingLinear, dequantize, quantize_weight

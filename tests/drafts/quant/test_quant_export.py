@@ -10,8 +10,7 @@ import torch
 
 from drafts.identity import target_fingerprint
 from drafts.io import load_draft, save_draft
-from drafts.quant import QuantConfig
-from drafts.quant_export import export_compressed, pack_int32, read_compressed, unpack_int32
+from drafts.quant_export import pack_int32, read_compressed, unpack_int32
 from drafts.quantize_job import main as quantize_main
 from drafts.standalone import StandaloneDraft
 from kernels.quant import QuantizedLinear

@@ -10,7 +10,6 @@ TV-0.02 error, and the TV-0.03 negative control); only the draft differs. INT8 b
 
 from __future__ import annotations
 
-import pytest
 
 from drafts.quant import QuantConfig
 from drafts.quantize_job import quantize_dir

@@ -28,10 +28,12 @@ SCRIPTED = [
 ]
 
 
-def test_best_passing_method_and_k_per_domain():
-    """code -> eagle K=3 (best speed-up; the non-servable 'assisted' reference is ignored); math -> eagle K=3
-    because the faster ngram has alpha < 0.5; chat -> off (alpha 0.45 < 0.5, ngram's speed-up 0.9 < 1)."""
-    recs = recommend(SCRIPTED, target_fingerprint="fp", drafts={"eagle": DraftRoute("/d/eagle", "eagle")})
+def test_best_passing_method_and_k_per_domain_with_an_alpha_floor():
+    """With min_alpha 0.5: code -> eagle K=3 (best speed-up; the non-servable 'assisted' reference is
+    ignored); math -> eagle K=3 because the faster ngram has alpha < 0.5; chat -> off (alpha 0.45 < 0.5,
+    ngram's speed-up 0.9 < 1). The floor is also the fallback bar where the break-even lies below it."""
+    recs = recommend(SCRIPTED, Thresholds(min_alpha=0.5), target_fingerprint="fp",
+                     drafts={"eagle": DraftRoute("/d/eagle", "eagle")})
     [code], [chat], [math] = recs.domains["code"], recs.domains["chat"], recs.domains["math"]
     assert (code.speculate, code.method, code.K, code.speedup, code.alpha) == (True, "eagle", 3, 1.8, 0.70)
     assert (math.speculate, math.method, math.K) == (True, "eagle", 3)
@@ -39,6 +41,33 @@ def test_best_passing_method_and_k_per_domain():
     assert "alpha 0.450 < 0.5" in chat.reason
     assert code.fallback == "no-spec" and code.fallback_below_alpha == 0.5
     assert code.draft_path == "/d/eagle" and recs.draft_paths() == {"eagle": "/d/eagle"}
+
+
+def test_by_default_the_measured_speedup_decides_and_the_break_even_alpha_is_the_fallback_bar():
+    """No alpha floor: math takes the faster ngram (alpha 0.45, 2.0x) and chat speculates with eagle at
+    alpha 0.45 because it measured 1.1x. Each choice's fallback bar is where it stops paying: the speed-up
+    scales with 1 + K alpha, so eagle K=3 at alpha 0.45 and 1.1x breaks even at (2.35 / 1.1 - 1) / 3."""
+    recs = recommend(SCRIPTED)
+    [code], [chat], [math] = recs.domains["code"], recs.domains["chat"], recs.domains["math"]
+    assert (math.method, math.K, chat.method, chat.K, code.method) == ("ngram", 4, "eagle", 3, "eagle")
+    assert chat.fallback_below_alpha == pytest.approx((2.35 / 1.1 - 1) / 3, abs=1e-3)
+    assert code.fallback_below_alpha == pytest.approx((3.1 / 1.8 - 1) / 3, abs=1e-3)
+    assert math.fallback_below_alpha == pytest.approx((2.8 / 2.0 - 1) / 4, abs=1e-3)
+    assert all(c.fallback_below_alpha < c.alpha for c in (code, chat, math))
+    # unseen domains: eagle K=3 passes in all three; it carries its weakest domain's (chat's) bar
+    assert recs.fallback_bars() == {"code": code.fallback_below_alpha, "chat": chat.fallback_below_alpha,
+                                    "math": math.fallback_below_alpha, "default": chat.fallback_below_alpha}
+
+
+def test_break_even_alpha_by_hand_and_at_its_ends():
+    from serve_eval.speculative.metrics import break_even_alpha
+
+    assert break_even_alpha(4, 0.5, 1.5) == pytest.approx((3.0 / 1.5 - 1) / 4)
+    assert break_even_alpha(4, 0.5, 1.0) == pytest.approx(0.5)       # paying nothing: any drop stops it
+    assert break_even_alpha(2, 0.1, 5.0) == 0.0                      # pays even at alpha 0
+    assert break_even_alpha(2, 0.9, 0.1) == 1.0                      # never pays
+    with pytest.raises(ValueError, match="K >= 1"):
+        break_even_alpha(0, 0.5, 1.2)
 
 
 def test_speedup_below_one_disables():
@@ -51,7 +80,7 @@ def test_speedup_below_one_disables():
 def test_each_temperature_is_decided_on_its_own():
     """A domain can speculate greedily and decode plainly when sampling: each (domain, T) gets its choice,
     and a request is served by the choice at the nearest measured temperature on its side of 0."""
-    rows = [r("d", "eagle", 4, 0.8, 2.5, T=0.0), r("d", "eagle", 4, 0.4, 1.2, T=1.0),
+    rows = [r("d", "eagle", 4, 0.8, 2.5, T=0.0), r("d", "eagle", 4, 0.4, 0.95, T=1.0),
             r("d", "eagle", 2, 0.7, 1.5, T=0.0), r("d", "eagle", 2, 0.45, 0.9, T=1.0)]
     recs = recommend(rows)
     greedy, sampled = recs.domains["d"]
@@ -64,7 +93,8 @@ def test_each_temperature_is_decided_on_its_own():
 def test_the_lower_end_of_the_interval_decides():
     """alpha 0.55 whose interval reaches down to 0.45 does not pass min_alpha 0.5; a speed-up of 1.3 whose
     interval reaches 0.95 does not pass 1.0; between two passing candidates the higher lower bound wins."""
-    assert not choose_for_cell([r("d", "eagle", 4, 0.55, 1.5, alpha_ci=[0.45, 0.65])], 0.0, Thresholds()).speculate
+    floor = Thresholds(min_alpha=0.5)
+    assert not choose_for_cell([r("d", "eagle", 4, 0.55, 1.5, alpha_ci=[0.45, 0.65])], 0.0, floor).speculate
     off = choose_for_cell([r("d", "eagle", 4, 0.7, 1.3, speedup_ci=[0.95, 1.6])], 0.0, Thresholds())
     assert not off.speculate and "95% CI low 0.950" in off.reason
     rows = [r("d", "eagle", 4, 0.7, 2.0, speedup_ci=[1.05, 2.9]), r("d", "standalone", 2, 0.7, 1.8,
@@ -91,7 +121,7 @@ def test_default_for_unseen_domains():
     [default] = recs.default
     assert (default.speculate, default.method, default.K) == (True, "eagle", 3)
     assert recs.choose("unseen", 0.0) is default and recs.choose("a", 0.0).method == "medusa"
-    [off] = recommend(SCRIPTED).default  # chat passes nothing -> no safe default
+    [off] = recommend(SCRIPTED, Thresholds(min_alpha=0.5)).default  # chat passes nothing -> no safe default
     assert not off.speculate
 
 
@@ -131,7 +161,7 @@ row_strategy = st.builds(
 def test_choice_passes_thresholds_and_is_best(rows):
     """For any results, per temperature: an enabled choice passes alpha >= 0.5 and speed-up >= 1, and no
     other passing (method, K) at that temperature has a higher speed-up; off only if none passes."""
-    recs = recommend(rows)
+    recs = recommend(rows, Thresholds(min_alpha=0.5))
     for choice in recs.domains["d"]:
         here = [x for x in rows if x.temperature == choice.temperature]
         passing = {(x.method, x.K): x.speedup for x in here if x.alpha >= 0.5 and x.speedup >= 1.0}
@@ -146,7 +176,7 @@ def test_policy_for_one_method_fits_the_engine_policy_config():
     policy keys construct the engine's SpecPolicyConfig."""
     from serve_eval.speculative.policy import SpecPolicyConfig
 
-    snippet = policy_for_method(SCRIPTED, "eagle")
+    snippet = policy_for_method(SCRIPTED, "eagle", Thresholds(min_alpha=0.5))
     assert snippet.policy["k_by_domain"] == {"code": 3, "math": 3}
     assert snippet.disabled_domains == ["chat"] and not snippet.default_speculate
     config = SpecPolicyConfig(**snippet.policy)

@@ -29,7 +29,7 @@ def make_row(domain: str, method: str, K: int = 0, temperature: float = 0.0, **k
 def scripted_report() -> Report:
     results = [make_row("code", "no-spec"), make_row("code", "eagle", 3), make_row("code", "eagle", 4, alpha=0.7),
                make_row("code", "ngram", 3, alpha=0.4, speedup=0.9),
-               make_row("chat", "no-spec"), make_row("chat", "eagle", 3, alpha=0.45, speedup=1.1, a_k=[0.6, 0.4, 0.3])]
+               make_row("chat", "no-spec"), make_row("chat", "eagle", 3, alpha=0.45, speedup=0.9, a_k=[0.6, 0.4, 0.3])]
     return Report(TargetInfo("/models/tiny", "abc123"), {"K": [3, 4], "temperatures": [0.0]}, results,
                   [SkippedEntry("gsm8k", "*", "dataset openai/gsm8k not available offline")],
                   recommend(results, target_fingerprint="abc123").to_dict())
@@ -81,7 +81,9 @@ def test_markdown_has_tables_recommendations_and_skips():
     assert "| eagle | 3 | 0 | 0.750 | 3.25 | 10.00 | 0.50 | 100.0 | 2.00 | 2.20 | 50.0 / 80.0 | 10.0 / 30.0 |" in md
     assert "| no-spec | 0 | 0 | - | - | 20.00 |" in md
     assert "| eagle | 3 | 0 | 0.900 | 0.800 | 0.700 | - |" in md  # a_k padded to the widest K
-    assert "## Recommendations" in md and "alpha 0.450 < 0.5" in md
+    assert "## Recommendations" in md and "speed-up 0.900 < 1" in md
+    # code's eagle K=3 (alpha 0.75 at 2.0x) stops paying at alpha (1 + 3 * 0.75) / 2.0 - 1) / 3 = 0.208
+    assert "| code | 0 | yes | eagle | 3 | 0.750 (0.750) | 2.00 (2.00) | 0.208 |" in md
     assert "| gsm8k | * | dataset openai/gsm8k not available offline |" in md
 
 

@@ -148,10 +148,10 @@ def test_the_recommendation_takes_the_variant_only_when_its_lower_bound_is_faste
     assert (choice.draft_path, choice.kind, choice.draft_dtype) == (ROUTES[chosen].path, "standalone", "bfloat16")
 
 
-def test_a_variant_that_loses_too_much_alpha_is_not_recommended():
+def test_a_variant_below_an_alpha_floor_is_not_recommended():
     rows = [_row("no-spec", 1.0, None, alpha=None), _row("standalone", 1.3, [1.2, 1.4]),
             _row(VARIANT, 1.5, [1.4, 1.6], variant_of="standalone", alpha=0.52)]   # alpha low 0.47 < 0.5
-    [choice] = recommend(rows, Thresholds(), drafts=ROUTES).domains["chat"]
+    [choice] = recommend(rows, Thresholds(min_alpha=0.5), drafts=ROUTES).domains["chat"]
     assert choice.method == "standalone"
 
 

@@ -38,6 +38,17 @@ def test_fallback_after_min_rounds_below_threshold_then_probe():
     assert policy.running_alpha("chat") != policy.running_alpha("chat")  # nan: window cleared
 
 
+def test_a_domain_falls_back_below_its_own_bar():
+    """min_alpha_by_domain (a recommended draft's measured break-even alpha) replaces min_alpha there:
+    alpha 0.25 keeps chat on (bar 0.2) and switches code off (the default bar 0.5)."""
+    policy = SpecPolicy(config(min_alpha_by_domain={"chat": 0.2}))
+    for _ in range(4):
+        policy.observe_round("chat", 4, 1)
+        policy.observe_round("code", 4, 1)
+    assert policy.is_enabled("chat") and not policy.is_enabled("code")
+    assert (policy.min_alpha("chat"), policy.min_alpha("code")) == (0.2, 0.5)
+
+
 def test_high_alpha_stays_on_and_window_forgets_old_rounds():
     """A bad start recovered within the window keeps speculation on (alpha over the last 4 rounds)."""
     policy = SpecPolicy(config(min_rounds=6))

@@ -40,6 +40,20 @@ def test_each_domain_speculates_with_its_recommended_draft_and_output_is_exact(t
     assert "prose" not in by_domain and by_domain["code"].num_rounds > 0
 
 
+def test_a_routed_config_falls_back_below_each_domain_s_break_even(tmp_path):
+    """The policy of a routed engine takes each domain's bar from its choices (the lowest where two
+    temperatures speculate), the default's for unseen domains, and a bar the caller names wins."""
+    from serve_eval.speculative.policy import SpecPolicyConfig
+
+    on = lambda K, T, bar: DomainChoice(True, "ngram", K, T, fallback_below_alpha=bar)  # noqa: E731
+    recs = Recommendations(Thresholds(), [on(2, 0.0, 0.3)], {"chat": [on(3, 0.0, 0.25), on(2, 1.0, 0.1)],
+                                                             "prose": [DomainChoice(False, "no-spec", 0, 0.0)]})
+    path = str(write_recommendations(recs, tmp_path / "recommendations.yaml"))
+    assert SpecConfig("routed", routes=path).policy.min_alpha_by_domain == {"chat": 0.1, "default": 0.3}
+    mine = SpecConfig("routed", routes=path, policy=SpecPolicyConfig(min_alpha_by_domain={"chat": 0.4}))
+    assert mine.policy.min_alpha_by_domain == {"chat": 0.4, "default": 0.3}
+
+
 def test_a_sampled_request_follows_the_temperature_choice(tmp_path):
     """chat at T=1 is recommended off: such a request decodes plainly while a greedy chat one speculates."""
     target = make_llama(tmp_path / "target")
