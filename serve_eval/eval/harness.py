@@ -102,6 +102,9 @@ def plan_methods(cfg: EvalConfig, drafts: list[DraftSource], target_dir: Path,
                          "to our engine's no-spec")
         else:
             skipped.append(SkippedEntry("*", ASSISTED, "no standalone draft for this target to use as assistant"))
+    labels = {p.method for p in plans}
+    notes += [f"eval.temperatures_of names {m!r}, which this run does not measure (measured: {sorted(labels)})"
+              for m in cfg.temperatures_of if m not in labels]
     return plans
 
 

@@ -144,6 +144,17 @@ def test_a_method_runs_only_at_its_temperatures_and_the_baseline_at_every_one():
     assert "eval repetition 2/2 domain=a T=1 (2 methods)" in lines
 
 
+def test_a_temperatures_of_label_the_run_does_not_measure_is_noted(tmp_path):
+    """A misspelt or absent label in eval.temperatures_of would silently change nothing: the plan says so."""
+    notes: list[str] = []
+    plans = harness.plan_methods(_cfg(temperatures_of={"ngram": [0.0], "standalone@int4": [0.0]}), [], tmp_path,
+                                 [], notes)
+    assert {p.method for p in plans} == {"no-spec", "ngram"}
+    assert [n for n in notes if "temperatures_of" in n] == [
+        "eval.temperatures_of names 'standalone@int4', which this run does not measure (measured: "
+        "['ngram', 'no-spec'])"]
+
+
 def test_repetitions_are_interleaved_with_the_method_order_rotated():
     """Repetition r runs every method of a (domain, T) before repetition r + 1 starts, and begins with
     method r mod M, so a slow spell of the machine is shared by all methods."""
