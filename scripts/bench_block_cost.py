@@ -23,6 +23,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from drafts.block import BlockDraft  # noqa: E402
+from serve_eval.eval.interleave import rotation  # noqa: E402
 from drafts.eagle3 import Eagle3Draft  # noqa: E402
 from kernels.layers.config import hf_config_dict  # noqa: E402
 from serve_eval.speculative.proposers.base import TargetFeatures  # noqa: E402
@@ -78,7 +79,7 @@ def main() -> None:
             runners[f"block {layers}-layer", k] = Runner(BlockProposer.from_draft(block), width, k, args.prompt_len)
     order = list(runners.values())
     for step in range(args.warmup + args.rounds):  # interleaved, rotated: load noise falls on every method alike
-        for runner in order[step % len(order):] + order[:step % len(order)]:
+        for runner in rotation(order, step):
             runner.round()
     unit, _ = runners["eagle3", 1].result(args.warmup)
     print(f"unit: one EAGLE-3 draft step (1 layer + head, K=1) = {unit:.3f} ms  (target {args.target}, "

@@ -23,6 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from serve_eval.engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
+from serve_eval.eval.interleave import interleave  # noqa: E402
 from serve_eval.speculative.config import SpecConfig  # noqa: E402
 from serve_eval.speculative.metrics import ms_per_token  # noqa: E402
 from serve_eval.speculative.policy import SpecPolicyConfig  # noqa: E402
@@ -113,15 +114,9 @@ def profile_one(engine: LLMEngine, name: str, prompts: list[list[int]], params: 
 
 def interleaved_runs(engines: dict[str, LLMEngine], names: list[str], prompts: list[list[int]],
                      params: SamplingParams, repeats: int) -> tuple[dict[str, list[float]], dict[str, list[list[int]]]]:
-    """Every config `repeats` times, interleaved: ms/token per run, and each config's last outputs."""
-    times: dict[str, list[float]] = {name: [] for name in names}
-    outputs: dict[str, list[list[int]]] = {}
-    for _ in range(repeats):
-        for name in names:
-            ms, outs = run_once(engines[name], prompts, params)
-            times[name].append(ms)
-            outputs[name] = outs
-    return times, outputs
+    """Every config `repeats` times, interleaved and rotated: ms/token per run, and each config's last outputs."""
+    runs = interleave({name: (lambda name=name: run_once(engines[name], prompts, params)) for name in names}, repeats)
+    return {name: [ms for ms, _ in r] for name, r in runs.items()}, {name: r[-1][1] for name, r in runs.items()}
 
 
 def print_rows(engines: dict[str, LLMEngine], names: list[str], times: dict[str, list[float]],

@@ -20,7 +20,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
 
 from bench_throughput import find_target, make_workload
 from serve_eval.engine import EngineConfig, LLMEngine, SamplingParams

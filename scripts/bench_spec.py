@@ -39,6 +39,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from serve_eval.engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
+from serve_eval.eval.interleave import interleave, rotation  # noqa: E402
 from serve_eval.speculative.config import SpecConfig  # noqa: E402
 from serve_eval.speculative.metrics import SpecStats, ms_per_token, speedup  # noqa: E402
 
@@ -258,14 +259,8 @@ def cell_runner(args: argparse.Namespace, target: Path, method: str, drafts: dic
 
 
 def interleaved(cells: dict[str, Any], repeats: int, *call_args) -> dict[str, list[float]]:
-    """Each cell's ms/token per repetition: every method runs once per repetition before the next starts,
-    the order rotated, so a slow spell of the machine is spread over all methods alike."""
-    order = list(cells)
-    samples: dict[str, list[float]] = {m: [] for m in order}
-    for rep in range(repeats):
-        for method in order[rep % len(order):] + order[:rep % len(order)]:
-            samples[method].append(cells[method](*call_args))
-    return samples
+    """Each cell's ms/token per repetition, interleaved and rotated (serve_eval.eval.interleave)."""
+    return interleave({m: (lambda cell=cell: cell(*call_args)) for m, cell in cells.items()}, repeats)
 
 
 def paired_speedups(base: list[float], mine: list[float]) -> list[float]:
@@ -344,7 +339,7 @@ def tree_comparison(args: argparse.Namespace, target: Path, drafts: dict[str, Pa
     ms: dict[str, list[float]] = {m: [] for m in order}
     taus: dict[str, list[float]] = {m: [] for m in order if m != "nospec"}
     for rep in range(args.tree_repeats):
-        for method in order[rep % len(order):] + order[:rep % len(order)]:
+        for method in rotation(order, rep):
             engine = engines[method]
             # a copy: the engine keeps adding to its live counters
             before = SpecStats.merged([engine.stats().spec.total]) if method != "nospec" else None

@@ -122,7 +122,7 @@ def main() -> None:
     # CPU time of this process is reported beside wall time: on a shared machine the wall clock also
     # measures the neighbours' load, which differs between the two (sequential) runs.
     print(f"{'':34s}{'wall s':>9s}{'cpu s':>9s}{'tokens':>8s}{'tok/wall-s':>12s}{'tok/cpu-s':>11s}")
-    for name, t, c, tok in ((f"ours (continuous, paged)", t_ours, c_ours, tok_ours),
+    for name, t, c, tok in (("ours (continuous, paged)", t_ours, c_ours, tok_ours),
                             (f"transformers static batch {args.batch_size}", t_hf, c_hf, tok_hf)):
         print(f"{name:34s}{t:9.2f}{c:9.2f}{tok:8d}{tok / t:12.1f}{tok / c:11.1f}")
     print(f"ratio ours / transformers: {(tok_ours / t_ours) / (tok_hf / t_hf):.2f}x by wall time, "

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from drafts.artifacts import Artifacts
+from serve_eval.eval.interleave import rotation
 from serve_eval.eval.intervals import add_intervals
 from serve_eval.eval.parity import parity_rows
 from serve_eval.eval.recommend import DraftRoute, Recommendations, Thresholds, recommend, write_recommendations
@@ -129,11 +130,6 @@ def _open_runners(plans: list[MethodPlan], factory: RunnerFactory,
     return opened
 
 
-def _rotated(items: list, by: int) -> list:
-    by %= max(len(items), 1)
-    return items[by:] + items[:by]
-
-
 def runs_at(cfg: EvalConfig, method: str, temperature: float) -> bool:
     """Whether `method` is measured at `temperature` (eval.temperatures_of; the baselines everywhere)."""
     temps = cfg.temperatures_of.get(method)
@@ -154,7 +150,7 @@ def _sweep(cfg: EvalConfig, opened: list[tuple[MethodPlan, Runner]], prompts: di
                 if rep > 0:
                     progress(f"eval repetition {rep + 1}/{cfg.repetitions} domain={domain} T={temperature:g} "
                              f"({len(here)} methods)")
-                for plan, runner in _rotated(here, rep):
+                for plan, runner in rotation(here, rep):
                     key = (domain, plan.method, plan.K, float(temperature))
                     if key in failed:
                         continue

@@ -16,10 +16,12 @@ from __future__ import annotations
 import statistics
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from serve_eval.engine import EngineConfig, LLMEngine, SamplingParams
+from serve_eval.eval.interleave import interleave
 
 COMPONENTS = ("draft", "forward", "verify", "rest", "step")
 PLAIN = "nospec"
@@ -109,13 +111,15 @@ def summarize(samples: list[dict[str, float]]) -> dict[str, tuple[float, float]]
 
 def interleaved(engines: dict[str, LLMEngine], timers: dict[str, Timers], prompt: list[int], steps: int,
                 repeats: int, warmup_steps: int = 2) -> dict[str, dict[str, tuple[float, float]]]:
-    """Warm every engine, then `repeats` rounds over the methods in turn (a busy spell hits all alike)."""
+    """Warm every engine, then `repeats` interleaved rounds over the methods (serve_eval.eval.interleave)."""
     for m, engine in engines.items():
         one_repetition(engine, timers[m], prompt, warmup_steps, "warm")
-    samples: dict[str, list[dict[str, float]]] = {m: [] for m in engines}
-    for rep in range(repeats):
-        for m, engine in engines.items():
-            samples[m].append(one_repetition(engine, timers[m], prompt, steps, f"{m}{rep}"))
+    tags = {m: iter(range(repeats)) for m in engines}   # each repetition's requests get fresh ids
+
+    def run(m: str) -> Callable[[], dict[str, float]]:
+        return lambda: one_repetition(engines[m], timers[m], prompt, steps, f"{m}{next(tags[m])}")
+
+    samples = interleave({m: run(m) for m in engines}, repeats)
     return {m: summarize(s) for m, s in samples.items()}
 
 
