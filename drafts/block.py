@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from drafts.common import _expand_kv, count_parameters
+from drafts.common import _expand_kv, copy_from_target, count_parameters, target_layer_pairs
 from drafts.eagle3 import default_aux_layers
 from kernels.layers.config import DecoderConfig, hf_config_dict
 from kernels.layers.decoder import AttnFn, DecoderLayer, run_layer
@@ -184,15 +184,8 @@ class BlockDraft(nn.Module):
                              f"(the target has {num_target})")
         pairs = [(self.norm.weight, "model.norm.weight")]
         for layer, src in zip(self.layers, ids):
-            pairs += [(tensor, f"model.layers.{src}.{name}") for name, tensor in layer.state_dict(keep_vars=True).items()]
-        with torch.no_grad():
-            for dst, name in pairs:
-                if name not in target_state:
-                    raise ValueError(f"block draft init: the target has no weight {name!r}")
-                if tuple(target_state[name].shape) != tuple(dst.shape):
-                    raise ValueError(f"block draft init: {name} is {tuple(target_state[name].shape)} in the target, "
-                                     f"{tuple(dst.shape)} in the draft")
-                dst.copy_(target_state[name].to(dst.dtype))
+            pairs += target_layer_pairs(layer, src)
+        copy_from_target(pairs, target_state, "block draft init")
 
     # ---------------------------------------------------------------------------------------- pieces
 

@@ -156,5 +156,25 @@ def unroll_ttt(
 # ------------------------------------------------------------------------------------------------ helpers
 
 
+def target_layer_pairs(layer: nn.Module, target_layer: int, prefix: str = "model.layers") -> list[tuple[Tensor, str]]:
+    """(draft tensor, target weight name) for every weight of a draft decoder `layer` taken from the target's
+    layer `target_layer`: the names match because both are kernels.layers DecoderLayers. A weight the draft
+    layer lacks (EAGLE-1 has no input norm) is simply not asked for."""
+    return [(t, f"{prefix}.{target_layer}.{name}") for name, t in layer.state_dict(keep_vars=True).items()]
+
+
+def copy_from_target(pairs: list[tuple[Tensor, str]], target_state: dict[str, Tensor], what: str) -> None:
+    """Copy target weights by name into draft tensors (warm starts); a missing weight or a shape that differs
+    is a ValueError naming it, both shapes and `what` is being initialised."""
+    with torch.no_grad():
+        for dst, name in pairs:
+            if name not in target_state:
+                raise ValueError(f"{what}: the target has no weight {name!r}")
+            if tuple(target_state[name].shape) != tuple(dst.shape):
+                raise ValueError(f"{what}: {name} is {tuple(target_state[name].shape)} in the target, "
+                                 f"{tuple(dst.shape)} in the draft; widths must match to copy layers")
+            dst.copy_(target_state[name].to(dst.dtype))
+
+
 def count_parameters(module: nn.Module, trainable_only: bool = False) -> int:
     return sum(p.numel() for p in module.parameters() if p.requires_grad or not trainable_only)

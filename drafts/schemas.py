@@ -64,7 +64,8 @@ class StandaloneSchema:
     hidden_size: int | None = None
     intermediate_size: int | None = None
     num_attention_heads: int | None = None
-    init_from_target: bool = True  # copy embeddings/norm/head and the first layers when widths match
+    init_from_target: bool = True  # copy embeddings/norm/head and target layers when widths match
+    init_target_layers: list[int] | None = None  # which target layers (negative: from the end); None = the first
     # Objective.
     loss: str = "sequence_kd"  # sequence_kd (hard CE on target tokens) | token_kd (divergence on target logits)
     divergence: str = "forward_kl"  # forward_kl | reverse_kl | jsd | tv  (train.losses.DIVERGENCES)
@@ -101,6 +102,9 @@ class EagleSchema:
     mode: str = "online"
     data: DraftDataConfig = field(default_factory=DraftDataConfig)
     fc_bias: bool = False
+    # Warm start: the decoder layer from the target's last layer, fc as the identity on the feature half
+    # (drafts.eagle.EagleDraft.init_layer_from_target); False = EAGLE's random init.
+    init_layer_from_target: bool = False
     feature_weight: float = 1.0  # EAGLE's v_w (smooth-L1 on features)
     token_weight: float = 0.1  # EAGLE's p_w (soft CE against the target's distribution)
     noise_width: float = 0.2  # uniform input-feature noise U(-w/2, w/2) while training (EAGLE)

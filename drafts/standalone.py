@@ -15,7 +15,7 @@ from typing import Any, Sequence
 import torch
 from torch import Tensor, nn
 
-from drafts.common import causal_attn_fn, count_parameters
+from drafts.common import causal_attn_fn, copy_from_target, count_parameters, target_layer_pairs
 from kernels.layers.causal_lm import CausalLM, LMShape, lm_shape_from_hf
 from kernels.layers.moe import fuse_expert_weights
 from kernels.layers.checkpoint import read_state_dict
@@ -186,27 +186,23 @@ class StandaloneDraft(CausalLM):
 
 def init_from_target(draft: StandaloneDraft, target_state: dict[str, Tensor] | str | Path, layer_ids: Sequence[int] | None = None) -> None:
     """Warm-start a standalone draft from the target: embeddings, final norm, LM head and the target layers
-    ``layer_ids`` (default: the first ``draft.num_layers``). Needs the same hidden size and layer shape;
+    ``layer_ids`` (default: the first ``draft.num_layers``; negative ids count from the target's last
+    layer). Needs the same hidden size and layer shape;
     otherwise a ValueError names both sides' values.
     """
     state = read_state_dict(target_state) if isinstance(target_state, (str, Path)) else target_state
+    num_target = 1 + max((int(k.split(".")[2]) for k in state if k.startswith("model.layers.")), default=-1)
     layer_ids = list(layer_ids) if layer_ids is not None else list(range(draft.num_layers))
+    layer_ids = [i + num_target if i < 0 else i for i in layer_ids]   # -1: the target's last layer
+    if not all(0 <= i < num_target for i in layer_ids):
+        raise ValueError(f"init_from_target: layer_ids {layer_ids} are not all target layers (it has {num_target})")
     if len(layer_ids) != draft.num_layers:
         raise ValueError(f"init_from_target: {len(layer_ids)} layer_ids for a draft of {draft.num_layers} layers")
-    mapping = {"model.embed_tokens.weight": "model.embed_tokens.weight", "model.norm.weight": "model.norm.weight"}
+    own = draft.state_dict(keep_vars=True)
+    pairs = [(own["model.embed_tokens.weight"], "model.embed_tokens.weight"),
+             (own["model.norm.weight"], "model.norm.weight")]
     if not draft.config.tie_word_embeddings:
-        mapping["lm_head.weight"] = "lm_head.weight" if "lm_head.weight" in state else "model.embed_tokens.weight"
+        pairs.append((own["lm_head.weight"], "lm_head.weight" if "lm_head.weight" in state else "model.embed_tokens.weight"))
     for dst, src in enumerate(layer_ids):
-        for name in draft.model.layers[dst].state_dict():
-            mapping[f"model.layers.{dst}.{name}"] = f"model.layers.{src}.{name}"
-    own = draft.state_dict()
-    with torch.no_grad():
-        for dst, src in mapping.items():
-            if src not in state:
-                raise ValueError(f"init_from_target: target has no weight {src!r}")
-            if tuple(state[src].shape) != tuple(own[dst].shape):
-                raise ValueError(
-                    f"init_from_target: {dst} has shape {tuple(own[dst].shape)} in the draft but "
-                    f"{tuple(state[src].shape)} in the target ({src}); widths must match to copy layers"
-                )
-            own[dst].copy_(state[src].to(own[dst].dtype))
+        pairs += target_layer_pairs(draft.model.layers[dst], src)
+    copy_from_target(pairs, state, "init_from_target")

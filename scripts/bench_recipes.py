@@ -5,9 +5,10 @@ Recipes (a recipe = the draft's objective settings + the data it trains on):
   standalone  old: sequence KD on greedy answers | new: token KD (forward KL) on the mixed greedy/T=1 answers
               against the target's full distribution (teacher=hidden: the cached final hidden through its head)
               + 0.1 hard CE | alt: the same on the stored top-16 (the previous default) | alt: TVD on the full
-              distribution | alt: on the top-16: TVD, JSD without hard CE, TVD at lr 5e-3, TVD with 2 layers
+              distribution | alt: on the top-16: TVD, JSD without hard CE, TVD at lr 5e-3, TVD with 2 layers | alt:
+              the new recipe with its layer copied from the target's last layer instead of its first
   eagle       old: feature + token loss on greedy answers | new: the same on the mixed answers | alt: token
-              weight 0.5 on the mixed answers
+              weight 0.5 on the mixed answers | alt: the layer warm-started from the target's last
   eagle3      old: TTT 2, 1024-token vocabulary, greedy answers | new: TTT 4, equal step weights, vocabulary
               covering 99% of the answer tokens, lr 5e-3, mixed answers | alt: step weights 0.8^j at lr 2e-3
               (the previous default) | alt: 0.8^j at lr 5e-3 | alt: 95% coverage | alt: the full vocabulary
@@ -69,11 +70,15 @@ def recipes(target_vocab: int) -> list[Recipe]:
                {"divergence": "jsd", "hard_weight": 0.0, "teacher": "topk"}),
         Recipe("standalone", "alt-tv-lr", "TVD top-k + 0.1 CE, lr 5e-3", {"divergence": "tv", "teacher": "topk"},
                train={"lr": 5.0e-3}),
+        Recipe("standalone", "alt-last", "the profile's recipe, its layer copied from the target's last (not first)",
+               {"init_target_layers": [-1]}),
         Recipe("standalone", "alt-tv-2l", "TVD top-k + 0.1 CE, 2 layers (costlier steps and rounds)",
                {"divergence": "tv", "teacher": "topk", "num_layers": 2}),
         Recipe("eagle", "old", "feature + token loss, greedy data", {}, GREEDY),
         Recipe("eagle", "new", "feature + token loss, mixed data", {}),
         Recipe("eagle", "alt-tok0.5", "token weight 0.5, mixed data", {"token_weight": 0.5}),
+        Recipe("eagle", "alt-warm", "decoder layer from the target's last, fc the identity on the feature half",
+               {"init_layer_from_target": True}),
         Recipe("eagle3", "old", f"TTT 2, vocab {old_vocab}, greedy data",
                {"ttt_steps": 2, "draft_vocab_size": old_vocab, "draft_vocab_coverage": None}, GREEDY),
         Recipe("eagle3", "new", "profile's TTT (embedded 4), step weights (1.0), vocab coverage (0.99), lr", {}),

@@ -78,8 +78,32 @@ def test_standalone_from_target_config_and_init_from_target(target):
     assert torch.equal(sd["model.layers.1.mlp.up_proj.weight"], td["model.layers.3.mlp.up_proj.weight"])
     narrow = StandaloneDraft.from_target_config(target.config, num_layers=1, hidden_size=32)
     assert narrow.config.decoder.num_attention_heads == 2 and narrow.config.decoder.head_dim == 16
-    with pytest.raises(ValueError, match=r"\(128, 32\).*\(128, 64\)"):
+    with pytest.raises(ValueError, match=r"\(128, 64\) in the target, \(128, 32\) in the draft"):
         init_from_target(narrow, target.state_dict())
+
+
+def test_standalone_init_counts_negative_layer_ids_from_the_target_s_last(target):
+    draft = StandaloneDraft(StandaloneConfig.from_target_config(target.config, num_layers=1))
+    init_from_target(draft, target.state_dict(), layer_ids=[-1])
+    assert torch.equal(draft.state_dict()["model.layers.0.self_attn.q_proj.weight"],
+                       target.state_dict()[f"model.layers.{L - 1}.self_attn.q_proj.weight"])
+    with pytest.raises(ValueError, match=r"layer_ids \[4\] are not all target layers \(it has 4\)"):
+        init_from_target(draft, target.state_dict(), layer_ids=[L])
+
+
+def test_eagle_layer_warm_start_takes_the_target_s_last_layer_and_passes_the_feature_through_fc(target):
+    """init_layer_from_target: the decoder layer's weights are the target's last layer's (no input norm to
+    take), and fc maps [emb ; f] to f, so the untrained draft runs that layer on the feature it is given."""
+    draft = EagleDraft.from_target_config(target.config).eval()
+    td = target.state_dict()
+    draft.init_layer_from_target(td)
+    for name, tensor in draft.layers[0].state_dict().items():
+        assert torch.equal(tensor, td[f"model.layers.{L - 1}.{name}"]), name
+    assert "input_layernorm.weight" not in draft.layers[0].state_dict()
+    e, f = torch.randn(3, D), torch.randn(3, D)
+    torch.testing.assert_close(draft.fc(torch.cat([e, f], dim=-1)), f)
+    with pytest.raises(ValueError, match=r"EAGLE init: layer_id 9 is not a target layer \(the target has 4\)"):
+        draft.init_layer_from_target(td, layer_id=9)
 
 
 # ------------------------------------------------------------------------------------------------ medusa

@@ -114,7 +114,8 @@ def build_draft(kind: str, dcfg: Any, target_dir: Path, train_set: DistillDatase
         draft = StandaloneDraft.from_target_config(target_cfg, num_layers=dcfg.num_layers, **arch)
         if dcfg.init_from_target:
             try:
-                init_from_target(draft, target_dir)
+                layers = dcfg.get("init_target_layers")
+                init_from_target(draft, target_dir, list(layers) if layers is not None else None)
             except ValueError as err:  # other width than the target: nothing to copy, train from scratch
                 log_event(stage="distill", init_from_target="skipped", reason=str(err)[:120])
         return draft
@@ -130,6 +131,10 @@ def build_draft(kind: str, dcfg: Any, target_dir: Path, train_set: DistillDatase
 
         draft = EagleDraft.from_target_config(target_cfg, fc_bias=dcfg.fc_bias)
         draft.init_from_target(embed, lm_head)
+        if dcfg.get("init_layer_from_target"):
+            from kernels.layers.checkpoint import read_state_dict
+
+            draft.init_layer_from_target(read_state_dict(target_dir))
         return draft
     if kind == "block":
         from drafts.block import BlockDraft
