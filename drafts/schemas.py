@@ -121,6 +121,7 @@ class Eagle3Schema:
     draft_vocab_size: int | None = None  # None = the target's vocabulary; else the most frequent tokens
     draft_vocab_coverage: float | None = None  # with draft_vocab_size null: smallest vocab covering this share of answer tokens
     ttt_steps: int = 3  # training-time-test unroll length (at least the largest K the eval drafts)
+    init_layer_from_target: bool = False  # warm start from the target's last layer (Eagle3Draft.init_layer_from_target)
     step_weight_decay: float = 0.8  # step j loss weight = decay ** j
     noise_width: float = 0.0
     eval_steps: int = 4

@@ -86,6 +86,8 @@ def recipes(target_vocab: int) -> list[Recipe]:
                {"step_weight_decay": 0.8}, train={"lr": 2.0e-3}),
         Recipe("eagle3", "alt-lr", "TTT 4, 99% vocab, step weights 0.8^j, lr 5e-3", {"step_weight_decay": 0.8},
                train={"lr": 5.0e-3}),
+        Recipe("eagle3", "alt-warm", "the new recipe, its layer warm-started from the target's last",
+               {"init_layer_from_target": True}),
         Recipe("eagle3", "alt-cov0.95", "TTT 4, vocab by 95% coverage, mixed data", {"draft_vocab_coverage": 0.95}),
         Recipe("eagle3", "alt-fullvocab", "TTT 4, full vocab, mixed data",
                {"draft_vocab_size": None, "draft_vocab_coverage": None}),

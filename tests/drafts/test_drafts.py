@@ -106,6 +106,24 @@ def test_eagle_layer_warm_start_takes_the_target_s_last_layer_and_passes_the_fea
         draft.init_layer_from_target(td, layer_id=9)
 
 
+def test_eagle3_layer_warm_start_reads_the_hidden_half_with_the_target_s_last_layer(target):
+    """init_layer_from_target: MLP, o_proj and norms are the target's; q/k/v carry the target's weights on
+    the hidden half of their 2d input and zero on the embedding half; fc passes the last aux layer through."""
+    draft = Eagle3Draft.from_target_config(target.config).eval()
+    td = target.state_dict()
+    draft.init_layer_from_target(td)
+    mid, last = draft.midlayer.state_dict(), f"model.layers.{L - 1}"
+    for name in ("mlp.down_proj.weight", "self_attn.o_proj.weight", "post_attention_layernorm.weight",
+                 "input_layernorm.weight"):
+        assert torch.equal(mid[name], td[f"{last}.{name}"]), name
+    assert torch.equal(mid["hidden_norm.weight"], td[f"{last}.input_layernorm.weight"])
+    assert torch.equal(mid["self_attn.q_proj.weight"][:, D:], td[f"{last}.self_attn.q_proj.weight"])
+    assert not mid["self_attn.k_proj.weight"][:, :D].any()
+    assert torch.equal(draft.norm.weight, td["model.norm.weight"])
+    aux = torch.randn(2, 3 * D)
+    torch.testing.assert_close(draft.fuse(aux), aux[:, 2 * D:])
+
+
 # ------------------------------------------------------------------------------------------------ medusa
 
 

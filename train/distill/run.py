@@ -158,6 +158,10 @@ def build_draft(kind: str, dcfg: Any, target_dir: Path, train_set: DistillDatase
     if size is not None:
         draft.set_vocab_map(*build_reduced_vocab(counts, size))
     draft.init_from_target(embed, lm_head)
+    if dcfg.get("init_layer_from_target"):
+        from kernels.layers.checkpoint import read_state_dict
+
+        draft.init_layer_from_target(read_state_dict(target_dir))
     draft.vocab_coverage = coverage  # share of training answer tokens the draft vocabulary holds (exported)
     log_event(stage="distill", kind="eagle3", draft_vocab=size or int(target_cfg["vocab_size"]),
               target_vocab=int(target_cfg["vocab_size"]), vocab_coverage=round(coverage, 4))
