@@ -30,6 +30,7 @@ import yaml
 from drafts.files import atomic_write_text
 from serve_eval.eval.report import BASELINE_METHOD, ResultRow
 from serve_eval.speculative.metrics import DEFAULT_DOMAIN, break_even_alpha
+from serve_eval.speculative.policy import SEED_MIN_ALPHA
 
 RECOMMENDATIONS_SCHEMA_VERSION = 3  # 3: choices name their proposer kind and draft dtype
 READABLE_SCHEMA_VERSIONS = (2, 3)  # a v2 file reads as v3 with kind and dtype unset (the method's own)
@@ -181,6 +182,14 @@ class _Candidate:
             return f"{r.method} K={r.K}: speed-up {_described(r.speedup, r.speedup_ci)} < {t.min_speedup:g}"
         return None
 
+    def fallback_bar(self, t: Thresholds) -> float:
+        """The live alpha below which this candidate stops paying: its break-even at the speed-up's lower
+        bound (the bound that enabled it), never below min_alpha. A row without tau (one the engine did
+        not count rounds for) assumes full chains of K."""
+        r = self.row
+        tau = r.tau if r.tau is not None else 1 + r.K * r.alpha
+        return round(max(t.min_alpha, break_even_alpha(r.alpha, tau, self.speedup_low)), 3)
+
     def sort_key(self) -> tuple:
         # Best lower speed-up bound; ties -> higher alpha, then smaller K (less wasted draft work), then name.
         return (-self.speedup_low, -self.alpha_low, self.row.K, self.row.method)
@@ -206,8 +215,7 @@ def _off(t: Thresholds, temperature: float, reason: str, best: _Candidate | None
 def _on(t: Thresholds, c: _Candidate, drafts: dict[str, DraftRoute], reason: str) -> DomainChoice:
     r = c.row
     route = drafts.get(r.method, DraftRoute(None))
-    bar = round(max(t.min_alpha, break_even_alpha(r.K, r.alpha, r.speedup)), 3)
-    return DomainChoice(True, r.method, r.K, r.temperature, route.path, BASELINE_METHOD, bar,
+    return DomainChoice(True, r.method, r.K, r.temperature, route.path, BASELINE_METHOD, c.fallback_bar(t),
                         r.alpha, c.alpha_low, r.speedup, c.speedup_low, reason, route.kind, route.dtype)
 
 
@@ -242,8 +250,11 @@ def _default_choice(results: list[ResultRow], domains: list[str], temperature: f
         return _off(thresholds, temperature, "no (method, K) passes the thresholds in every measured domain")
     worst, _, cs = max(safe, key=lambda s: (s[0], -s[1][1], s[1][0]))
     weakest = min(cs, key=lambda c: c.speedup_low)
-    return _on(thresholds, weakest, drafts, f"passes in all {len(domains)} domains; worst-case speed-up lower "
-                                            f"bound {worst:.2f}x")
+    choice = _on(thresholds, weakest, drafts, f"passes in all {len(domains)} domains; worst-case speed-up lower "
+                                              f"bound {worst:.2f}x")
+    # an unseen domain may be any of them: fall back where the least forgiving one would stop paying
+    choice.fallback_below_alpha = max(c.fallback_bar(thresholds) for c in cs)
+    return choice
 
 
 def recommend(results: list[ResultRow], thresholds: Thresholds | None = None,
@@ -315,6 +326,7 @@ def policy_for_method(results: list[ResultRow], method: str, thresholds: Thresho
     default_k = default.K if default.speculate else min(k_by_domain.values(), default=1)
     return PolicySnippet(
         {"num_speculative_tokens": default_k, "k_by_domain": k_by_domain, "fallback": True,
-         "min_alpha": default.fallback_below_alpha if default.speculate else thresholds.min_alpha,
+         # unseen domains: the default's bar, or, with no safe default, the seed's rule of thumb
+         "min_alpha": default.fallback_below_alpha if default.speculate else SEED_MIN_ALPHA,
          "min_alpha_by_domain": {d: c.fallback_below_alpha for d, c in picked.items() if c.speculate}},
         sorted(d for d, c in picked.items() if not c.speculate), default.speculate)

@@ -123,7 +123,8 @@ def _recommendations_md(recs: dict[str, Any]) -> list[str]:
     thresholds = recs.get("thresholds", {})
     lines = ["## Recommendations", "",
              f"Per domain and temperature; speculation is disabled where the lower end of the 95% interval of "
-             f"the speed-up is < {thresholds.get('min_speedup', '?')} or of alpha < {thresholds.get('min_alpha', '?')}. "
+             f"the speed-up is < {thresholds.get('min_speedup', '?')}"
+             + (f" or of alpha < {thresholds['min_alpha']}" if thresholds.get("min_alpha") else "") + ". "
              "A server loading the file falls back to direct decoding where live alpha drops below the choice's "
              "break-even alpha (where its measured speed-up would reach 1).", ""]
     lines += _table(["domain", "T", "speculate", "method", "K", "alpha (low)", "speed-up (low)",

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from drafts.kinds import KIND_NAMES
 from serve_eval.speculative.batch_gate import BatchGateConfig
+from serve_eval.speculative.metrics import DEFAULT_DOMAIN
 from serve_eval.speculative.policy import SpecPolicyConfig
 from serve_eval.speculative.proposers.registry import proposer_class, proposer_methods
 from serve_eval.speculative.tree import TreeShape, check_node_budget
@@ -97,9 +98,11 @@ class SpecConfig:
             raise ValueError(f"draft_dtype must be float32/bfloat16/float16 or None, got {self.draft_dtype!r}")
         if self.draft_num_blocks is not None and self.draft_num_blocks <= 0:
             raise ValueError(f"draft_num_blocks must be > 0, got {self.draft_num_blocks}")
-        policy = self.policy or SpecPolicyConfig()
-        # Routed: each domain falls back below its recommended draft's measured break-even alpha, unless the
-        # caller's policy names a bar for it.
+        # Routed: each domain falls back below its recommended draft's measured break-even alpha (unseen
+        # domains below the default choice's, as the global bar, unless the caller gave a policy), and a
+        # bar the caller's policy names for a domain wins.
+        default_bar = fallback_bars.pop(DEFAULT_DOMAIN, None)
+        policy = self.policy or SpecPolicyConfig(**({} if default_bar is None else {"min_alpha": default_bar}))
         self.policy = replace(policy, num_speculative_tokens=self.num_speculative_tokens,
                               min_alpha_by_domain={**fallback_bars, **policy.min_alpha_by_domain})
         if not isinstance(self.batch_gate, BatchGateConfig):

@@ -34,13 +34,17 @@ def expected_speedup(k: int, beta: float, cost_ratio: float) -> float:
     return tokens / (1 + k * cost_ratio)
 
 
-def break_even_alpha(k: int, alpha: float, speedup: float) -> float:
-    """The alpha at which a draft measured at (K, alpha, speed-up) stops paying: a round's cost is fixed by
-    the draft and the verify forward, so the speed-up scales with tokens per round, 1 + K alpha (the seed
-    formula's numerator); it reaches 1 where 1 + K alpha' = (1 + K alpha) / speedup. Clamped to [0, 1]."""
-    if k < 1 or speedup <= 0:
-        raise ValueError(f"break_even_alpha needs K >= 1 and speedup > 0, got K={k}, speedup={speedup}")
-    return min(1.0, max(0.0, ((1 + k * alpha) / speedup - 1) / k))
+def break_even_alpha(alpha: float, tau: float, speedup: float) -> float:
+    """The alpha at which a draft measured at (alpha, tau, speed-up) stops paying. A round's cost is fixed by
+    the draft and the verify forward, so the speed-up scales with tokens per round, tau = 1 + n alpha (n:
+    draft tokens proposed per round, K for full chains; fewer for n-gram misses and rounds cut at
+    max_tokens, hence n = (tau - 1) / alpha rather than K). It reaches 1 where 1 + n alpha' = tau / speedup,
+    so alpha' = alpha (tau / speedup - 1) / (tau - 1). Clamped to [0, 1]; 0 where nothing was accepted."""
+    if speedup <= 0 or tau < 1:
+        raise ValueError(f"break_even_alpha needs speedup > 0 and tau >= 1, got speedup={speedup}, tau={tau}")
+    if tau == 1 or alpha <= 0:
+        return 0.0
+    return min(1.0, max(0.0, alpha * (tau / speedup - 1) / (tau - 1)))
 
 
 def simulated_tau(position_accuracies: Sequence[float]) -> float:

@@ -25,12 +25,15 @@ from dataclasses import dataclass, field
 from serve_eval.speculative.metrics import DEFAULT_DOMAIN, expected_speedup
 
 
+SEED_MIN_ALPHA = 0.5  # the seed's "disable speculation below alpha ~0.5", where no measured bar exists
+
+
 @dataclass
 class SpecPolicyConfig:
     num_speculative_tokens: int = 4  # K for domains not in k_by_domain
     k_by_domain: dict[str, int] = field(default_factory=dict)
     fallback: bool = True
-    min_alpha: float = 0.5
+    min_alpha: float = SEED_MIN_ALPHA
     min_alpha_by_domain: dict[str, float] = field(default_factory=dict)
     window_rounds: int = 32  # running alpha is measured over this many recent rounds
     min_rounds: int = 32  # rounds since (re)enabling before fallback may switch a domain off

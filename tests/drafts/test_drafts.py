@@ -91,11 +91,18 @@ def test_standalone_init_counts_negative_layer_ids_from_the_target_s_last(target
         init_from_target(draft, target.state_dict(), layer_ids=[L])
 
 
+def distinct_norms(state: dict) -> dict:
+    """The target's weights with random norm weights (a fresh draft's norms are ones, as the tiny target's
+    are, so a norm copy would otherwise pass unseen)."""
+    gen = torch.Generator().manual_seed(0)
+    return {k: (torch.rand(v.shape, generator=gen) + 0.5 if "norm" in k else v.clone()) for k, v in state.items()}
+
+
 def test_eagle_layer_warm_start_takes_the_target_s_last_layer_and_passes_the_feature_through_fc(target):
     """init_layer_from_target: the decoder layer's weights are the target's last layer's (no input norm to
     take), and fc maps [emb ; f] to f, so the untrained draft runs that layer on the feature it is given."""
     draft = EagleDraft.from_target_config(target.config).eval()
-    td = target.state_dict()
+    td = distinct_norms(target.state_dict())
     draft.init_layer_from_target(td)
     for name, tensor in draft.layers[0].state_dict().items():
         assert torch.equal(tensor, td[f"model.layers.{L - 1}.{name}"]), name
@@ -110,15 +117,16 @@ def test_eagle3_layer_warm_start_reads_the_hidden_half_with_the_target_s_last_la
     """init_layer_from_target: MLP, o_proj and norms are the target's; q/k/v carry the target's weights on
     the hidden half of their 2d input and zero on the embedding half; fc passes the last aux layer through."""
     draft = Eagle3Draft.from_target_config(target.config).eval()
-    td = target.state_dict()
+    td = distinct_norms(target.state_dict())
     draft.init_layer_from_target(td)
     mid, last = draft.midlayer.state_dict(), f"model.layers.{L - 1}"
-    for name in ("mlp.down_proj.weight", "self_attn.o_proj.weight", "post_attention_layernorm.weight",
-                 "input_layernorm.weight"):
+    for name in ("mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight", "self_attn.o_proj.weight",
+                 "post_attention_layernorm.weight", "input_layernorm.weight"):
         assert torch.equal(mid[name], td[f"{last}.{name}"]), name
     assert torch.equal(mid["hidden_norm.weight"], td[f"{last}.input_layernorm.weight"])
-    assert torch.equal(mid["self_attn.q_proj.weight"][:, D:], td[f"{last}.self_attn.q_proj.weight"])
-    assert not mid["self_attn.k_proj.weight"][:, :D].any()
+    for p in "qkv":
+        assert torch.equal(mid[f"self_attn.{p}_proj.weight"][:, D:], td[f"{last}.self_attn.{p}_proj.weight"])
+        assert not mid[f"self_attn.{p}_proj.weight"][:, :D].any()
     assert torch.equal(draft.norm.weight, td["model.norm.weight"])
     aux = torch.randn(2, 3 * D)
     torch.testing.assert_close(draft.fuse(aux), aux[:, 2 * D:])

@@ -112,9 +112,17 @@ def build_draft(kind: str, dcfg: Any, target_dir: Path, train_set: DistillDatase
 
         arch = {k: dcfg[k] for k in ("hidden_size", "intermediate_size", "num_attention_heads") if dcfg[k] is not None}
         draft = StandaloneDraft.from_target_config(target_cfg, num_layers=dcfg.num_layers, **arch)
+        layers = dcfg.get("init_target_layers")
+        if layers is not None:   # a wrong id or count is the user's error, not a width mismatch to skip
+            from kernels.layers.config import hf_config_dict
+
+            num_target = int(hf_config_dict(target_cfg)["num_hidden_layers"])
+            bad = [i for i in layers if not -num_target <= int(i) < num_target]
+            if len(layers) != draft.num_layers or bad:
+                raise ValueError(f"draft.init_target_layers: {list(layers)} must name {draft.num_layers} of the "
+                                 f"target's {num_target} layers (negative from the end)")
         if dcfg.init_from_target:
             try:
-                layers = dcfg.get("init_target_layers")
                 init_from_target(draft, target_dir, list(layers) if layers is not None else None)
             except ValueError as err:  # other width than the target: nothing to copy, train from scratch
                 log_event(stage="distill", init_from_target="skipped", reason=str(err)[:120])

@@ -54,20 +54,34 @@ def test_by_default_the_measured_speedup_decides_and_the_break_even_alpha_is_the
     assert code.fallback_below_alpha == pytest.approx((3.1 / 1.8 - 1) / 3, abs=1e-3)
     assert math.fallback_below_alpha == pytest.approx((2.8 / 2.0 - 1) / 4, abs=1e-3)
     assert all(c.fallback_below_alpha < c.alpha for c in (code, chat, math))
-    # unseen domains: eagle K=3 passes in all three; it carries its weakest domain's (chat's) bar
+    # unseen domains: eagle K=3 passes in all three; it falls back at the least forgiving domain's bar
+    # (math: alpha 0.6 at 1.3x breaks even at (2.8 / 1.3 - 1) / 3 = 0.385, above chat's 0.379)
+    [default] = recs.default
+    assert (default.method, default.K, default.fallback_below_alpha) == ("eagle", 3, 0.385)
     assert recs.fallback_bars() == {"code": code.fallback_below_alpha, "chat": chat.fallback_below_alpha,
-                                    "math": math.fallback_below_alpha, "default": chat.fallback_below_alpha}
+                                    "math": math.fallback_below_alpha, "default": 0.385}
+
+
+def test_the_fallback_bar_comes_from_the_speedup_s_lower_bound_and_the_measured_tau():
+    """The bound that enabled a choice sets its bar (1.15x with a lower end of 1.0: at alpha 0.5, K=4, it
+    stops paying at once), and tau counts the draft tokens really proposed (n-gram misses propose fewer)."""
+    low = choose_for_cell([r("d", "eagle", 4, 0.5, 1.15, speedup_ci=[1.0, 1.3])], 0.0, Thresholds())
+    assert low.speculate and low.fallback_below_alpha == 0.5
+    row = r("d", "ngram", 4, 0.5, 1.5)
+    row.tau = 1.5                      # one draft token per round on average, not 4
+    assert choose_for_cell([row], 0.0, Thresholds()).fallback_below_alpha == 0.0   # 1.5 / 1.5 = 1 token/round
 
 
 def test_break_even_alpha_by_hand_and_at_its_ends():
     from serve_eval.speculative.metrics import break_even_alpha
 
-    assert break_even_alpha(4, 0.5, 1.5) == pytest.approx((3.0 / 1.5 - 1) / 4)
-    assert break_even_alpha(4, 0.5, 1.0) == pytest.approx(0.5)       # paying nothing: any drop stops it
-    assert break_even_alpha(2, 0.1, 5.0) == 0.0                      # pays even at alpha 0
-    assert break_even_alpha(2, 0.9, 0.1) == 1.0                      # never pays
-    with pytest.raises(ValueError, match="K >= 1"):
-        break_even_alpha(0, 0.5, 1.2)
+    assert break_even_alpha(0.5, 3.0, 1.5) == pytest.approx((3.0 / 1.5 - 1) / 4)   # K=4 full chains
+    assert break_even_alpha(0.5, 3.0, 1.0) == pytest.approx(0.5)     # paying nothing: any drop stops it
+    assert break_even_alpha(0.1, 1.2, 5.0) == 0.0                    # pays even at alpha 0
+    assert break_even_alpha(0.9, 2.8, 0.1) == 1.0                    # never pays
+    assert break_even_alpha(0.0, 1.0, 0.9) == 0.0                    # nothing accepted: no bar to derive
+    with pytest.raises(ValueError, match="tau >= 1"):
+        break_even_alpha(0.5, 0.5, 1.2)
 
 
 def test_speedup_below_one_disables():
@@ -171,6 +185,21 @@ def test_choice_passes_thresholds_and_is_best(rows):
             assert passing[(choice.method, choice.K)] == pytest.approx(max(passing.values()))
 
 
+@settings(max_examples=150, deadline=None)
+@given(rows=st.lists(row_strategy, min_size=1, max_size=12, unique_by=lambda x: (x.method, x.K, x.temperature)))
+def test_by_default_an_enabled_choice_pays_and_falls_back_between_zero_and_its_alpha(rows):
+    """Default thresholds: enabled exactly where some candidate measured a speed-up >= 1 (the best one), and
+    its fallback bar lies in [0, its alpha]: at its own alpha it still pays."""
+    recs = recommend(rows)
+    for choice in recs.domains["d"]:
+        here = [x for x in rows if x.temperature == choice.temperature]
+        passing = {(x.method, x.K): x.speedup for x in here if x.speedup >= 1.0}
+        assert choice.speculate == bool(passing)
+        if passing:
+            assert passing[(choice.method, choice.K)] == pytest.approx(max(passing.values()))
+            assert 0.0 <= choice.fallback_below_alpha <= choice.alpha + 1e-3
+
+
 def test_policy_for_one_method_fits_the_engine_policy_config():
     """For a server running EAGLE: per-domain K where EAGLE passes, the rest listed as disabled, and the
     policy keys construct the engine's SpecPolicyConfig."""
@@ -183,3 +212,17 @@ def test_policy_for_one_method_fits_the_engine_policy_config():
     assert config.k_by_domain == {"code": 3, "math": 3} and config.min_alpha == 0.5
     with pytest.raises(ValueError, match="no results for method 'medusa'"):
         policy_for_method(SCRIPTED, "medusa")
+
+
+def test_policy_for_one_method_by_default_carries_each_domain_s_break_even():
+    """Default thresholds: EAGLE speculates in every domain (each measured >= 1x), each falling back at its
+    own break-even; unseen domains at the default's bar; without a safe default, the seed's 0.5."""
+    from serve_eval.speculative.policy import SpecPolicyConfig
+
+    snippet = policy_for_method(SCRIPTED, "eagle")
+    config = SpecPolicyConfig(**snippet.policy)
+    assert config.k_by_domain == {"chat": 3, "code": 3, "math": 3} and snippet.default_speculate
+    assert config.min_alpha_by_domain["chat"] == pytest.approx((2.35 / 1.1 - 1) / 3, abs=1e-3)
+    assert config.min_alpha == 0.385
+    slow = [r("a", "eagle", 3, 0.7, 1.5), r("b", "eagle", 3, 0.7, 0.9)]
+    assert policy_for_method(slow, "eagle").policy["min_alpha"] == 0.5

@@ -49,9 +49,13 @@ def test_a_routed_config_falls_back_below_each_domain_s_break_even(tmp_path):
     recs = Recommendations(Thresholds(), [on(2, 0.0, 0.3)], {"chat": [on(3, 0.0, 0.25), on(2, 1.0, 0.1)],
                                                              "prose": [DomainChoice(False, "no-spec", 0, 0.0)]})
     path = str(write_recommendations(recs, tmp_path / "recommendations.yaml"))
-    assert SpecConfig("routed", routes=path).policy.min_alpha_by_domain == {"chat": 0.1, "default": 0.3}
-    mine = SpecConfig("routed", routes=path, policy=SpecPolicyConfig(min_alpha_by_domain={"chat": 0.4}))
-    assert mine.policy.min_alpha_by_domain == {"chat": 0.4, "default": 0.3}
+    from serve_eval.speculative.policy import SpecPolicy
+
+    routed = SpecPolicy(SpecConfig("routed", routes=path).policy)
+    assert routed.config.min_alpha_by_domain == {"chat": 0.1}
+    assert (routed.min_alpha("chat"), routed.min_alpha("unseen"), routed.min_alpha(None)) == (0.1, 0.3, 0.3)
+    mine = SpecConfig("routed", routes=path, policy=SpecPolicyConfig(min_alpha=0.6, min_alpha_by_domain={"chat": 0.4}))
+    assert mine.policy.min_alpha_by_domain == {"chat": 0.4} and mine.policy.min_alpha == 0.6
 
 
 def test_a_sampled_request_follows_the_temperature_choice(tmp_path):
