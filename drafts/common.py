@@ -156,6 +156,18 @@ def unroll_ttt(
 # ------------------------------------------------------------------------------------------------ helpers
 
 
+def target_layers(target_state: dict[str, Tensor], layer_ids: list[int], what: str, count: int | None = None) -> list[int]:
+    """`layer_ids` as indices of the target's decoder layers (negative ids count from its last), checked to
+    exist (and to be `count` of them): a ValueError names them as given, the target's depth and `what`."""
+    num_target = 1 + max((int(k.split(".")[2]) for k in target_state if k.startswith("model.layers.")), default=-1)
+    resolved = [i + num_target if i < 0 else i for i in layer_ids]
+    if not all(0 <= i < num_target for i in resolved) or (count is not None and len(resolved) != count):
+        need = "" if count is None else f"{count} of "
+        raise ValueError(f"{what}: layer ids {list(layer_ids)} must name {need}the target's {num_target} layers "
+                         "(negative from the end)")
+    return resolved
+
+
 def target_layer_pairs(layer: nn.Module, target_layer: int, prefix: str = "model.layers") -> list[tuple[Tensor, str]]:
     """(draft tensor, target weight name) for every weight of a draft decoder `layer` taken from the target's
     layer `target_layer`: the names match because both are kernels.layers DecoderLayers. A weight the draft

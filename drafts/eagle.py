@@ -19,7 +19,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from drafts.common import causal_attn_fn, copy_from_target, count_parameters, target_layer_pairs, unroll_ttt
+from drafts.common import (causal_attn_fn, copy_from_target, count_parameters, target_layer_pairs, target_layers,
+                           unroll_ttt)
 from kernels.layers.config import DecoderConfig, hf_config_dict
 from kernels.layers.decoder import AttnFn, DecoderLayer, run_layer
 from kernels.layers.linear import Linear
@@ -89,13 +90,10 @@ class EagleDraft(nn.Module):
                 dst.copy_(src.to(dst.dtype))
 
     def init_layer_from_target(self, target_state: dict[str, Tensor], layer_id: int | None = None) -> None:
-        """Warm-start the decoder layer from target layer `layer_id` (default: its last; EAGLE's layer has no
+        """Warm-start the decoder layer from target layer `layer_id` (default: its last; negative from the end; EAGLE's layer has no
         input norm, so that weight is not taken) and `fc` as the identity on the feature half and zero on the
         embedding half, so the untrained draft applies the target's last layer to the feature it is given."""
-        num_target = 1 + max((int(k.split(".")[2]) for k in target_state if k.startswith("model.layers.")), default=-1)
-        src = num_target - 1 if layer_id is None else layer_id
-        if not 0 <= src < num_target:
-            raise ValueError(f"EAGLE init: layer_id {src} is not a target layer (the target has {num_target})")
+        [src] = target_layers(target_state, [-1 if layer_id is None else layer_id], "EAGLE init")
         copy_from_target(target_layer_pairs(self.layers[0], src), target_state, "EAGLE init")
         d = self.config.hidden_size
         with torch.no_grad():

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from drafts.common import causal_attn_fn, copy_from_target, count_parameters, unroll_ttt
+from drafts.common import causal_attn_fn, copy_from_target, count_parameters, target_layers, unroll_ttt
 from kernels.layers.config import DecoderConfig, hf_config_dict
 from kernels.layers.decoder import AttnFn, DecoderLayer, mlp_residual, run_layer
 from kernels.layers.linear import Linear
@@ -169,14 +169,12 @@ class Eagle3Draft(nn.Module):
                 self.lm_head.weight.copy_(lm_head[self.draft_to_target_ids(torch.arange(self.config.draft_vocab_size))].to(self.lm_head.weight.dtype))
 
     def init_layer_from_target(self, target_state: dict[str, Tensor], layer_id: int | None = None) -> None:
-        """Warm-start the mid layer from target layer `layer_id` (default: its last) and `norm` from the final
+        """Warm-start the mid layer from target layer `layer_id` (default: its last; negative from the end) and `norm` from the final
         norm. The attention reads [norm(emb) ; norm(hidden)] (2d): q/k/v take the target's weights on the hidden
         half and zero on the embedding half, both norms the target layer's input norm; `fc` passes the last
-        aux layer through, so the untrained draft runs the target's last layer on that feature."""
-        num_target = 1 + max((int(k.split(".")[2]) for k in target_state if k.startswith("model.layers.")), default=-1)
-        src = num_target - 1 if layer_id is None else layer_id
-        if not 0 <= src < num_target:
-            raise ValueError(f"EAGLE-3 init: layer_id {src} is not a target layer (the target has {num_target})")
+        aux layer through, so the untrained draft runs the target's last layer on that feature (with
+        norm_before_residual, on its normed form)."""
+        [src] = target_layers(target_state, [-1 if layer_id is None else layer_id], "EAGLE-3 init")
         layer, d = self.midlayer, self.config.hidden_size
         if self.config.target_hidden_size != d:
             raise ValueError(f"EAGLE-3 init: the draft width {d} differs from the target's "

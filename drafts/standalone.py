@@ -15,7 +15,7 @@ from typing import Any, Sequence
 import torch
 from torch import Tensor, nn
 
-from drafts.common import causal_attn_fn, copy_from_target, count_parameters, target_layer_pairs
+from drafts.common import causal_attn_fn, copy_from_target, count_parameters, target_layer_pairs, target_layers
 from kernels.layers.causal_lm import CausalLM, LMShape, lm_shape_from_hf
 from kernels.layers.moe import fuse_expert_weights
 from kernels.layers.checkpoint import read_state_dict
@@ -191,13 +191,8 @@ def init_from_target(draft: StandaloneDraft, target_state: dict[str, Tensor] | s
     otherwise a ValueError names both sides' values.
     """
     state = read_state_dict(target_state) if isinstance(target_state, (str, Path)) else target_state
-    num_target = 1 + max((int(k.split(".")[2]) for k in state if k.startswith("model.layers.")), default=-1)
     layer_ids = list(layer_ids) if layer_ids is not None else list(range(draft.num_layers))
-    layer_ids = [i + num_target if i < 0 else i for i in layer_ids]   # -1: the target's last layer
-    if not all(0 <= i < num_target for i in layer_ids):
-        raise ValueError(f"init_from_target: layer_ids {layer_ids} are not all target layers (it has {num_target})")
-    if len(layer_ids) != draft.num_layers:
-        raise ValueError(f"init_from_target: {len(layer_ids)} layer_ids for a draft of {draft.num_layers} layers")
+    layer_ids = target_layers(state, layer_ids, "init_from_target", count=draft.num_layers)
     own = draft.state_dict(keep_vars=True)
     pairs = [(own["model.embed_tokens.weight"], "model.embed_tokens.weight"),
              (own["model.norm.weight"], "model.norm.weight")]

@@ -139,7 +139,7 @@ def test_layers_warm_start_from_the_targets_last_layers(world):
         for name, tensor in draft.layers[dst].state_dict().items():
             assert torch.equal(tensor, state[f"model.layers.{src}.{name}"]), name
     assert torch.equal(draft.norm.weight, state["model.norm.weight"])
-    with pytest.raises(ValueError, match=r"layer_ids \[3\] must name 2 target layers \(the target has 4\)"):
+    with pytest.raises(ValueError, match=r"block draft init: layer ids \[3\] must name 2 of the target's 4 layers"):
         draft.init_layers_from_target(state, layer_ids=[3])
     with pytest.raises(ValueError, match=r"the target has no weight 'model.norm.weight'"):
         draft.init_layers_from_target({k: v for k, v in state.items() if k != "model.norm.weight"})

@@ -87,7 +87,7 @@ def test_standalone_init_counts_negative_layer_ids_from_the_target_s_last(target
     init_from_target(draft, target.state_dict(), layer_ids=[-1])
     assert torch.equal(draft.state_dict()["model.layers.0.self_attn.q_proj.weight"],
                        target.state_dict()[f"model.layers.{L - 1}.self_attn.q_proj.weight"])
-    with pytest.raises(ValueError, match=r"layer_ids \[4\] are not all target layers \(it has 4\)"):
+    with pytest.raises(ValueError, match=r"init_from_target: layer ids \[4\] must name 1 of the target's 4 layers"):
         init_from_target(draft, target.state_dict(), layer_ids=[L])
 
 
@@ -109,7 +109,7 @@ def test_eagle_layer_warm_start_takes_the_target_s_last_layer_and_passes_the_fea
     assert "input_layernorm.weight" not in draft.layers[0].state_dict()
     e, f = torch.randn(3, D), torch.randn(3, D)
     torch.testing.assert_close(draft.fc(torch.cat([e, f], dim=-1)), f)
-    with pytest.raises(ValueError, match=r"EAGLE init: layer_id 9 is not a target layer \(the target has 4\)"):
+    with pytest.raises(ValueError, match=r"EAGLE init: layer ids \[9\] must name the target's 4 layers"):
         draft.init_layer_from_target(td, layer_id=9)
 
 
