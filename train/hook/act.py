@@ -38,13 +38,14 @@ def _retrain(run: HookRun, outcome: DraftOutcome, old: DraftEntry, data: Path) -
     them; the last candidate is then promoted if it holds the bar on every domain."""
     policy = run.opts.policy
     goal = {d: outcome.domains[d]["old_target"] for d in (outcome.regressed or sorted(outcome.domains))}
+    start = {d: outcome.domains[d].get("new_target") for d in goal}   # the old draft on the new target
     init_from = Path(outcome.init_from) if outcome.init_from else None
     parent, history, rounds = old, [], []
     while True:
         label = f"{old.kind}-hook-{run.stamp}" + (f"-r{len(history) + 1}" if history else "")
         cand, draft_dir, alphas, report_path = _one_round(run, outcome, old, parent, data, init_from, label)
         history.append(alphas)
-        step = rules.recovery_step(history, goal, policy)
+        step = rules.recovery_step(history, goal, policy, start)
         rounds.append({"id": cand.id, "path": str(draft_dir), "report": str(report_path), "alphas": alphas})
         if step.stop:
             break
@@ -56,6 +57,8 @@ def _retrain(run: HookRun, outcome: DraftOutcome, old: DraftEntry, data: Path) -
     outcome.candidate = {"id": cand.id, "path": str(draft_dir), "report": str(report_path),
                          "promoted": check.promote, "reason": check.reason, "bar": bar,
                          "recovery": {"rounds": len(rounds), "stopped_by": step.reason, "goal": goal,
+                                      "recovered_share": rules.recovered_share(
+                                          alphas, goal, start, [d for d in sorted(goal) if goal[d] is not None]),
                                       "history": rounds}}
 
 

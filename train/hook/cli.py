@@ -72,7 +72,8 @@ def run_hook(opts: HookOptions, collab: Collaborators, registry: Registry | None
 _HOOK_KEYS = {"hook.threshold": "regression_threshold", "hook.tolerance": "promote_tolerance",
               "hook.scope": "scope", "hook.replay_share": "replay_share",
               "hook.from_scratch": "from_scratch_on_vocab_change", "hook.max_rounds": "max_rounds",
-              "hook.recovery_tolerance": "recovery_tolerance", "hook.plateau_gain": "plateau_gain"}
+              "hook.recovery_tolerance": "recovery_tolerance", "hook.recovery_share": "recovery_share",
+              "hook.plateau_gain": "plateau_gain"}
 _COLLABORATOR_KEYS = ("hook.evaluator", "hook.regenerator", "hook.distiller", "hook.loader")
 
 

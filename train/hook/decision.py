@@ -35,17 +35,20 @@ class HookPolicy:
     replay_share: float = 0.2           # share of the other domains' prompts kept in the new data (scope=regressed)
     from_scratch_on_vocab_change: bool = False  # a new tokenizer/vocab: retrain from scratch, or stop
     # Recovery: re-distill in rounds (each warm-started from the last) until the candidate is back at the
-    # old pair's alpha within recovery_tolerance on every regressed domain, stops gaining (plateau_gain
-    # in mean alpha over a round), or max_rounds is spent.
+    # old pair's alpha within recovery_tolerance on every regressed domain, or has won back recovery_share
+    # of the alpha the update took over them (sum of gains / sum of losses: a domain the update made
+    # harder to predict may never return to its old alpha), stops gaining (plateau_gain in mean alpha over
+    # a round), or max_rounds is spent.
     max_rounds: int = 3
     recovery_tolerance: float = 0.02
+    recovery_share: float = 0.9
     plateau_gain: float = 0.01
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_rounds, int) or self.max_rounds < 1:
             raise ValueError(f"hook.max_rounds must be an int >= 1, got {self.max_rounds!r}")
         for name in ("regression_threshold", "promote_tolerance", "replay_share", "recovery_tolerance",
-                     "plateau_gain"):
+                     "recovery_share", "plateau_gain"):
             value = getattr(self, name)
             if not 0.0 <= value <= 1.0:
                 raise ValueError(f"hook.{name} must be in [0, 1] (alpha is a fraction: 5 points = 0.05), got {value}")
@@ -132,20 +135,33 @@ def data_plan(domains: Iterable[str], regressed: Iterable[str], scope: str, repl
 @dataclass(frozen=True)
 class RecoveryStep:
     stop: bool
-    reason: str        # target_reached | plateau | budget | continue
+    reason: str        # target_reached | share_reached | plateau | budget | continue
+
+
+def recovered_share(last: Mapping[str, float], goal: Mapping[str, float], start: Mapping[str, float | None],
+                    domains: list[str]) -> float | None:
+    """Share of the alpha the update took (goal - start, summed over `domains`) that `last` won back;
+    None when nothing was lost."""
+    lost = sum(goal[d] - (start.get(d) or 0.0) for d in domains)
+    won = sum((last.get(d) or 0.0) - (start.get(d) or 0.0) for d in domains)
+    return won / lost if lost > _EPS else None
 
 
 def recovery_step(history: list[Mapping[str, float]], goal: Mapping[str, float | None],
-                  policy: HookPolicy) -> RecoveryStep:
+                  policy: HookPolicy, start: Mapping[str, float | None] | None = None) -> RecoveryStep:
     """After round len(history): stop when every goal domain is within recovery_tolerance of its goal
-    (the old draft's alpha on the old target), when the last round gained less than plateau_gain in
-    mean alpha over the goal domains, or when max_rounds is spent."""
+    (the old draft's alpha on the old target); when, given `start` (the old draft's alpha on the new
+    target), the last round won back recovery_share of what the update took; when the last round gained
+    less than plateau_gain in mean alpha over the goal domains; or when max_rounds is spent."""
     if not history:
         raise ValueError("recovery_step needs at least one evaluated round")
     domains = [d for d, g in goal.items() if g is not None]
     last = history[-1]
     if all(last.get(d) is not None and last[d] >= goal[d] - policy.recovery_tolerance - _EPS for d in domains):
         return RecoveryStep(True, "target_reached")
+    share = None if start is None else recovered_share(last, goal, start, domains)
+    if share is not None and share >= policy.recovery_share - _EPS:
+        return RecoveryStep(True, "share_reached")
     if len(history) >= policy.max_rounds:
         return RecoveryStep(True, "budget")
     if len(history) >= 2 and domains:

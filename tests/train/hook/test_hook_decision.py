@@ -445,6 +445,31 @@ def test_recovery_stops_when_the_target_is_reached_it_plateaus_or_the_budget_is_
     assert steps[-1].reason == reason
 
 
+START = {"code": 0.35, "math": 0.30}   # the old draft on the new target: the update took 0.40 + 0.40
+
+
+@pytest.mark.parametrize("curve,stop_after,reason", [
+    # round 1 wins back (0.70 - 0.35 + 0.40 - 0.30) / 0.80 = 56%; round 2 (0.76 - 0.35 + 0.52 - 0.30) / 0.80
+    # = 79%; round 3 93%: math never returns to 0.70, yet 90% of what the update took is back
+    ([{"code": 0.70, "math": 0.40}, {"code": 0.76, "math": 0.52}, {"code": 0.77, "math": 0.62}], 3, "share_reached"),
+    ([{"code": 0.77, "math": 0.62}], 1, "share_reached"),
+    ([{"code": 0.70, "math": 0.40}, {"code": 0.71, "math": 0.40}], 2, "plateau"),
+])
+def test_recovery_also_stops_once_the_share_of_the_lost_alpha_is_back(curve, stop_after, reason):
+    policy = rules.HookPolicy(max_rounds=3, recovery_tolerance=0.02, recovery_share=0.9, plateau_gain=0.01)
+    steps = [rules.recovery_step(curve[:n], GOAL, policy, START) for n in range(1, len(curve) + 1)]
+    assert [s.stop for s in steps] == [False] * (stop_after - 1) + [True]
+    assert steps[-1].reason == reason
+    assert rules.recovered_share(curve[-1], GOAL, START, ["code", "math"]) == pytest.approx(
+        sum(curve[-1][d] - START[d] for d in GOAL) / 0.80)
+    assert rules.recovered_share(START, START, START, ["code"]) is None   # nothing was lost
+
+
+def test_recovery_share_outside_zero_one_is_refused():
+    with pytest.raises(ValueError, match=r"hook.recovery_share must be in \[0, 1\]"):
+        rules.HookPolicy(recovery_share=1.5)
+
+
 class CurveDistiller(FakeDistiller):
     """Each round's candidate reaches the next point of a scripted curve (on the new target)."""
 
