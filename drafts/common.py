@@ -175,6 +175,15 @@ def target_layer_pairs(layer: nn.Module, target_layer: int, prefix: str = "model
     return [(t, f"{prefix}.{target_layer}.{name}") for name, t in layer.state_dict(keep_vars=True).items()]
 
 
+def pass_through_(fc: nn.Linear, start: int) -> None:
+    """Set `fc` [d_out, d_in] to pick input columns start .. start + d_out unchanged (identity there, zero
+    elsewhere): a warm start that feeds one of the fused inputs straight through."""
+    d = fc.weight.shape[0]
+    with torch.no_grad():
+        fc.weight.zero_()
+        fc.weight[:, start:start + d].copy_(torch.eye(d, dtype=fc.weight.dtype))
+
+
 def copy_from_target(pairs: list[tuple[Tensor, str]], target_state: dict[str, Tensor], what: str) -> None:
     """Copy target weights by name into draft tensors (warm starts); a missing weight or a shape that differs
     is a ValueError naming it, both shapes and `what` is being initialised."""

@@ -19,8 +19,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from drafts.common import (causal_attn_fn, copy_from_target, count_parameters, target_layer_pairs, target_layers,
-                           unroll_ttt)
+from drafts.common import (causal_attn_fn, copy_from_target, count_parameters, pass_through_, target_layer_pairs,
+                           target_layers, unroll_ttt)
 from kernels.layers.config import DecoderConfig, hf_config_dict
 from kernels.layers.decoder import AttnFn, DecoderLayer, run_layer
 from kernels.layers.linear import Linear
@@ -95,10 +95,7 @@ class EagleDraft(nn.Module):
         embedding half, so the untrained draft applies the target's last layer to the feature it is given."""
         [src] = target_layers(target_state, [-1 if layer_id is None else layer_id], "EAGLE init")
         copy_from_target(target_layer_pairs(self.layers[0], src), target_state, "EAGLE init")
-        d = self.config.hidden_size
-        with torch.no_grad():
-            self.fc.weight.zero_()
-            self.fc.weight[:, d:].copy_(torch.eye(d, dtype=self.fc.weight.dtype))
+        pass_through_(self.fc, self.config.hidden_size)   # [emb ; f] -> f
 
     def forward(self, input_ids: Tensor, features: Tensor, positions: Tensor, attn_fn: AttnFn) -> Tensor:
         """input_ids [T] (x_{i+1}), features [T, d] (f_i or the draft's own prediction), positions [T]

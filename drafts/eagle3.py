@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from drafts.common import causal_attn_fn, copy_from_target, count_parameters, target_layers, unroll_ttt
+from drafts.common import causal_attn_fn, copy_from_target, count_parameters, pass_through_, target_layers, unroll_ttt
 from kernels.layers.config import DecoderConfig, hf_config_dict
 from kernels.layers.decoder import AttnFn, DecoderLayer, mlp_residual, run_layer
 from kernels.layers.linear import Linear
@@ -189,9 +189,7 @@ class Eagle3Draft(nn.Module):
             for name in wide:
                 own[name].zero_()
         copy_from_target(pairs, target_state, "EAGLE-3 init")
-        with torch.no_grad():
-            self.fc.weight.zero_()
-            self.fc.weight[:, 2 * d:].copy_(torch.eye(d, dtype=self.fc.weight.dtype))
+        pass_through_(self.fc, 2 * d)   # the last of the three aux layers
 
     def set_vocab_map(self, d2t: Tensor, t2d: Tensor) -> None:
         """Install a reduced vocabulary (from ``build_reduced_vocab``); shapes and consistency are checked."""

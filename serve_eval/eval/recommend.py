@@ -212,10 +212,13 @@ def _off(t: Thresholds, temperature: float, reason: str, best: _Candidate | None
                         None if r is None else r.speedup, None if best is None else best.speedup_low, reason)
 
 
-def _on(t: Thresholds, c: _Candidate, drafts: dict[str, DraftRoute], reason: str) -> DomainChoice:
+def _on(t: Thresholds, c: _Candidate, drafts: dict[str, DraftRoute], reason: str,
+        bar: float | None = None) -> DomainChoice:
+    """`c` enabled; it falls back below `bar` (None: its own break-even)."""
     r = c.row
     route = drafts.get(r.method, DraftRoute(None))
-    return DomainChoice(True, r.method, r.K, r.temperature, route.path, BASELINE_METHOD, c.fallback_bar(t),
+    bar = c.fallback_bar(t) if bar is None else bar
+    return DomainChoice(True, r.method, r.K, r.temperature, route.path, BASELINE_METHOD, bar,
                         r.alpha, c.alpha_low, r.speedup, c.speedup_low, reason, route.kind, route.dtype)
 
 
@@ -250,11 +253,9 @@ def _default_choice(results: list[ResultRow], domains: list[str], temperature: f
         return _off(thresholds, temperature, "no (method, K) passes the thresholds in every measured domain")
     worst, _, cs = max(safe, key=lambda s: (s[0], -s[1][1], s[1][0]))
     weakest = min(cs, key=lambda c: c.speedup_low)
-    choice = _on(thresholds, weakest, drafts, f"passes in all {len(domains)} domains; worst-case speed-up lower "
-                                              f"bound {worst:.2f}x")
     # an unseen domain may be any of them: fall back where the least forgiving one would stop paying
-    choice.fallback_below_alpha = max(c.fallback_bar(thresholds) for c in cs)
-    return choice
+    return _on(thresholds, weakest, drafts, f"passes in all {len(domains)} domains; worst-case speed-up lower "
+                                            f"bound {worst:.2f}x", bar=max(c.fallback_bar(thresholds) for c in cs))
 
 
 def recommend(results: list[ResultRow], thresholds: Thresholds | None = None,

@@ -103,27 +103,25 @@ def token_counts(dataset: DistillDataset, vocab_size: int) -> torch.Tensor:
 
 
 def build_draft(kind: str, dcfg: Any, target_dir: Path, train_set: DistillDataset) -> nn.Module:
-    from kernels.layers.checkpoint import load_target_embed_and_head
+    from kernels.layers.checkpoint import load_target_embed_and_head, read_state_dict
 
     target_cfg = json.loads((target_dir / "config.json").read_text())
     embed, lm_head = load_target_embed_and_head(target_dir)
     if kind == "standalone":
+        from drafts.common import target_layers
         from drafts.standalone import StandaloneDraft, init_from_target
 
         arch = {k: dcfg[k] for k in ("hidden_size", "intermediate_size", "num_attention_heads") if dcfg[k] is not None}
         draft = StandaloneDraft.from_target_config(target_cfg, num_layers=dcfg.num_layers, **arch)
         layers = dcfg.get("init_target_layers")
+        if layers is None and not dcfg.init_from_target:
+            return draft
+        state = read_state_dict(target_dir)
         if layers is not None:   # a wrong id or count is the user's error, not a width mismatch to skip
-            from kernels.layers.config import hf_config_dict
-
-            num_target = int(hf_config_dict(target_cfg)["num_hidden_layers"])
-            bad = [i for i in layers if not -num_target <= int(i) < num_target]
-            if len(layers) != draft.num_layers or bad:
-                raise ValueError(f"draft.init_target_layers: {list(layers)} must name {draft.num_layers} of the "
-                                 f"target's {num_target} layers (negative from the end)")
+            layers = target_layers(state, [int(i) for i in layers], "draft.init_target_layers", count=draft.num_layers)
         if dcfg.init_from_target:
             try:
-                init_from_target(draft, target_dir, list(layers) if layers is not None else None)
+                init_from_target(draft, state, layers)
             except ValueError as err:  # other width than the target: nothing to copy, train from scratch
                 log_event(stage="distill", init_from_target="skipped", reason=str(err)[:120])
         return draft
@@ -140,8 +138,6 @@ def build_draft(kind: str, dcfg: Any, target_dir: Path, train_set: DistillDatase
         draft = EagleDraft.from_target_config(target_cfg, fc_bias=dcfg.fc_bias)
         draft.init_from_target(embed, lm_head)
         if dcfg.get("init_layer_from_target"):
-            from kernels.layers.checkpoint import read_state_dict
-
             draft.init_layer_from_target(read_state_dict(target_dir))
         return draft
     if kind == "block":
@@ -151,8 +147,6 @@ def build_draft(kind: str, dcfg: Any, target_dir: Path, train_set: DistillDatase
                                               num_layers=dcfg.num_layers, block_size=dcfg.block_size,
                                               num_mask_tokens=dcfg.num_mask_tokens)
         draft.init_from_target(embed, lm_head)
-        from kernels.layers.checkpoint import read_state_dict
-
         draft.init_layers_from_target(read_state_dict(target_dir))  # its last layers and final norm
         return draft
     from drafts.eagle3 import Eagle3Draft, build_reduced_vocab
@@ -167,8 +161,6 @@ def build_draft(kind: str, dcfg: Any, target_dir: Path, train_set: DistillDatase
         draft.set_vocab_map(*build_reduced_vocab(counts, size))
     draft.init_from_target(embed, lm_head)
     if dcfg.get("init_layer_from_target"):
-        from kernels.layers.checkpoint import read_state_dict
-
         draft.init_layer_from_target(read_state_dict(target_dir))
     draft.vocab_coverage = coverage  # share of training answer tokens the draft vocabulary holds (exported)
     log_event(stage="distill", kind="eagle3", draft_vocab=size or int(target_cfg["vocab_size"]),

@@ -106,5 +106,5 @@ def test_init_from_other_kind(world, tmp_path):
 def test_init_target_layers_that_the_target_lacks(world):
     """A standalone warm start from a layer the target does not have stops, naming the field and the count
     (not skipped as a width mismatch would be)."""
-    with pytest.raises(ValueError, match=r"draft.init_target_layers: \[7\] must name 1 of the target's"):
+    with pytest.raises(ValueError, match=r"draft.init_target_layers: layer ids \[7\] must name 1 of the target's"):
         job(world, draft="standalone", **{"draft.num_layers": "1", "draft.init_target_layers": "[7]"})
