@@ -130,8 +130,9 @@ def demo_target(cfg: DemoConfig, overrides: list[str]) -> tuple[Path, Any]:
 
 def evaluate(target_dir: Path, drafts: dict[str, Path], overrides: list[str], domains: list[str] | None = None):
     from serve_eval.eval.harness import evaluate as harness_evaluate
+    from train.hook.state import DEFAULT_PROFILE
 
-    return harness_evaluate(target_dir=target_dir, drafts=drafts, domains=domains or [], profile="quick",
+    return harness_evaluate(target_dir=target_dir, drafts=drafts, domains=domains or [], profile=DEFAULT_PROFILE,
                             overrides=overrides)
 
 

@@ -51,8 +51,9 @@ class EvalConfig:
     prompts: str | None = None        # jsonl of {domain, prompt}; None = the held-out corpus split of the target
     domains: list[str] = field(default_factory=list)   # empty = every domain in the prompts
     max_prompts_per_domain: int = 8
-    # Methods: no-spec (always, the baseline), ngram, drafts (every draft of this target + `drafts`),
-    # assisted (transformers' generate(assistant_model=...) with the standalone draft, plus its "hf" baseline).
+    # Methods: no-spec (the baseline: without it the rows carry acceptance but no speed-up), ngram, drafts
+    # (every draft of this target + `drafts`), assisted (transformers' generate(assistant_model=...) with the
+    # standalone draft, plus its "hf" baseline).
     methods: list[str] = field(default_factory=lambda: ["no-spec", "ngram", "drafts", "assisted"])
     drafts: dict[str, str] = field(default_factory=dict)   # method label -> draft dir, in addition to found ones
     discover_drafts: bool = True
@@ -65,7 +66,7 @@ class EvalConfig:
     num_speculative_tokens_of: dict[str, list[int]] = field(default_factory=dict)
     temperatures: list[float] = field(default_factory=lambda: [0.0])
     # Method label -> the temperatures it runs at (a subset of `temperatures`); a method not named runs at
-    # every one. A budget knob: drop a method where it is dominated (no-spec always runs at each).
+    # every one. A budget knob: drop a method where it is dominated (no-spec runs at each).
     temperatures_of: dict[str, list[float]] = field(default_factory=dict)
     max_tokens: int = 64
     ignore_eos: bool = False

@@ -78,7 +78,9 @@ def plan_methods(cfg: EvalConfig, drafts: list[DraftSource], target_dir: Path,
                  skipped: list[SkippedEntry], notes: list[str]) -> list[MethodPlan]:
     """Every (method, K) this run measures, no-spec first; unusable drafts go to `skipped`."""
     ks = cfg.ks_of
-    plans = [MethodPlan(BASELINE_METHOD, 0)]
+    plans = [MethodPlan(BASELINE_METHOD, 0)] if BASELINE_METHOD in cfg.methods else []
+    if not plans:
+        notes.append(f"eval.methods omits {BASELINE_METHOD!r}: acceptance only (alpha, tau, a_k); no speed-ups")
     if "ngram" in cfg.methods:
         plans += [MethodPlan("ngram", k, "ngram") for k in ks("ngram")]
     usable: list[DraftSource] = []

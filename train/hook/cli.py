@@ -37,7 +37,7 @@ from train.hook.act import act, finish
 from train.hook.assess import assess, resolve_targets
 from train.hook.collaborators import Collaborators
 from train.hook.decision import HookError
-from train.hook.state import DriftTrigger, HookOptions, HookRun
+from train.hook.state import DEFAULT_PROFILE, DriftTrigger, HookOptions, HookRun
 from train.registry.cli import registry_root, split_key_values
 from train.registry.store import DEFAULT_LOCK_TIMEOUT_S, Registry, RegistryLockedError
 
@@ -113,7 +113,7 @@ def parse_args(argv: list[str]) -> tuple[HookOptions, dict[str, str], list[str]]
         registry_root=registry_root(pairs),
         baseline=pairs.pop("baseline", None),
         policy=rules.HookPolicy(**policy_kw),
-        profile=pairs.pop("hook.profile", "quick"),
+        profile=pairs.pop("hook.profile", DEFAULT_PROFILE),
         domains=[d.strip() for d in domains.strip("[]").split(",") if d.strip()] if domains else None,
         lock_timeout_s=float(pairs.pop("lock_timeout", DEFAULT_LOCK_TIMEOUT_S)),
         dry_run=args.dry_run or _bool("dry_run", pairs.pop("dry_run", "false")),

@@ -19,6 +19,8 @@ from train.registry.records import RegisteredTarget, utc_now
 from train.registry.store import DEFAULT_LOCK_TIMEOUT_S, Registry
 
 RECORD_SCHEMA_VERSION = 1
+# The hook decides on alpha alone, so its evals skip the plain-decoding baseline (conf/eval/acceptance.yaml).
+DEFAULT_PROFILE = "acceptance"
 
 
 @dataclass(frozen=True)
@@ -36,7 +38,7 @@ class HookOptions:
     registry_root: Path
     baseline: str | None = None
     policy: rules.HookPolicy = field(default_factory=rules.HookPolicy)
-    profile: str = "quick"              # eval profile passed to the evaluator
+    profile: str = DEFAULT_PROFILE      # eval profile passed to the evaluator
     domains: list[str] | None = None    # None: the domains of each draft's last report
     lock_timeout_s: float = DEFAULT_LOCK_TIMEOUT_S
     dry_run: bool = False

@@ -291,6 +291,27 @@ def test_report_files_are_valid_and_recommend_from_measured_rows(tmp_path):
     assert yaml.safe_load((tmp_path / "out" / "recommendations.yaml").read_text())["target_fingerprint"] == "fp123"
 
 
+def test_acceptance_only_run_skips_the_baseline_and_writes_no_speedups(tmp_path):
+    """eval.methods without no-spec (the hook's `acceptance` profile): the baseline never runs, rows carry
+    alpha and tau but no speed-up, the report says so, and nothing speculates on an unmeasured speed-up."""
+    built = []
+
+    def factory(plan: MethodPlan):
+        built.append(plan.method)
+        return ScriptedRunner(plan.method, plan.K, {("a", 0.0): 4.0}, (2, 2))
+
+    report = run_eval(_cfg(temperatures=[0.0], methods=["ngram"]), tmp_path, "fp", {"a": ["p"]}, [], [],
+                      factory=factory)
+    assert built == ["ngram"]
+    (row,) = report.results
+    assert (row.method, row.speedup, row.alpha) == ("ngram", None, 1.0) and row.tau == 3.0
+    assert any("acceptance only" in n for n in report.config["notes"])
+    files = write_outputs(report, tmp_path / "out", plots=False)
+    assert not load_recommendations(tmp_path / "out" / "recommendations.yaml").choose("a", 0.0).speculate
+    assert load_report(files.json).results[0].speedup is None
+    assert load_settings("acceptance").eval.methods == ["drafts"]
+
+
 def test_tiny_engine_run_no_spec_and_ngram(tiny_target, prompts_file):
     """Our engine end to end on a tiny random Llama: rows for no-spec and n-gram with consistent figures."""
     prompts, skipped = group_prompts(load_prompt_records(prompts_file), [], 1, "eval.jsonl")
