@@ -1,13 +1,15 @@
 """Reference paged attention in plain torch (CPU default, and the oracle the other backends are tested against).
 
 Two paths:
-- decode rows (one new token, no tree mask) of all sequences are served together. Once per forward a
+- decode rows (one new token, no tree mask) of all sequences are served together, and so are short
+  causal blocks after a prefix (a chain's verify rows, at most ``MAX_BATCHED_QUERY_ROWS`` tokens). Once per forward a
   ``DecodePlan`` (shared by every layer) sorts them by context length into a few length buckets and
   precomputes, per bucket, the row index of each (sequence, kv head, position) in the flat cache and an
   additive padding mask. Each layer then gathers K and V with one ``index_select`` each straight into
   the head-major [B*KVH, S, D] layout a batched GEMV wants, and runs two ``baddbmm``/``bmm`` calls;
-  buckets keep padding (wasted reads) small when context lengths differ a lot;
-- any other sequence (prefill chunk, several new tokens, tree verification) is served one at a time
+  buckets keep padding (wasted reads) small when context lengths differ a lot. A bucket of L-token
+  blocks folds the L rows into the query-head axis and its mask adds causality inside the block;
+- any other sequence (prefill chunk, long blocks, tree verification) is served one at a time
   with SDPA over its gathered context (``is_causal`` when it has no prefix, else an explicit mask).
 """
 
@@ -30,6 +32,9 @@ _MAX_BUCKET_CUTS = 16  # candidate cut points considered (keeps planning O(B) in
 # on every step; rounding makes shapes repeat for many steps at the cost of a few masked positions.
 _WIDTH_GRANULE = 32
 _SMALL_BUCKET_ROWS = 4096  # gathered (sequence, kv head, position) rows up to which bf16/fp16 buckets run in fp32
+# Causal blocks up to this many new tokens after a prefix join the batched path (K+1 verify rows of a chain);
+# longer ones (prefill chunks) have enough rows per sequence for SDPA's own kernel.
+MAX_BATCHED_QUERY_ROWS = 16
 
 
 def gather_context(cache: Tensor, block_table: Tensor, num_tokens: int) -> Tensor:
@@ -63,14 +68,17 @@ def query_mask(
 
 @dataclass
 class _Bucket:
-    """Decode sequences of similar context length, padded to the longest of them."""
+    """Sequences of similar context length with the same number L of new tokens, padded to the longest."""
 
-    query_rows: Tensor | None  # int64 [B_b] rows of q/out; None = all rows, in order
+    query_rows: Tensor | None  # int64 [B_b * L] rows of q/out; None = all rows, in order
     cache_rows: Tensor  # int64 [B_b * KVH * S_b] rows of the cache viewed as [slots * KVH, D]
-    bag_rows: Tensor  # int64 [B_b * H, S_b] the same rows per query head (V's embedding_bag input)
-    key_bias: Tensor | None  # fp32 [B_b * KVH, 1, S_b], 0 / -inf on padding; None = no padding
+    bag_rows: Tensor  # int64 [B_b * H * L, S_b] the same rows per (query head, new token): V's embedding_bag input
+    # fp32 0 / -inf: [B_b * KVH, 1, S_b] on padding when L = 1 (None = no padding), else
+    # [B_b * KVH, group * L, S_b] on padding and on the block's later tokens
+    key_bias: Tensor | None
     num_seqs: int
     width: int  # S_b = longest context in the bucket, rounded up to _WIDTH_GRANULE
+    q_len: int = 1  # L
 
 
 @dataclass
@@ -82,6 +90,7 @@ class DecodePlan:
     # Attention masks of the multi-token sequences (chunked prefill, verify rows, trees) by batch
     # index, built on the first layer and reused by the others (None = plain causal, SDPA is_causal).
     extend_masks: dict[int, Tensor | None] = field(default_factory=dict)
+    batched_seqs: frozenset[int] = frozenset()  # batch indices the buckets serve (mixed batches)
 
 
 def _bucket_bounds(sorted_lens: list[int]) -> list[tuple[int, int]]:
@@ -108,16 +117,18 @@ def _bucket_bounds(sorted_lens: list[int]) -> list[tuple[int, int]]:
 
 def build_decode_plan(seq_lens: list[int], block_tables: Tensor, seq_ids: list[int] | None,
                       query_rows: list[int] | None, block_size: int, num_kv_heads: int,
-                      num_heads: int) -> DecodePlan:
-    """Plan the decode path of some sequences: seq_lens[j] is the context length of planned sequence j,
-    seq_ids[j] its row of block_tables ([num_seqs, max_blocks]) and query_rows[j] its row of q
-    (None = j for both: every sequence is planned, as in a pure-decode batch).
+                      num_heads: int, q_len: int = 1) -> DecodePlan:
+    """Plan the batched path of some sequences with q_len new tokens each: seq_lens[j] is the context
+    length of planned sequence j (new tokens included), seq_ids[j] its row of block_tables
+    ([num_seqs, max_blocks]) and query_rows[j] the row of q of its first new token (None = j for both:
+    every sequence is planned, as in a pure-decode batch; only with q_len 1).
     """
     device = block_tables.device
     order = sorted(range(len(seq_lens)), key=seq_lens.__getitem__)
     sorted_lens = [seq_lens[i] for i in order]
     buckets = []
     heads = torch.arange(num_kv_heads, device=device)
+    group = num_heads // num_kv_heads
     bounds = _bucket_bounds(sorted_lens)
     granule = block_size * -(-_WIDTH_GRANULE // block_size)
     for start, end in bounds:
@@ -133,30 +144,45 @@ def build_decode_plan(seq_lens: list[int], block_tables: Tensor, seq_ids: list[i
         # table reads its last one, padded columns block 0) and are masked below.
         columns = (positions // block_size).clamp_max_(tables.shape[1] - 1).expand(len(members), -1)
         slots = tables.gather(1, columns) * block_size + positions % block_size
-        head_rows = slots[:, None, None, :] * num_kv_heads + heads[None, :, None, None]  # [B_b, KVH, 1, S_b]
+        head_rows = slots[:, None, None, None, :] * num_kv_heads + heads[None, :, None, None, None]  # [B_b,KVH,1,1,S_b]
         cache_rows = head_rows.reshape(-1)
-        bag_rows = head_rows.expand(-1, -1, num_heads // num_kv_heads, -1).reshape(-1, width)
+        bag_rows = head_rows.expand(-1, -1, group, q_len, -1).reshape(-1, width)
         lens = torch.tensor(member_lens, device=device)
-        key_bias = None
-        if min(member_lens) != width:  # padding positions get -inf
-            pad = positions[None, :] >= lens[:, None]  # [B_b, S_b]
-            key_bias = torch.zeros(pad.shape, dtype=torch.float32, device=device).masked_fill_(pad, float("-inf"))
-            key_bias = key_bias[:, None, None, :].expand(-1, num_kv_heads, 1, -1).reshape(-1, 1, width)
+        key_bias = _key_bias(positions, lens, q_len, num_kv_heads, group)
         in_order = query_rows is None and members == list(range(len(seq_lens)))
-        rows = None if in_order else torch.tensor(
-            members if query_rows is None else [query_rows[i] for i in members], device=device)
-        buckets.append(_Bucket(rows, cache_rows, bag_rows, key_bias, len(members), width))
+        firsts = members if query_rows is None else [query_rows[i] for i in members]
+        rows = None if in_order else (torch.tensor(firsts, device=device)[:, None]
+                                      + torch.arange(q_len, device=device)).reshape(-1)
+        buckets.append(_Bucket(rows, cache_rows, bag_rows, key_bias, len(members), width, q_len))
     return DecodePlan((block_size, num_kv_heads, num_heads), buckets)
+
+
+def _key_bias(positions: Tensor, lens: Tensor, q_len: int, kv_heads: int, group: int) -> Tensor | None:
+    """The bucket's additive mask (see _Bucket.key_bias): new token l of a sequence of context length n
+    sees positions < n - q_len + 1 + l."""
+    if q_len == 1:
+        if int(lens.min()) == positions.numel():
+            return None
+        pad = positions[None, :] >= lens[:, None]  # [B_b, S_b]
+        bias = torch.zeros(pad.shape, dtype=torch.float32, device=positions.device).masked_fill_(pad, float("-inf"))
+        return bias[:, None, None, :].expand(-1, kv_heads, 1, -1).reshape(-1, 1, positions.numel())
+    visible_until = lens[:, None] - q_len + 1 + torch.arange(q_len, device=positions.device)  # [B_b, L]
+    hidden = positions[None, None, :] >= visible_until[:, :, None]  # [B_b, L, S_b]
+    bias = torch.zeros(hidden.shape, dtype=torch.float32, device=positions.device).masked_fill_(hidden, float("-inf"))
+    return bias[:, None, None].expand(-1, kv_heads, group, -1, -1).reshape(-1, group * q_len, positions.numel())
 
 
 def _decode_bucket(q: Tensor, k_rows: Tensor, v_rows: Tensor, kv_heads: int, bucket: _Bucket,
                    scale: float) -> Tensor:
-    """q: [B_b, H, D]; k_rows/v_rows: cache viewed as [slots * KVH, D]. Returns [B_b, H, D] in q's dtype."""
-    num_seqs, num_heads, head_dim = q.shape
-    group = num_heads // kv_heads
+    """q: [B_b * L, H, D]; k_rows/v_rows: cache viewed as [slots * KVH, D]. Returns [B_b * L, H, D] in q's dtype."""
+    _, num_heads, head_dim = q.shape
+    num_seqs, q_len, group = bucket.num_seqs, bucket.q_len, num_heads // kv_heads
     keys = k_rows.index_select(0, bucket.cache_rows).view(num_seqs * kv_heads, bucket.width, head_dim)
-    # Query heads h*group .. (h+1)*group-1 share kv head h (HF's repeat_kv order).
-    q_grouped = q.reshape(num_seqs * kv_heads, group, head_dim)
+    # Query heads h*group .. (h+1)*group-1 share kv head h (HF's repeat_kv order); a block's L new tokens
+    # ride along the group axis, as (head in group, token) rows.
+    q_grouped = q.reshape(num_seqs * kv_heads, group, head_dim) if q_len == 1 else (
+        q.view(num_seqs, q_len, kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)
+        .reshape(num_seqs * kv_heads, group * q_len, head_dim))
     if keys.dtype != torch.float32 and keys.shape[0] * keys.shape[1] <= _SMALL_BUCKET_ROWS:
         # oneDNN's bf16/fp16 bmm costs ~40 us per call whatever its size; a small bucket is faster in fp32.
         q_grouped, keys = q_grouped.float(), keys.float()
@@ -170,10 +196,13 @@ def _decode_bucket(q: Tensor, k_rows: Tensor, v_rows: Tensor, kv_heads: int, buc
         scores = torch.bmm(q_grouped, keys.transpose(1, 2))
         scores = scores.float().mul_(scale) if bucket.key_bias is None else torch.add(bucket.key_bias, scores,
                                                                                         alpha=scale)
-    probs = scores.softmax(dim=-1).to(v_rows.dtype)  # [B_b * KVH, group, S_b]; padding gets exactly 0
-    # probs @ V without materializing the gathered V: one weighted bag of cache rows per (sequence, query head).
+    probs = scores.softmax(dim=-1).to(v_rows.dtype)  # [B_b * KVH, group * L, S_b]; masked keys get exactly 0
+    # probs @ V without materializing the gathered V: one weighted bag of cache rows per (sequence, query head, token).
     out = F.embedding_bag(bucket.bag_rows, v_rows, per_sample_weights=probs.view(-1, bucket.width), mode="sum")
-    return out.to(q.dtype).view(num_seqs, num_heads, head_dim)
+    if q_len == 1:
+        return out.to(q.dtype).view(num_seqs, num_heads, head_dim)
+    out = out.view(num_seqs, kv_heads, group, q_len, head_dim).permute(0, 3, 1, 2, 4)
+    return out.reshape(num_seqs * q_len, num_heads, head_dim).to(q.dtype)
 
 
 def _run_decode_plan(q: Tensor, out: Tensor | None, k_cache: Tensor, v_cache: Tensor, plan: DecodePlan,
@@ -203,13 +232,24 @@ def _cached_plan(meta: AttentionMetadata, k_cache: Tensor, num_heads: int) -> De
     elif meta.tree_mask is not None:
         plan = DecodePlan(key, [])
     else:
-        # Sequences with a single new token (no tree mask) still go through the batched decode path.
-        cu = meta.cu_seqlens_q.tolist()
-        seq_ids = [i for i in range(len(seq_lens)) if cu[i + 1] - cu[i] == 1]
-        plan = build_decode_plan([seq_lens[i] for i in seq_ids], meta.block_tables, seq_ids,
-                                 [cu[i] for i in seq_ids], *key)
+        plan = _mixed_plan(seq_lens, meta.cu_seqlens_q.tolist(), meta.block_tables, key)
     meta.backend_plan = plan
     return plan
+
+
+def _mixed_plan(seq_lens: list[int], cu: list[int], block_tables: Tensor, key: tuple) -> DecodePlan:
+    """A batch with some multi-token sequences and no tree mask: single new tokens, and short causal blocks
+    after a prefix grouped by their length L, go through the batched path; the rest through SDPA."""
+    by_len: dict[int, list[int]] = {}
+    for i, ctx_len in enumerate(seq_lens):
+        n = cu[i + 1] - cu[i]
+        if n == 1 or (1 < n <= MAX_BATCHED_QUERY_ROWS and ctx_len > n):
+            by_len.setdefault(n, []).append(i)
+    buckets: list[_Bucket] = []
+    for q_len, seq_ids in sorted(by_len.items()):
+        buckets += build_decode_plan([seq_lens[i] for i in seq_ids], block_tables, seq_ids, [cu[i] for i in seq_ids],
+                                     *key, q_len=q_len).buckets
+    return DecodePlan(key, buckets, batched_seqs=frozenset(i for ids in by_len.values() for i in ids))
 
 
 def _extend_mask(q_len: int, ctx_len: int, tree_rows: Tensor | None, device: torch.device) -> Tensor | None:
@@ -256,7 +296,7 @@ def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: Attention
     cu = meta.cu_seqlens_q.tolist()
     for i, ctx_len in enumerate(meta.seq_lens.tolist()):
         start, end = cu[i], cu[i + 1]
-        if end == start or (end - start == 1 and meta.tree_mask is None):  # empty, or served by the plan
+        if end == start or i in plan.batched_seqs:  # empty, or served by the plan
             continue
         if i not in plan.extend_masks:
             tree_rows = meta.tree_mask[start:end] if meta.tree_mask is not None else None

@@ -89,6 +89,22 @@ def test_torch_paged_pure_decode_batch_path():
     torch.testing.assert_close(out.double(), dense_reference(dense, 0.3), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
+def test_torch_paged_batches_verify_blocks(dtype, tol):
+    """Short causal blocks after a prefix (a chain's K+1 verify rows) are served together, bucketed by
+    their length with decode rows beside them; a long block (a prefill chunk) still goes through SDPA."""
+    from kernels.attention import torch_paged
+
+    long_block = torch_paged.MAX_BATCHED_QUERY_ROWS + 1
+    specs = [(5, 12), (5, 40), (1, 9), (5, 6), (3, 20), (long_block, long_block + 4), (5, 5)]
+    q, kc, vc, meta, dense = make_case(specs, seed=11, dtype=dtype)
+    out = attention(q, kc, vc, meta, scale=0.25)
+    torch.testing.assert_close(out.double(), dense_reference(dense, 0.25), atol=tol, rtol=tol)
+    plan = meta.backend_plan
+    assert plan.batched_seqs == {0, 1, 2, 3, 4}   # not the long block, not the fresh prefill (no prefix)
+    assert sorted({b.q_len for b in plan.buckets}) == [1, 3, 5]
+
+
 def _random_tree_mask(q_len, gen):
     """Ancestor mask of a random tree over q_len nodes (node 0 = root); node j sees itself and its ancestors."""
     parents = [-1] + [int(torch.randint(0, j, (1,), generator=gen)) for j in range(1, q_len)]
