@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from demo_target_update_summary import over_seeds, render, render_over_seeds, share_interval, summarize
+from demo_target_update_summary import over_seeds, render, render_over_seeds, share_interval, summarize, time_ratios
 from serve_eval.eval.report import Report, ResultRow, TargetInfo
 from serve_eval.eval.report_files import write_report
 
@@ -70,6 +70,15 @@ def test_the_mean_over_seeds_is_each_figures_mean():
     assert row["redistilled_new_target"] == pytest.approx(0.57) and row["regressed_in"] == 3
     text = render_over_seeds(agg)
     assert "Mean over 3 seeds" in text and "seed 1: 90% [80%, 100%]" in text and "0.500" in text
+
+
+def test_time_ratio_counts_both_sides_through_an_evaluated_draft():
+    """Hook and scratch are each timed to an evaluated draft; the bare ratio drops every evaluation."""
+    s = {"hook_wall_s": 100.0, "hook_timings_s": {"evaluate_old_drafts": 15.0, "evaluate_candidates": 10.0},
+         "scratch": {"wall_s": 250.0, "evaluate_s": 10.0}}
+    assert time_ratios(s) == pytest.approx((0.4, 75.0 / 240.0))
+    assert over_seeds([{**s, "rows": [], "recovered_regressed": 1.0}])["time_ratio_without_evals"] == \
+        pytest.approx(75.0 / 240.0)
 
 
 def test_seeds_run_the_whole_flow_each_with_its_own_registry(tmp_path, monkeypatch, capsys):
