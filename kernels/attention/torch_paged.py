@@ -239,12 +239,14 @@ def _cached_plan(meta: AttentionMetadata, k_cache: Tensor, num_heads: int) -> De
 
 def _mixed_plan(seq_lens: list[int], cu: list[int], block_tables: Tensor, key: tuple) -> DecodePlan:
     """A batch with some multi-token sequences and no tree mask: single new tokens, and short causal blocks
-    after a prefix grouped by their length L, go through the batched path; the rest through SDPA."""
+    after a prefix grouped by their length L, go through the batched path; the rest through SDPA. A block
+    length that only one sequence has stays with SDPA (at batch 1 the batched path gains nothing)."""
     by_len: dict[int, list[int]] = {}
     for i, ctx_len in enumerate(seq_lens):
         n = cu[i + 1] - cu[i]
         if n == 1 or (1 < n <= MAX_BATCHED_QUERY_ROWS and ctx_len > n):
             by_len.setdefault(n, []).append(i)
+    by_len = {n: ids for n, ids in by_len.items() if n == 1 or len(ids) > 1}
     buckets: list[_Bucket] = []
     for q_len, seq_ids in sorted(by_len.items()):
         buckets += build_decode_plan([seq_lens[i] for i in seq_ids], block_tables, seq_ids, [cu[i] for i in seq_ids],

@@ -101,8 +101,9 @@ def test_torch_paged_batches_verify_blocks(dtype, tol):
     out = attention(q, kc, vc, meta, scale=0.25)
     torch.testing.assert_close(out.double(), dense_reference(dense, 0.25), atol=tol, rtol=tol)
     plan = meta.backend_plan
-    assert plan.batched_seqs == {0, 1, 2, 3, 4}   # not the long block, not the fresh prefill (no prefix)
-    assert sorted({b.q_len for b in plan.buckets}) == [1, 3, 5]
+    # Not the lone 3-token block, the long block, or the fresh prefill (no prefix).
+    assert plan.batched_seqs == {0, 1, 2, 3}
+    assert sorted({b.q_len for b in plan.buckets}) == [1, 5]
 
 
 def _random_tree_mask(q_len, gen):
