@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from bench_spec import decode_ms_per_token, engine_for, paired_speedups, resolve_inputs  # noqa: E402
+from bench_spec import decode_ms_per_token, engine_for, paired_summary, resolve_inputs, summary_text  # noqa: E402
 from kernels.attention import torch_paged  # noqa: E402
 from serve_eval.engine import SamplingParams  # noqa: E402
 from serve_eval.eval.interleave import interleave  # noqa: E402
@@ -84,9 +84,7 @@ def main() -> None:
         print(f"\nbatch {batch}, T=0, K={args.k}, {batch} prompts x {args.max_tokens} tokens, every round speculating, "
               f"{args.repeats} interleaved repetitions: median ms/token (spread), speed-up over nospec [min, max]")
         for name, ms in samples.items():
-            sp = paired_speedups(samples["nospec"], ms)
-            print(f"batch {batch}: {name:<20} {statistics.median(ms):7.2f} ({max(ms) - min(ms):.2f}) "
-                  f"{statistics.median(sp):6.2f}x [{min(sp):.2f}, {max(sp):.2f}]")
+            print(f"batch {batch}: {name:<20} {summary_text(paired_summary(samples['nospec'], ms))}")
         for m in methods:
             ratio = [b / a for a, b in zip(samples[m], samples[f"{m}/per-seq"])]
             print(f"batch {batch}: {m} batched verify / per-sequence: {statistics.median(ratio):.2f}x faster "

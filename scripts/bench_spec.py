@@ -268,6 +268,17 @@ def paired_speedups(base: list[float], mine: list[float]) -> list[float]:
     return [speedup(b, m) for b, m in zip(base, mine)]
 
 
+def paired_summary(base: list[float], mine: list[float]) -> tuple[float, float, float, float, float]:
+    """(median ms/token, spread = max - min, median paired speed-up, its min, its max) of one cell."""
+    sp = paired_speedups(base, mine)
+    return statistics.median(mine), max(mine) - min(mine), statistics.median(sp), min(sp), max(sp)
+
+
+def summary_text(summary: tuple[float, float, float, float, float]) -> str:
+    ms, spread, sp, lo, hi = summary
+    return f"{ms:7.2f} ms/token ({spread:.2f}) {sp:6.2f}x [{lo:.2f}, {hi:.2f}]"
+
+
 def batch1_table(args: argparse.Namespace, target: Path, methods: list[str], drafts: dict[str, Path],
                  prompts: dict[str, list]) -> None:
     methods = ["nospec"] + [m for m in methods if m != "nospec"]
@@ -278,10 +289,9 @@ def batch1_table(args: argparse.Namespace, target: Path, methods: list[str], dra
         for domain, domain_prompts in prompts.items():
             samples = interleaved(cells, args.repeats, domain_prompts, params, 1)
             for method, ms in samples.items():
-                sp = paired_speedups(samples["nospec"], ms)
-                rows.append((f"T={temperature:g}", domain, method, statistics.median(ms), max(ms) - min(ms),
-                             statistics.median(sp), min(sp), max(sp)))
-                by_method.setdefault((temperature, method), []).append((statistics.median(ms), statistics.median(sp)))
+                cell = paired_summary(samples["nospec"], ms)
+                rows.append((f"T={temperature:g}", domain, method, *cell))
+                by_method.setdefault((temperature, method), []).append((cell[0], cell[2]))
     print(f"\nbatch 1, {args.repeats} interleaved repetitions per cell: median ms/token (spread = max - min), "
           "speed-up = median of the repetitions' paired ratios [min, max]")
     print(f"{'temp':<6} {'domain':<10} {'method':<12} {'ms/token':>16} {'speedup':>24}")
@@ -317,11 +327,9 @@ def batch_comparison(args: argparse.Namespace, target: Path, methods: list[str],
         print(f"\nbatch {batch}, T=0, {len(batch_prompts)} prompts x {args.max_tokens} tokens, server default policy "
               f"(fallback + measured batch gate), {args.repeats} interleaved repetitions")
         for method, ms in samples.items():
-            sp = paired_speedups(samples["nospec"], ms)
-            verdict = "" if method == "nospec" else ("  meets" if statistics.median(sp) >= 1.0 else "  BELOW") + \
-                " the 1.0x goal"
-            print(f"batch {batch}: {method:<12} {statistics.median(ms):7.2f} ms/token ({max(ms) - min(ms):.2f}) "
-                  f"{statistics.median(sp):6.2f}x [{min(sp):.2f}, {max(sp):.2f}]{verdict}")
+            cell = paired_summary(samples["nospec"], ms)
+            verdict = "" if method == "nospec" else ("  meets" if cell[2] >= 1.0 else "  BELOW") + " the 1.0x goal"
+            print(f"batch {batch}: {method:<12} {summary_text(cell)}{verdict}")
 
 
 def tree_comparison(args: argparse.Namespace, target: Path, drafts: dict[str, Path], prompts: dict[str, list]) -> None:

@@ -224,3 +224,15 @@ def test_triton_matches_torch_under_interpreter():
     assert proc.returncode == 0, proc.stderr[-3000:]
     diffs = json.loads(proc.stdout.strip().splitlines()[-1])
     assert len(diffs) == 5 and max(diffs) < 1e-4, diffs
+
+
+def test_bench_batch_verify_runs_both_paths_side_by_side(tmp_path):
+    """scripts/bench_batch_verify.py on untrained models: every cell measured, and the ratio line printed."""
+    proc = subprocess.run([sys.executable, "scripts/bench_batch_verify.py", "--artifacts", str(tmp_path),
+                           "--methods", "standalone", "--batch-sizes", "2", "--repeats", "1", "--max-tokens", "4",
+                           "--prompts-per-domain", "1", "--dtype", "float32"],
+                          cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("batch 2: ")]
+    assert [line.split()[2] for line in lines[:3]] == ["nospec", "standalone", "standalone/per-seq"]
+    assert "standalone batched verify / per-sequence" in lines[-1]
