@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from test_hook_decision import NEW_CODE_DROP, CurveDistiller, FakeEvaluator, FakeLoader, FakeRegenerator, world  # noqa: F401
+from hook_fakes import NEW_CODE_DROP, CurveDistiller, FakeEvaluator, FakeLoader, FakeRegenerator
 from train.hook import decision as rules
 from train.hook.cli import run_hook
 from train.hook.collaborators import Collaborators
