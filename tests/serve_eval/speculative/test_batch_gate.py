@@ -6,25 +6,51 @@ import pytest
 from serve_eval.speculative.batch_gate import BatchGate, BatchGateConfig
 
 
-def run(gate: BatchGate, batch_size: int, steps: int, spec_ms_per_token: float, plain_ms_per_token: float) -> float:
-    """Drive the gate for `steps` steps with scripted costs; returns the share of speculative steps."""
+def run(gate: BatchGate, batch_size: int, steps: int, spec_ms_per_token: float, plain_ms_per_token: float,
+        capped_ms_per_token: dict[int, float] | None = None) -> float:
+    """Drive the gate for `steps` steps with scripted costs per token: `spec_ms_per_token` for the uncapped arm
+    (and, unless `capped_ms_per_token` says otherwise, for every capped one), `plain_ms_per_token` for cap 0.
+    Returns the share of speculative steps."""
     speculative = 0
     for _ in range(steps):
-        spec = gate.cap(batch_size) != 0
+        cap = gate.cap(batch_size)
+        spec = cap != 0
         speculative += spec
-        ms = spec_ms_per_token if spec else plain_ms_per_token
+        ms = plain_ms_per_token if not spec else (capped_ms_per_token or {}).get(cap, spec_ms_per_token)
         gate.observe_step(batch_size, spec, ms * batch_size / 1000, batch_size)
     return speculative / steps
 
 
+def mean_cost(gate: BatchGate, batch_size: int, steps: int, costs: dict[int | None, float]) -> float:
+    """Mean scripted ms per token over `steps` steps; `costs` maps each cap (None: uncapped, 0: plain) to its cost."""
+    total = 0.0
+    for _ in range(steps):
+        cap = gate.cap(batch_size)
+        total += costs[cap]
+        gate.observe_step(batch_size, cap != 0, costs[cap] * batch_size / 1000, batch_size)
+    return total / steps
+
+
 def test_measured_gate_speculates_at_batch_1_and_decodes_plainly_at_batch_16():
     """Scripted: at batch 1 a speculative step costs 0.6 of plain per token, at batch 16 1.4x. The gate
-    settles on speculation at 1 and on plain decoding at 16, exploring the other arm 1 step in 16."""
+    settles on speculation at 1 and on plain decoding at 16, exploring the other arms 1 step in 16 or fewer."""
     gate = BatchGate()
     assert run(gate, 1, 400, spec_ms_per_token=3.0, plain_ms_per_token=5.0) > 0.9
     assert run(gate, 16, 400, spec_ms_per_token=1.4, plain_ms_per_token=1.0) < 0.1
     assert gate.cap(1) is None and gate.cap(16) == 0
     assert gate.to_dict()["16"]["speculate"] is False
+
+
+def test_measured_gate_settles_on_the_cheapest_k_cap():
+    """Scripted from the embedded target at batch 16: K=4 rounds 1.22x plain per token, K <= 1 0.98x,
+    K <= 2 1.01x. The gate settles on K <= 1, and its mean cost beats plain decoding's despite exploring;
+    at batch 1, where the uncapped K is cheapest, it keeps it."""
+    gate = BatchGate()
+    costs = {None: 1.22, 1: 0.98, 2: 1.01, 0: 1.0}
+    assert mean_cost(gate, 16, 3000, costs) < 1.0
+    assert gate.cap(16) == 1 and gate.to_dict()["16"]["cap"] == 1
+    assert mean_cost(gate, 1, 1000, {None: 0.6, 1: 0.8, 2: 0.7, 0: 1.0}) < 0.65
+    assert gate.cap(1) is None
 
 
 def test_the_measured_gate_follows_a_change_of_costs():
@@ -54,6 +80,8 @@ def test_table_mode_caps_k_by_batch_size_and_bad_settings_are_refused():
         BatchGateConfig(mode="sometimes")
     with pytest.raises(ValueError, match="k_by_batch_size"):
         BatchGateConfig(mode="table")
+    with pytest.raises(ValueError, match="k_caps"):
+        BatchGateConfig(k_caps=(0, 2))
 
 
 def test_the_engine_applies_the_gate_and_greedy_output_is_unchanged(tmp_path):
