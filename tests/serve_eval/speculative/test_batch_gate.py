@@ -6,17 +6,14 @@ import pytest
 from serve_eval.speculative.batch_gate import BatchGate, BatchGateConfig
 
 
-def run(gate: BatchGate, batch_size: int, steps: int, spec_ms_per_token: float, plain_ms_per_token: float,
-        capped_ms_per_token: dict[int, float] | None = None) -> float:
-    """Drive the gate for `steps` steps with scripted costs per token: `spec_ms_per_token` for the uncapped arm
-    (and, unless `capped_ms_per_token` says otherwise, for every capped one), `plain_ms_per_token` for cap 0.
-    Returns the share of speculative steps."""
+def run(gate: BatchGate, batch_size: int, steps: int, spec_ms_per_token: float, plain_ms_per_token: float) -> float:
+    """Drive the gate for `steps` steps with scripted costs per token (every speculative arm costs
+    `spec_ms_per_token`); returns the share of speculative steps."""
     speculative = 0
     for _ in range(steps):
-        cap = gate.cap(batch_size)
-        spec = cap != 0
+        spec = gate.cap(batch_size) != 0
         speculative += spec
-        ms = plain_ms_per_token if not spec else (capped_ms_per_token or {}).get(cap, spec_ms_per_token)
+        ms = spec_ms_per_token if spec else plain_ms_per_token
         gate.observe_step(batch_size, spec, ms * batch_size / 1000, batch_size)
     return speculative / steps
 
