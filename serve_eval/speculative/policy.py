@@ -153,7 +153,7 @@ class SpecPolicy:
             state.probing, state.probe_wait = False, self.config.probe_after_steps
 
     def observe_non_spec_step(self, domain: str | None) -> None:
-        """One decode step of a sequence of this domain ran without speculation."""
+        """One engine step decoded this domain's sequences without speculation (once per step, whatever the batch)."""
         state = self._state(domain)
         if state.enabled:
             return

@@ -355,9 +355,12 @@ class SpeculativeStrategy:
             self.proposer.add_features(seq.request_id, TargetFeatures(seq.num_computed_tokens, h, a))
 
     def _record(self, engine, out, drafts, results, draft_time: float, target_time: float) -> None:
-        for seq, n, la in zip(out.seqs, out.num_scheduled_tokens, out.num_lookahead_tokens):
-            if la == 0 and n == 1 and seq.num_computed_tokens + 1 == seq.num_tokens:  # a plain decode step
-                self.policy.observe_non_spec_step(seq.domain)   # counts toward a probe only while off
+        # A probe's wait counts engine steps, once per domain that decoded plainly in the step: counted per
+        # sequence, a batch of 16 would re-probe a switched-off draft 16 times as often as batch 1.
+        plain_domains = {seq.domain for seq, n, la in zip(out.seqs, out.num_scheduled_tokens, out.num_lookahead_tokens)
+                         if la == 0 and n == 1 and seq.num_computed_tokens + 1 == seq.num_tokens}
+        for domain in sorted(plain_domains, key=str):
+            self.policy.observe_non_spec_step(domain)   # counts toward a probe only while off
         if not results:
             return
         self.draft_time_s += draft_time

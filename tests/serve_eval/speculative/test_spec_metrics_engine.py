@@ -134,3 +134,17 @@ def test_fallback_switches_a_bad_domain_off_and_probes_again(target):
     calls_while_off = {c for c, e in seen[first_off:back_on]}
     assert calls_while_off == {4}, "no proposals while the domain is off"
     assert engine.stats().spec.policy["math"]["probe_wait"] >= 6
+
+
+def test_probe_wait_counts_engine_steps_not_sequences(target):
+    """Three sequences of one domain decode together: the probe still waits probe_after_steps engine
+    steps (counted per sequence it would come after 6 / 3 = 2)."""
+    policy = SpecPolicyConfig(min_rounds=4, window_rounds=4, probe_after_steps=6, min_alpha=0.5)
+    spec = SpecConfig("ngram", num_speculative_tokens=2, policy=policy)
+    engine = LLMEngine(EngineConfig(str(target), **ENGINE), strategy=SpeculativeStrategy(spec, AlwaysWrong()))
+    enabled = []
+    params = [SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)] * 3
+    run_engine(engine, [[1, 2, 3], [4, 5, 6], [7, 8, 9]], params, domains=["math"] * 3,
+               check=lambda eng: enabled.append(eng.strategy.policy.is_enabled("math")))
+    first_off = enabled.index(False)
+    assert enabled.index(True, first_off) - first_off == 6
