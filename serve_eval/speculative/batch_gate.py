@@ -9,12 +9,18 @@ in one of two ways:
   ({1: 4, 8: 2, 16: 0} = up to batch 1: K <= 4; up to 8: K <= 2; beyond: no speculation);
 - `measured` (the default): per batch-size bucket, a few arms -- no cap (the policy's K), the caps in
   `k_caps` (K <= 1, K <= 2) and plain decoding (cap 0) -- each with the engine's own measured seconds
-  per emitted token (an EMA). The cheapest arm runs (a speculative one only if it beats plain decoding
-  by `margin`); the others are re-tried in turn after `explore_every` steps of the bucket, so that a
-  change (another draft, longer contexts) is seen. Each full turn of re-tries that confirms the winner
-  doubles that interval (up to `max_explore_every`), so losing arms cost a share that shrinks from 1/16
-  towards 1/256 of the steps, while a flip resets it. An arm with fewer than `min_samples` steps in a
-  bucket is measured first, the uncapped one first of all.
+  per emitted token. The cheapest arm runs (a speculative one only if it beats plain decoding by
+  `margin`). The others are re-tried in turn after `explore_every` steps of the bucket, so that a change
+  (another draft, longer contexts) is seen; each full turn of re-tries that confirms the winner doubles
+  that interval (up to `max_explore_every`), while a flip resets it. Every arm starts with `min_samples`
+  steps, the uncapped one first.
+
+  Estimates are medians of an arm's last `window` steps, because one step's cost on a shared CPU has
+  spikes of several times its typical value. A re-try is one step; if that step would make the arm the
+  winner, the re-try extends to a burst of `min_samples` steps whose median alone (fresh) decides. So a
+  spike can neither keep a losing arm from being re-tried in earnest nor promote one. (With an EMA and
+  one-step re-tries that replaced the estimate, one spike on plain decoding's re-try left its estimate
+  at 2.5x its cost, and the gate ran speculation at 0.95x of plain decoding at batch 16.)
 
 Measured on the embedded target at batch 16 (standalone draft, K=4, 32 prompts x 64 tokens, T=0):
 every round at K=4 0.82x of plain decoding, K <= 1 1.02x, K <= 2 0.99x; the old two-arm gate (K=4 or
@@ -23,6 +29,8 @@ plain) 0.95x.
 from __future__ import annotations
 
 import bisect
+import statistics
+from collections import deque
 from dataclasses import dataclass, field
 
 MODES = ("off", "table", "measured")
@@ -38,8 +46,8 @@ class BatchGateConfig:
     k_caps: tuple[int, ...] = (1, 2)   # measured mode: the capped arms tried beside no cap and plain decoding
     explore_every: int = 16
     max_explore_every: int = 256
-    min_samples: int = 3
-    ema: float = 0.2
+    min_samples: int = 3      # steps of a first measurement, and of a re-try burst that may flip the winner
+    window: int = 8           # an arm's estimate: the median of its last `window` steps
     margin: float = 0.01      # a speculative arm must be this much faster per token than plain decoding
 
     def __post_init__(self) -> None:
@@ -54,19 +62,25 @@ class BatchGateConfig:
         if any(k < 1 for k in self.k_caps):
             raise ValueError(f"batch_gate.k_caps = {list(self.k_caps)}: caps are >= 1 (plain decoding is always an arm)")
         if self.explore_every < 2 or self.max_explore_every < self.explore_every or self.min_samples < 1 \
-                or not 0 < self.ema <= 1 or self.margin < 0:
-            raise ValueError("batch_gate: 2 <= explore_every <= max_explore_every, min_samples >= 1, "
-                             "ema in (0, 1], margin >= 0")
+                or self.window < self.min_samples or self.margin < 0:
+            raise ValueError("batch_gate: 2 <= explore_every <= max_explore_every, 1 <= min_samples <= window, "
+                             "margin >= 0")
 
 
 @dataclass
 class _Arm:
-    seconds_per_token: float | None = None
-    samples: int = 0
+    window: int
+    recent: deque = field(default_factory=deque)   # seconds per token of its latest steps
+    samples: int = 0                               # steps measured in all
 
-    def observe(self, value: float, weight: float) -> None:
-        self.seconds_per_token = value if self.seconds_per_token is None else (
-            (1 - weight) * self.seconds_per_token + weight * value)
+    @property
+    def seconds_per_token(self) -> float | None:
+        return statistics.median(self.recent) if self.recent else None
+
+    def observe(self, value: float) -> None:
+        self.recent.append(value)
+        while len(self.recent) > self.window:
+            self.recent.popleft()
         self.samples += 1
 
 
@@ -77,6 +91,10 @@ class _Bucket:
     explore_interval: int = 0      # steps of the winning arm between re-tries (0: not set yet)
     steps_since_explore: int = 0
     retries: int = 0               # re-tries since the winner last changed: whose turn is next
+    retry_arm: int | None = None   # the arm of the re-try burst under way
+    retry_left: int = 0            # its steps still to run
+    retry_burst: bool = False      # the re-try's first step would have won: confirming on fresh steps
+    retry_from: int | None = None  # the winner when the re-try began
 
 
 class BatchGate:
@@ -94,7 +112,7 @@ class BatchGate:
     def _bucket(self, batch_size: int) -> _Bucket:
         size = self.bucket_of(batch_size)
         if size not in self._buckets:
-            self._buckets[size] = _Bucket({key: _Arm() for key in self._arm_keys})
+            self._buckets[size] = _Bucket({key: _Arm(self.config.window) for key in self._arm_keys})
         return self._buckets[size]
 
     def cap(self, batch_size: int) -> int | None:
@@ -122,11 +140,9 @@ class BatchGate:
         for key, arm in b.arms.items():
             if arm.samples < self.config.min_samples:
                 return key
-        winner = self._winner(b)
-        if b.steps_since_explore < (b.explore_interval or self.config.explore_every) - 1:
-            return winner
-        losers = [key for key in b.arms if key != winner]
-        return losers[b.retries % len(losers)]
+        if b.retry_left:
+            return b.retry_arm
+        return self._winner(b)
 
     def observe_step(self, batch_size: int, speculative: bool, step_s: float, emitted_tokens: int) -> None:
         """One engine step of `batch_size` decoding sequences: whether it ran rounds, its wall time and the
@@ -138,26 +154,40 @@ class BatchGate:
         chosen = self._choose(b)
         cost = step_s / emitted_tokens
         if not speculative and chosen != PLAIN:
-            b.arms[PLAIN].observe(cost, self.config.ema)
+            b.arms[PLAIN].observe(cost)
             return
-        before = self._winner(b)
         b.steps += 1
-        # A re-try of a losing arm replaces its estimate: that one is as old as the last re-try, and
-        # averaged in at `ema` a real improvement would take several (ever rarer) re-tries to show.
-        retry = before is not None and chosen != before
-        b.arms[chosen].observe(cost, 1.0 if retry else self.config.ema)
-        after = self._winner(b)
-        if before is None or after is None:
+        if b.retry_left:
+            self._retry_step(b, cost)
             return
-        if not retry:                   # a step of the winning arm
-            b.steps_since_explore += 1
+        b.arms[chosen].observe(cost)
+        if self._winner(b) is None:
             return
+        b.steps_since_explore += 1
+        if b.steps_since_explore >= (b.explore_interval or self.config.explore_every):
+            winner = self._winner(b)
+            losers = [key for key in b.arms if key != winner]
+            b.retry_arm, b.retry_from = losers[b.retries % len(losers)], winner
+            b.retry_left, b.retry_burst = 1, False
+
+    def _retry_step(self, b: _Bucket, cost: float) -> None:
+        """A re-try's step: one step joins the arm's window, unless it would win; then a fresh burst decides."""
+        arm = b.arms[b.retry_arm]
+        if not b.retry_burst and cost < b.arms[b.retry_from].seconds_per_token and self.config.min_samples > 1:
+            arm.recent.clear()
+            b.retry_burst, b.retry_left = True, self.config.min_samples
+        arm.observe(cost)
+        b.retry_left -= 1
+        if not b.retry_left:
+            self._end_retry(b)
+
+    def _end_retry(self, b: _Bucket) -> None:
         cfg = self.config
-        if after == before:             # the re-tried arm lost again
+        if self._winner(b) == b.retry_from:   # the re-tried arm lost again
             b.retries += 1
             if b.retries % (len(b.arms) - 1) == 0:   # a full turn confirmed the winner: re-try half as often
                 b.explore_interval = min(2 * (b.explore_interval or cfg.explore_every), cfg.max_explore_every)
-        else:                           # it won: back to the base rate, a new turn
+        else:                                 # it won: back to the base rate, a new turn
             b.explore_interval, b.retries = cfg.explore_every, 0
         b.steps_since_explore = 0
 

@@ -8,6 +8,13 @@ switched off for that domain. After
 `probe_after_steps` plain decode steps it is switched on again with a fresh window (a probe); each
 probe that fails again doubles the wait (`probe_backoff`, capped), a probe that survives resets it.
 
+The bar with a measured batch gate (`fallback_bar`: "auto", the default, or "cost"): once the engine has
+measured the cost ratio c (draft seconds per proposed token / target seconds per round), a domain without
+a bar of its own falls back only below min(min_alpha, c). A round emits 1 + K alpha tokens for at least
+the work of 1 + K c target rounds, so below alpha = c speculation cannot pay at any batch size; above it,
+the gate measures at each batch size whether it does. (A fixed 0.5 switched off a draft at alpha 0.35 that
+ran 1.3x at batch 1.) Without a measured gate ("auto"), or with "fixed", the bar is min_alpha.
+
 Adaptive K: the seed formula (1 + K alpha) / (1 + K c) is monotone in K (its derivative has the
 sign of alpha - c), so it only ever picks an end of the range. We instead maximize the expected
 speedup under i.i.d. per-token acceptance beta (Leviathan et al.):
@@ -26,6 +33,7 @@ from serve_eval.speculative.metrics import DEFAULT_DOMAIN, expected_speedup
 
 
 SEED_MIN_ALPHA = 0.5  # the seed's "disable speculation below alpha ~0.5", where no measured bar exists
+FALLBACK_BARS = ("auto", "cost", "fixed")
 
 
 @dataclass
@@ -35,6 +43,7 @@ class SpecPolicyConfig:
     fallback: bool = True
     min_alpha: float = SEED_MIN_ALPHA
     min_alpha_by_domain: dict[str, float] = field(default_factory=dict)
+    fallback_bar: str = "auto"  # "cost": min(min_alpha, measured c); "fixed": min_alpha; "auto": cost with a measured gate
     window_rounds: int = 32  # running alpha is measured over this many recent rounds
     min_rounds: int = 32  # rounds since (re)enabling before fallback may switch a domain off
     probe_after_steps: int = 128  # plain decode steps before speculation is tried again
@@ -54,6 +63,8 @@ class SpecPolicyConfig:
                 raise ValueError(f"k_by_domain[{domain!r}] (K) must be > 0, got {k}")
         if not 0 <= self.min_alpha <= 1:
             raise ValueError(f"min_alpha must be in [0, 1], got {self.min_alpha}")
+        if self.fallback_bar not in FALLBACK_BARS:
+            raise ValueError(f"fallback_bar must be one of {FALLBACK_BARS}, got {self.fallback_bar!r}")
         for domain, bar in self.min_alpha_by_domain.items():
             if not 0 <= bar <= 1:
                 raise ValueError(f"min_alpha_by_domain[{domain!r}] must be in [0, 1], got {bar}")
@@ -87,9 +98,12 @@ class _DomainState:
 
 
 class SpecPolicy:
-    def __init__(self, config: SpecPolicyConfig | None = None) -> None:
+    def __init__(self, config: SpecPolicyConfig | None = None, measured_gate: bool = False) -> None:
+        """measured_gate: a batch gate measures whether speculation pays (fallback_bar "auto" -> "cost")."""
         self.config = config or SpecPolicyConfig()
         self.cost_ratio = self.config.cost_ratio
+        bar = self.config.fallback_bar
+        self.cost_bar = bar == "cost" or (bar == "auto" and measured_gate)
         self._domains: dict[str, _DomainState] = {}
 
     def _state(self, domain: str | None) -> _DomainState:
@@ -103,7 +117,12 @@ class SpecPolicy:
 
     def min_alpha(self, domain: str | None) -> float:
         """The live alpha below which this domain falls back to direct decoding."""
-        return self.config.min_alpha_by_domain.get(domain or DEFAULT_DOMAIN, self.config.min_alpha)
+        own = self.config.min_alpha_by_domain.get(domain or DEFAULT_DOMAIN)
+        if own is not None:
+            return own
+        if self.cost_bar and self.cost_ratio is not None:
+            return min(self.config.min_alpha, self.cost_ratio)
+        return self.config.min_alpha
 
     def is_enabled(self, domain: str | None) -> bool:
         return self._state(domain).enabled
@@ -180,6 +199,7 @@ class SpecPolicy:
                 "k": self.num_speculative_tokens(domain),
                 "running_alpha": self.running_alpha(domain),
                 "probe_wait": state.probe_wait,
+                "min_alpha": self.min_alpha(domain),
             }
             for domain, state in sorted(self._domains.items())
         }

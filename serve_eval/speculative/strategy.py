@@ -61,7 +61,7 @@ class SpeculativeStrategy:
         # around a custom proposer before the engine exists: LLMEngine(cfg, strategy=...).
         self.config = config
         self.proposer = proposer
-        self.policy = SpecPolicy(config.policy)
+        self.policy = SpecPolicy(config.policy, measured_gate=config.batch_gate.mode == "measured")
         self.batch_gate = BatchGate(config.batch_gate)
         self._batch_size = 0                # decoding sequences this step (what the batch gate sees)
         self._batch_cap: int | None = None  # the gate's K cap for this step
@@ -375,7 +375,7 @@ class SpeculativeStrategy:
             self.policy.observe_round(seq.domain, depth, res.num_accepted_drafts)
             seq.spec_stats = self.metrics.by_request[seq.request_id]
             proposed += d.num_nodes
-        if self.config.policy.adaptive_k and target_time > 0:
+        if target_time > 0 and proposed:   # adaptive K and the cost-aware fallback bar read it
             self.policy.observe_cost_ratio((draft_time / proposed) / (target_time / len(results)))
 
     # -- stats -----------------------------------------------------------------------------

@@ -49,6 +49,32 @@ def test_a_domain_falls_back_below_its_own_bar():
     assert (policy.min_alpha("chat"), policy.min_alpha("code")) == (0.2, 0.5)
 
 
+def test_with_a_measured_gate_the_bar_is_the_measured_cost_ratio():
+    """Beside a measured batch gate ("auto") the bar drops from 0.5 to the measured c = 0.12 once c is
+    known: alpha 0.25 stays on, alpha 0 (below what any batch size could pay for) goes off. Without
+    the gate, or with fallback_bar="fixed", 0.5 stands; a domain's own bar always wins."""
+    def run(policy: SpecPolicy, accepted: int) -> bool:
+        for _ in range(4):
+            policy.observe_round("chat", 4, accepted)
+        return policy.is_enabled("chat")
+
+    gated = SpecPolicy(config(), measured_gate=True)
+    assert gated.min_alpha("chat") == 0.5            # c not measured yet
+    gated.observe_cost_ratio(0.12)
+    assert gated.min_alpha("chat") == 0.12 and run(gated, 1)
+    low = SpecPolicy(config(), measured_gate=True)
+    low.observe_cost_ratio(0.12)
+    assert not run(low, 0)
+    for policy in (SpecPolicy(config()), SpecPolicy(config(fallback_bar="fixed"), measured_gate=True)):
+        policy.observe_cost_ratio(0.12)
+        assert policy.min_alpha("chat") == 0.5 and not run(policy, 1)
+    own = SpecPolicy(config(min_alpha_by_domain={"chat": 0.3}), measured_gate=True)
+    own.observe_cost_ratio(0.12)
+    assert own.min_alpha("chat") == 0.3
+    with pytest.raises(ValueError, match="fallback_bar"):
+        config(fallback_bar="sometimes")
+
+
 def test_high_alpha_stays_on_and_window_forgets_old_rounds():
     """A bad start recovered within the window keeps speculation on (alpha over the last 4 rounds)."""
     policy = SpecPolicy(config(min_rounds=6))
