@@ -21,10 +21,6 @@ from torch import Tensor
 
 GeneratorArg = torch.Generator | Sequence[torch.Generator | None] | None
 
-# Exponential noise is clamped away from 0 so p / noise never divides by zero
-# (a uniform draw of exactly 0 gives noise 0).
-_MIN_NOISE = 1e-30
-
 
 # Bounds of the values the kernels below accept, as they are used: temperature and top_p in float32,
 # top_k and seeds in int64. A positive temperature below MIN_TEMPERATURE divides float32 logits into
@@ -223,44 +219,29 @@ def _top_p_filter(
     return out.scatter_(-1, sorted_ids, sorted_logits)
 
 
-def _exponential_noise(shape: tuple[int, int], generators: GeneratorArg, dtype, device) -> Tensor:
-    """Exp(1) noise [N, V]; row i drawn only from generators[i] so a request's stream is batch-invariant.
-
-    Inverse CDF -log(1 - U) of float64 uniforms: the same law as Tensor.exponential_, about 4x cheaper on
-    CPU (one uniform per entry plus a vectorized log1p), and each row still consumes exactly V draws.
-    """
-    if generators is None or isinstance(generators, torch.Generator):
-        uniform = torch.rand(shape, dtype=torch.float64, device=_draw_device(generators, device), generator=generators)
-        noise = uniform.to(device)
-    else:
-        if len(generators) != shape[0]:
-            raise ValueError(f"got {len(generators)} generators for {shape[0]} rows")
-        noise = torch.empty(shape, dtype=torch.float64, device=device)
-        for row, generator in enumerate(generators):
-            draw_device = _draw_device(generator, device)
-            if draw_device == noise.device:  # draw straight into the row, no temporary
-                torch.rand(shape[1], dtype=torch.float64, generator=generator, out=noise[row])
-            else:
-                noise[row] = torch.rand(shape[1], dtype=torch.float64, device=draw_device, generator=generator).to(device)
-    return noise.neg_().log1p_().neg_().to(dtype).clamp_min_(_MIN_NOISE)
-
-
 def sample(
     probs: Tensor,  # [N, V], rows need not be normalized (non-negative, positive sum)
     generators: GeneratorArg = None,  # one per row, a single one for all rows, or None (global RNG)
 ) -> Tensor:  # int64 [N]
-    """Draw one token per row: argmax(p / E) with E ~ Exp(1) (the exponential race).
+    """Draw one token per row by inverting its CDF at one uniform: the first i with cdf_i > u * sum(p).
 
-    The race is exact (argmin of independent Exp(rate p_i) picks i with probability p_i / sum p),
-    vectorized over rows, and consumes exactly V draws from the row's own generator, so a seeded
-    request samples the same tokens whatever else shares its batch. One-hot rows return their argmax.
-    float64 probs get float64 noise (used by the verifier's residual distributions).
+    Exact (token i is drawn with probability p_i / sum p; a zero-probability token never, since its cdf
+    equals its predecessor's), vectorized over rows, and one float64 draw from the row's own generator,
+    so a seeded request samples the same tokens whatever else shares its batch. The CDF is float64
+    whatever the probs' dtype. One-hot rows return their argmax. (The exponential race argmax(p / E)
+    needed V draws per row: 1.0-1.5 ms for 32 x 4096 on one CPU thread, against ~0.1 ms here.)
     """
     if probs.dim() != 2:
         raise ValueError(f"probs must be 2-D [N, V], got shape {tuple(probs.shape)}")
-    dtype = torch.float64 if probs.dtype == torch.float64 else torch.float32
-    noise = _exponential_noise(tuple(probs.shape), generators, dtype, probs.device)
-    return (probs.to(dtype) / noise).argmax(dim=-1)
+    cdf = probs.to(torch.float64).cumsum(dim=-1)
+    u = uniforms(1, probs.shape[0], generators, probs.device)  # [N, 1]
+    picked = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).squeeze(1)
+    vocab_size = probs.shape[1]
+    over = picked >= vocab_size   # u * sum rounded up to sum (u within an ulp of 1): the last positive entry
+    if bool(over.any()):
+        last_positive = vocab_size - 1 - (probs[over] > 0).flip(-1).to(torch.int8).argmax(dim=-1)
+        picked[over] = last_positive
+    return picked
 
 
 def uniforms(
@@ -283,13 +264,15 @@ def uniforms(
         return torch.rand((num_rows, width), dtype=torch.float64, device=draw_device, generator=generators).to(device)
     if len(generators) != num_rows:
         raise ValueError(f"got {len(generators)} generators for {num_rows} rows")
-    out = torch.ones((num_rows, width), dtype=torch.float64, device=device)
-    for row, (count, generator) in enumerate(zip(counts, generators)):
-        if count:
-            draw_device = _draw_device(generator, device)
-            row_draws = torch.rand(count, dtype=torch.float64, device=draw_device, generator=generator)
-            out[row, :count] = row_draws.to(device)
-    return out
+    # One draw call per row, then one stack: writing each row into a preallocated tensor costs more than the draw.
+    rows = [torch.rand(count, dtype=torch.float64, device=_draw_device(generator, device), generator=generator)
+            for count, generator in zip(counts, generators)]
+    if any(count < width for count in counts):
+        rows = [torch.cat([row, torch.ones(width - row.shape[0], dtype=torch.float64, device=row.device)])
+                if row.shape[0] < width else row for row in rows]
+    if not rows:
+        return torch.ones((0, width), dtype=torch.float64, device=device)
+    return torch.stack(rows).to(device)
 
 
 def _draw_device(generator: torch.Generator | None, device) -> torch.device:
