@@ -110,7 +110,7 @@ def test_bad_parameters_raise_naming_field(kwargs, field):
 
 
 def test_sample_follows_probs():
-    """Exponential-race sampling reproduces the distribution (chi-square, alpha 1e-3) and never picks p=0."""
+    """Inverse-CDF sampling reproduces the distribution (chi-square, alpha 1e-3) and never picks p=0."""
     probs = torch.tensor([0.5, 0.2, 0.0, 0.15, 0.1, 0.05])
     n = 60_000
     draws = sample(probs.expand(n, -1), torch.Generator().manual_seed(1))
@@ -118,6 +118,16 @@ def test_sample_follows_probs():
     assert counts[2] == 0
     support = probs > 0
     assert chisquare(counts[support].numpy(), (probs[support].double() * n).numpy()).pvalue > 1e-3
+
+
+def test_sample_at_the_top_of_the_cdf_stays_on_the_support(monkeypatch):
+    """A uniform within an ulp of 1 can round u * sum up to sum: the draw is then the row's last positive
+    entry, never a zero-probability tail token (nor an index past the vocabulary)."""
+    import kernels.sampling as sampling
+
+    monkeypatch.setattr(sampling, "uniforms", lambda counts, rows, *a, **k: torch.ones(rows, 1, dtype=torch.float64))
+    probs = torch.tensor([[0.25, 0.75, 0.0, 0.0], [0.1, 0.0, 0.9, 0.0], [0.0, 0.0, 0.0, 1.0]])
+    assert sample(probs).tolist() == [1, 2, 3]
 
 
 def test_sample_per_row_generators_are_batch_invariant():
