@@ -263,7 +263,7 @@ class LLMEngine:
                 seq.group.first_draw = draw_first_tokens(seq.group, logits[i], self.generator)
         rows = [i for i, s in enumerate(seqs) if s.params.temperature != 0]
         # Greedy rows take the argmax directly (the same rule as logits_to_probs' temperature-0 rows), without
-        # the sort, softmax and noise that only the sampled rows need; sampled rows skip the argmax.
+        # the sort, softmax and draw that only the sampled rows need; sampled rows skip the argmax.
         if not rows:
             return argmax_rows(logits).tolist()
         tokens = [0] * len(seqs)

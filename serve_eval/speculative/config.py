@@ -102,7 +102,8 @@ class SpecConfig:
         # domains below the default choice's, as the global bar, unless the caller gave a policy), and a
         # bar the caller's policy names for a domain wins.
         default_bar = fallback_bars.pop(DEFAULT_DOMAIN, None)
-        policy = self.policy or SpecPolicyConfig(**({} if default_bar is None else {"min_alpha": default_bar}))
+        policy = self.policy or SpecPolicyConfig(**({} if default_bar is None else
+                                                    {"min_alpha": default_bar, "fallback_bar": "fixed"}))
         self.policy = replace(policy, num_speculative_tokens=self.num_speculative_tokens,
                               min_alpha_by_domain={**fallback_bars, **policy.min_alpha_by_domain})
         if not isinstance(self.batch_gate, BatchGateConfig):

@@ -13,7 +13,11 @@ measured the cost ratio c (draft seconds per proposed token / target seconds per
 a bar of its own falls back only below min(min_alpha, c). A round emits 1 + K alpha tokens for at least
 the work of 1 + K c target rounds, so below alpha = c speculation cannot pay at any batch size; above it,
 the gate measures at each batch size whether it does. (A fixed 0.5 switched off a draft at alpha 0.35 that
-ran 1.3x at batch 1.) Without a measured gate ("auto"), or with "fixed", the bar is min_alpha.
+ran 1.3x at batch 1.) "auto" does so only in place of the seed's default 0.5: a min_alpha that a user or a
+recommendations file set stands, as it does with "fixed" or without a measured gate. The gate measures
+per batch size, not per domain: in mixed traffic a domain between c and its break-even keeps
+speculating if the others carry the bucket, so a cheap draft (c near 0, n-gram) is switched off only
+where it accepts next to nothing.
 
 Adaptive K: the seed formula (1 + K alpha) / (1 + K c) is monotone in K (its derivative has the
 sign of alpha - c), so it only ever picks an end of the range. We instead maximize the expected
@@ -43,7 +47,7 @@ class SpecPolicyConfig:
     fallback: bool = True
     min_alpha: float = SEED_MIN_ALPHA
     min_alpha_by_domain: dict[str, float] = field(default_factory=dict)
-    fallback_bar: str = "auto"  # "cost": min(min_alpha, measured c); "fixed": min_alpha; "auto": cost with a measured gate
+    fallback_bar: str = "auto"  # "cost": min(min_alpha, measured c); "fixed": min_alpha; "auto": see the module docstring
     window_rounds: int = 32  # running alpha is measured over this many recent rounds
     min_rounds: int = 32  # rounds since (re)enabling before fallback may switch a domain off
     probe_after_steps: int = 128  # plain decode steps before speculation is tried again
@@ -103,7 +107,7 @@ class SpecPolicy:
         self.config = config or SpecPolicyConfig()
         self.cost_ratio = self.config.cost_ratio
         bar = self.config.fallback_bar
-        self.cost_bar = bar == "cost" or (bar == "auto" and measured_gate)
+        self.cost_bar = bar == "cost" or (bar == "auto" and measured_gate and self.config.min_alpha == SEED_MIN_ALPHA)
         self._domains: dict[str, _DomainState] = {}
 
     def _state(self, domain: str | None) -> _DomainState:

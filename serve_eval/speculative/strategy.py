@@ -32,7 +32,7 @@ from serve_eval.engine.logprobs import rows_logprobs
 from serve_eval.engine.request import Sequence, SequenceStatus
 from serve_eval.engine.scheduler import SchedulerOutput
 from serve_eval.speculative.batch_gate import BatchGate
-from serve_eval.speculative.metrics import SpecEngineStats, SpecMetrics
+from serve_eval.speculative.metrics import DEFAULT_DOMAIN, SpecEngineStats, SpecMetrics
 from serve_eval.speculative.policy import SpecPolicy
 from serve_eval.speculative.round_logprobs import round_rows
 from serve_eval.speculative.proposers.base import Proposal, TargetFeatures
@@ -357,9 +357,10 @@ class SpeculativeStrategy:
     def _record(self, engine, out, drafts, results, draft_time: float, target_time: float) -> None:
         # A probe's wait counts engine steps, once per domain that decoded plainly in the step: counted per
         # sequence, a batch of 16 would re-probe a switched-off draft 16 times as often as batch 1.
-        plain_domains = {seq.domain for seq, n, la in zip(out.seqs, out.num_scheduled_tokens, out.num_lookahead_tokens)
+        plain_domains = {seq.domain or DEFAULT_DOMAIN
+                         for seq, n, la in zip(out.seqs, out.num_scheduled_tokens, out.num_lookahead_tokens)
                          if la == 0 and n == 1 and seq.num_computed_tokens + 1 == seq.num_tokens}
-        for domain in sorted(plain_domains, key=str):
+        for domain in sorted(plain_domains):
             self.policy.observe_non_spec_step(domain)   # counts toward a probe only while off
         if not results:
             return

@@ -121,13 +121,22 @@ def test_sample_follows_probs():
 
 
 def test_sample_at_the_top_of_the_cdf_stays_on_the_support(monkeypatch):
-    """A uniform within an ulp of 1 can round u * sum up to sum: the draw is then the row's last positive
-    entry, never a zero-probability tail token (nor an index past the vocabulary)."""
+    """A draw at the very top of the CDF (forced here with u = 1; a parallel cumsum's rounding can land
+    there) takes the row's last positive entry, never a zero-probability tail token nor an index past the
+    vocabulary; an empty batch gives no tokens."""
     import kernels.sampling as sampling
 
     monkeypatch.setattr(sampling, "uniforms", lambda counts, rows, *a, **k: torch.ones(rows, 1, dtype=torch.float64))
     probs = torch.tensor([[0.25, 0.75, 0.0, 0.0], [0.1, 0.0, 0.9, 0.0], [0.0, 0.0, 0.0, 1.0]])
     assert sample(probs).tolist() == [1, 2, 3]
+    assert sample(torch.zeros(0, 4)).shape == (0,)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_uniforms_mix_request_generators_and_the_device_rng_on_cuda():
+    """A request's CPU generator and a None entry (drawn on the device) land in one CUDA tensor."""
+    out = uniforms(1, 2, [torch.Generator().manual_seed(0), None], "cuda")
+    assert out.device.type == "cuda" and out.shape == (2, 1)
 
 
 def test_sample_per_row_generators_are_batch_invariant():

@@ -52,7 +52,7 @@ def test_a_domain_falls_back_below_its_own_bar():
 def test_with_a_measured_gate_the_bar_is_the_measured_cost_ratio():
     """Beside a measured batch gate ("auto") the bar drops from 0.5 to the measured c = 0.12 once c is
     known: alpha 0.25 stays on, alpha 0 (below what any batch size could pay for) goes off. Without
-    the gate, or with fallback_bar="fixed", 0.5 stands; a domain's own bar always wins."""
+    the gate, or with fallback_bar="fixed", 0.5 stands; a domain's own bar, or a min_alpha that was set, wins."""
     def run(policy: SpecPolicy, accepted: int) -> bool:
         for _ in range(4):
             policy.observe_round("chat", 4, accepted)
@@ -71,6 +71,9 @@ def test_with_a_measured_gate_the_bar_is_the_measured_cost_ratio():
     own = SpecPolicy(config(min_alpha_by_domain={"chat": 0.3}), measured_gate=True)
     own.observe_cost_ratio(0.12)
     assert own.min_alpha("chat") == 0.3
+    chosen = SpecPolicy(config(min_alpha=0.4), measured_gate=True)   # a bar someone set stands under "auto"
+    chosen.observe_cost_ratio(0.12)
+    assert chosen.min_alpha("chat") == 0.4
     with pytest.raises(ValueError, match="fallback_bar"):
         config(fallback_bar="sometimes")
 
