@@ -1,7 +1,10 @@
 """When and how far to speculate, per domain: configured K, automatic fallback, optional adaptive K.
 
-Fallback: a domain's running alpha (accepted / proposed over its last `window_rounds` rounds) is
-checked once at least `min_rounds` rounds were seen since speculation was (re)enabled; below
+Fallback: a domain's running alpha (accepted / proposed over its last `window_rounds` rounds, and over
+every round of its last `min_steps` engine steps) is checked once at least `min_rounds` rounds from at
+least `min_steps` steps were seen since speculation was (re)enabled. (At batch 32 one step fills 32
+rounds, and a batch's rounds are correlated draws: one step's running alpha read 0.18 for a draft whose
+alpha was 0.37, and switched it off.) Below
 `min_alpha` (default 0.5, as the seed advises; `min_alpha_by_domain` overrides it per domain, as a server
 loading an eval's recommendations does with each choice's measured break-even alpha) speculation is
 switched off for that domain. After
@@ -50,6 +53,7 @@ class SpecPolicyConfig:
     fallback_bar: str = "auto"  # "cost": min(min_alpha, measured c); "fixed": min_alpha; "auto": see the module docstring
     window_rounds: int = 32  # running alpha is measured over this many recent rounds
     min_rounds: int = 32  # rounds since (re)enabling before fallback may switch a domain off
+    min_steps: int = 4  # ... and engine steps they came from (observe_round's `step`)
     probe_after_steps: int = 128  # plain decode steps before speculation is tried again
     probe_backoff: float = 2.0  # wait multiplier after each failed probe
     max_probe_after_steps: int = 4096
@@ -72,7 +76,7 @@ class SpecPolicyConfig:
         for domain, bar in self.min_alpha_by_domain.items():
             if not 0 <= bar <= 1:
                 raise ValueError(f"min_alpha_by_domain[{domain!r}] must be in [0, 1], got {bar}")
-        for name in ("window_rounds", "min_rounds", "probe_after_steps", "k_min"):
+        for name in ("window_rounds", "min_rounds", "min_steps", "probe_after_steps", "k_min"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.k_max < self.k_min:
@@ -95,7 +99,10 @@ def best_k(beta: float, cost_ratio: float, k_min: int, k_max: int) -> int:
 class _DomainState:
     enabled: bool = True
     window: deque = field(default_factory=deque)  # (proposed, accepted) of recent rounds
+    window_steps: deque = field(default_factory=deque)  # the engine step of each (None: a step of its own)
     rounds_since_enable: int = 0
+    steps_since_enable: int = 0
+    last_step: int | None = None
     steps_off: int = 0
     probe_wait: int = 0  # current wait before the next probe (grows on failed probes)
     probing: bool = False
@@ -155,15 +162,22 @@ class SpecPolicy:
                 k = best_k(beta, self.cost_ratio, self.config.k_min, self.config.k_max)
         return k
 
-    def observe_round(self, domain: str | None, num_proposed: int, num_accepted: int) -> None:
+    def observe_round(self, domain: str | None, num_proposed: int, num_accepted: int, step: int | None = None) -> None:
+        """One round of this domain; `step`: the engine step it ran in (None: a step of its own)."""
         if not 0 <= num_accepted <= num_proposed:
             raise ValueError(f"round needs 0 <= num_accepted ({num_accepted}) <= num_proposed ({num_proposed})")
         state = self._state(domain)
+        if step is None or step != state.last_step:
+            state.steps_since_enable += 1
+            state.last_step = step
         state.window.append((num_proposed, num_accepted))
-        while len(state.window) > self.config.window_rounds:
+        state.window_steps.append(step)
+        while len(state.window) > self.config.window_rounds and not self._recent(state, state.window_steps[0]):
             state.window.popleft()
+            state.window_steps.popleft()
         state.rounds_since_enable += 1
-        if not self.config.fallback or state.rounds_since_enable < self.config.min_rounds:
+        if (not self.config.fallback or state.rounds_since_enable < self.config.min_rounds
+                or state.steps_since_enable < self.config.min_steps):
             return
         alpha = self.running_alpha(domain)
         if alpha < self.min_alpha(domain):
@@ -175,6 +189,10 @@ class SpecPolicy:
         elif state.probing:  # the probe survived a full check: back to the base wait
             state.probing, state.probe_wait = False, self.config.probe_after_steps
 
+    def _recent(self, state: _DomainState, step: int | None) -> bool:
+        """Whether a window round ran in one of the domain's last min_steps engine steps (kept past window_rounds)."""
+        return step is not None and state.last_step is not None and state.last_step - step < self.config.min_steps
+
     def observe_non_spec_step(self, domain: str | None) -> None:
         """One engine step decoded this domain's sequences without speculation (once per step, whatever the batch)."""
         state = self._state(domain)
@@ -184,7 +202,9 @@ class SpecPolicy:
         if state.steps_off >= state.probe_wait:
             state.enabled, state.probing = True, True
             state.window.clear()
-            state.rounds_since_enable = 0
+            state.window_steps.clear()
+            state.rounds_since_enable = state.steps_since_enable = 0
+            state.last_step = None
 
     def observe_cost_ratio(self, cost_ratio: float) -> None:
         """Fold a measured c (draft time per proposed token / target time per round) into the EMA."""

@@ -373,7 +373,7 @@ class SpeculativeStrategy:
             depth = d.tree.max_depth if d.is_tree else d.num_nodes
             self.metrics.record_round(seq.request_id, seq.domain, d.num_nodes, res.num_accepted_drafts,
                                       draft_time * share, target_time * share, depth)
-            self.policy.observe_round(seq.domain, depth, res.num_accepted_drafts)
+            self.policy.observe_round(seq.domain, depth, res.num_accepted_drafts, engine.num_steps)
             seq.spec_stats = self.metrics.by_request[seq.request_id]
             proposed += d.num_nodes
         if target_time > 0 and proposed:   # adaptive K and the cost-aware fallback bar read it

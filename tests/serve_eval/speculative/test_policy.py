@@ -78,6 +78,27 @@ def test_with_a_measured_gate_the_bar_is_the_measured_cost_ratio():
         config(fallback_bar="sometimes")
 
 
+def test_the_fallback_judges_several_engine_steps_not_one_batch():
+    """At batch 32 one step's 32 rounds fill window_rounds: the policy still waits for min_steps steps and
+    keeps every round of the last min_steps steps. Three steps at alpha 0.5 and one at 0 read 0.375 over
+    128 rounds (on, bar 0.3; the last 32 rounds alone read 0); one more step at 0 reads 0.25 (off)."""
+    policy = SpecPolicy(SpecPolicyConfig(window_rounds=32, min_rounds=32, min_steps=4, min_alpha=0.3))
+    for step, accepted in enumerate((2, 2, 2, 0)):
+        for _ in range(32):
+            policy.observe_round("math", 4, accepted, step=step)
+    assert policy.is_enabled("math") and policy.running_alpha("math") == 0.375
+    for _ in range(32):   # the window is now steps 1..4
+        policy.observe_round("math", 4, 0, step=4)
+    assert not policy.is_enabled("math")
+    early = SpecPolicy(SpecPolicyConfig(window_rounds=32, min_rounds=32, min_steps=4, min_alpha=0.3))
+    for step in range(3):   # 96 rounds at 0, but from 3 steps only: not judged yet
+        for _ in range(32):
+            early.observe_round("math", 4, 0, step=step)
+    assert early.is_enabled("math")
+    with pytest.raises(ValueError, match="min_steps"):
+        SpecPolicyConfig(min_steps=0)
+
+
 def test_high_alpha_stays_on_and_window_forgets_old_rounds():
     """A bad start recovered within the window keeps speculation on (alpha over the last 4 rounds)."""
     policy = SpecPolicy(config(min_rounds=6))
