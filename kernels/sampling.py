@@ -276,9 +276,9 @@ def uniforms(
     if len(generators) != num_rows:
         raise ValueError(f"got {len(generators)} generators for {num_rows} rows")
     # One draw call per row, then one stack: writing each row into a preallocated tensor costs more than the draw.
-    rows = [torch.rand(count, dtype=torch.float64, device=_draw_device(generator, device), generator=generator)
+    # A None entry draws on `device`, a request's generator on its own device.
+    rows = [torch.rand(count, dtype=torch.float64, device=_draw_device(generator, device), generator=generator).to(device)
             for count, generator in zip(counts, generators)]
-    rows = [row.to(device) for row in rows]   # a None entry drew on `device`, a request's generator on its own
     if any(count < width for count in counts):
         rows = [torch.cat([row, torch.ones(width - row.shape[0], dtype=torch.float64, device=device)])
                 if row.shape[0] < width else row for row in rows]

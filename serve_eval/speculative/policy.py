@@ -15,8 +15,8 @@ The bar with a measured batch gate (`fallback_bar`: "auto", the default, or "cos
 measured the cost ratio c (draft seconds per proposed token / target seconds per round), a domain without
 a bar of its own falls back only below min(min_alpha, c). A round emits 1 + K alpha tokens for at least
 the work of 1 + K c target rounds, so below alpha = c speculation cannot pay at any batch size; above it,
-the gate measures at each batch size whether it does. (A fixed 0.5 switched off a draft at alpha 0.35 that
-ran 1.3x at batch 1.) "auto" does so only in place of the seed's default 0.5: a min_alpha that a user or a
+the gate measures at each batch size whether it does. (A fixed 0.5 switched the standalone draft off at
+batch 16, running alpha 0.35; at batch 1 that kind ran 1.31x at alpha 0.39.) "auto" does so only in place of the seed's default 0.5: a min_alpha that a user or a
 recommendations file set stands, as it does with "fixed" or without a measured gate. The gate measures
 per batch size, not per domain: in mixed traffic a domain between c and its break-even keeps
 speculating if the others carry the bucket, so a cheap draft (c near 0, n-gram) is switched off only
@@ -98,8 +98,7 @@ def best_k(beta: float, cost_ratio: float, k_min: int, k_max: int) -> int:
 @dataclass
 class _DomainState:
     enabled: bool = True
-    window: deque = field(default_factory=deque)  # (proposed, accepted) of recent rounds
-    window_steps: deque = field(default_factory=deque)  # the engine step of each (None: a step of its own)
+    window: deque = field(default_factory=deque)  # (proposed, accepted, engine step or None) of recent rounds
     rounds_since_enable: int = 0
     steps_since_enable: int = 0
     last_step: int | None = None
@@ -140,14 +139,14 @@ class SpecPolicy:
 
     def running_alpha(self, domain: str | None) -> float:
         window = self._state(domain).window
-        proposed = sum(p for p, _ in window)
-        return sum(a for _, a in window) / proposed if proposed else math.nan
+        proposed = sum(p for p, _, _ in window)
+        return sum(a for _, a, _ in window) / proposed if proposed else math.nan
 
     def estimated_beta(self, domain: str | None) -> float:
         """MLE of the per-token acceptance probability from the window (chain rounds)."""
         window = self._state(domain).window
-        accepted = sum(a for _, a in window)
-        rejecting_rounds = sum(1 for p, a in window if a < p)
+        accepted = sum(a for _, a, _ in window)
+        rejecting_rounds = sum(1 for p, a, _ in window if a < p)
         return accepted / (accepted + rejecting_rounds) if accepted + rejecting_rounds else math.nan
 
     def num_speculative_tokens(self, domain: str | None) -> int:
@@ -170,11 +169,9 @@ class SpecPolicy:
         if step is None or step != state.last_step:
             state.steps_since_enable += 1
             state.last_step = step
-        state.window.append((num_proposed, num_accepted))
-        state.window_steps.append(step)
-        while len(state.window) > self.config.window_rounds and not self._recent(state, state.window_steps[0]):
+        state.window.append((num_proposed, num_accepted, step))
+        while len(state.window) > self.config.window_rounds and not self._recent(state, state.window[0][2]):
             state.window.popleft()
-            state.window_steps.popleft()
         state.rounds_since_enable += 1
         if (not self.config.fallback or state.rounds_since_enable < self.config.min_rounds
                 or state.steps_since_enable < self.config.min_steps):
@@ -202,7 +199,6 @@ class SpecPolicy:
         if state.steps_off >= state.probe_wait:
             state.enabled, state.probing = True, True
             state.window.clear()
-            state.window_steps.clear()
             state.rounds_since_enable = state.steps_since_enable = 0
             state.last_step = None
 

@@ -285,14 +285,11 @@ class Trainer:
                               self.launcher, self.sampler.examples_of(self.consumed_batches),
                               self.frozen_target.local_share() if self.frozen_target is not None else None)
             return TrainResult(state, final_metrics, self.last_checkpoint, stopped)
-        except NonFiniteLossError:
-            # Every rank raised it at the same step (the flag is all-reduced): meet at a barrier before
-            # the teardown, or one rank's gloo threads may still be live when the other closes its pairs.
-            shutdown_distributed(barrier=True)
-            raise
-        except BaseException:
-            # The error may be on this rank only: a barrier would hang, so tear down without one.
-            shutdown_distributed(barrier=False)
+        except BaseException as err:
+            # A NaN stop is raised on every rank at the same step (the flag is all-reduced): meet at a barrier,
+            # or one rank's gloo threads may be live when the other closes its pairs. Any other error may be
+            # on this rank only, where a barrier would hang.
+            shutdown_distributed(barrier=isinstance(err, NonFiniteLossError))
             raise
         finally:
             if acc.is_main_process and hasattr(self, "metrics_file"):
