@@ -10,7 +10,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from scipy.stats import chisquare
 
-from kernels.sampling import logits_to_probs, sample, uniforms
+from kernels.sampling import logits_to_probs, sample, topk_rows, uniforms
 
 
 def reference_probs(logits: list[float], temperature: float, top_k: int, top_p: float) -> list[float] | None:
@@ -59,20 +59,36 @@ def test_logits_to_probs_matches_reference(logits, temperature, top_k, top_p):
 @settings(max_examples=60, deadline=None)
 @given(
     st.integers(0, 2**31 - 1),
-    st.sampled_from([1, 3, 8, 20]),   # k well below V = 256: the candidate window is narrower than the row
+    st.sampled_from([1, 3, 8, 20]),   # k well below V = 1024: the candidate window is narrower than the row
     st.sampled_from([1.0, 0.9, 0.5]),
     st.sampled_from([3, 12, 60]),     # distinct values per row: few -> ties run past the window (full-row fallback)
 )
 def test_wide_rows_with_ties_at_the_kth_place_match_reference(seed, top_k, top_p, num_values):
     """bf16-like logits (few distinct values, many ties at the k-th place) on rows wider than the top-k window:
-    the windowed tie rule and its full-row fallback both equal the naive definition, row by row, in one batch."""
+    the windowed tie rule (over topk_rows' block prefilter) and its full-row fallback both equal the naive
+    definition, row by row, in one batch."""
     gen = torch.Generator().manual_seed(seed)
-    logits = torch.randint(0, num_values, (4, 256), generator=gen).float() / 4
+    logits = torch.randint(0, num_values, (4, 1024), generator=gen).float() / 4
     got = logits_to_probs(logits, 0.8, top_k, top_p)
     for row in range(logits.shape[0]):
         want = reference_probs(logits[row].tolist(), 0.8, top_k, top_p)
         if want is not None:
             assert torch.allclose(got[row], torch.tensor(want), atol=1e-5), row
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(0, 2**31 - 1), st.sampled_from([1, 5, 66, 200]), st.sampled_from([4, 40, 100_000]))
+def test_topk_rows_has_torch_topk_values_at_ids_holding_them(seed, width, num_values):
+    """The block prefilter returns torch.topk's values (descending), at distinct ids that hold them; few distinct
+    values put ties across blocks and at the window's edge."""
+    gen = torch.Generator().manual_seed(seed)
+    scores = torch.randint(0, num_values, (5, 4096), generator=gen).float()
+    scores[0, :] = float("-inf")
+    scores[0, 4095] = 1.0   # a row that is all -inf but one entry
+    values, ids = topk_rows(scores, width)
+    assert torch.equal(values, scores.topk(width, dim=-1).values)
+    assert torch.equal(scores.gather(-1, ids), values)
+    assert all(len(set(row)) == width for row in ids.tolist())
 
 
 def test_rows_use_their_own_parameters():
