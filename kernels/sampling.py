@@ -19,6 +19,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from kernels.row_ops import topk_rows
+
 GeneratorArg = torch.Generator | Sequence[torch.Generator | None] | None
 
 
@@ -203,21 +205,26 @@ def _top_p_filter(
     top_p: Tensor,  # [R]
     vocab_size: int,
 ) -> Tensor:  # [R, V], -inf outside each row's nucleus
+    """The candidates' nucleus (_nucleus) scattered into full rows."""
+    out = torch.full((cand_logits.shape[0], vocab_size), float("-inf"), dtype=cand_logits.dtype,
+                     device=cand_logits.device)
+    return out.scatter_(-1, cand_ids, _nucleus(cand_logits, top_p))
+
+
+def _nucleus(
+    cand_logits: Tensor,  # [R, W] in id order (the full row, or _top_k_candidates' window)
+    top_p: Tensor,  # [R]
+) -> Tensor:  # [R, W], in the same order, -inf outside each row's nucleus
     """Smallest prefix (by probability, ties by lower id) whose mass reaches top_p; the first is always kept.
 
-    The candidates come in id order (the full row, or _top_k_candidates' window), so the stable sort below
-    breaks ties by id.
+    The candidates come in id order, so the stable sort below breaks ties by id.
     """
     sorted_logits, order = cand_logits.sort(dim=-1, descending=True, stable=True)
-    sorted_ids = cand_ids.gather(-1, order)
     sorted_probs = sorted_logits.softmax(dim=-1)
     mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
     drop = mass_before >= top_p[:, None]
     drop[:, 0] = False
-    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-    out = torch.full((cand_logits.shape[0], vocab_size), float("-inf"), dtype=cand_logits.dtype,
-                     device=cand_logits.device)
-    return out.scatter_(-1, sorted_ids, sorted_logits)
+    return cand_logits.masked_fill(torch.empty_like(drop).scatter_(-1, order, drop), float("-inf"))
 
 
 def sample(
@@ -234,11 +241,15 @@ def sample(
     """
     if probs.dim() != 2:
         raise ValueError(f"probs must be 2-D [N, V], got shape {tuple(probs.shape)}")
-    num_rows, vocab_size = probs.shape
-    if num_rows == 0:
+    if probs.shape[0] == 0:
         return torch.zeros(0, dtype=torch.int64, device=probs.device)
+    return _invert_cdf(probs, uniforms(1, probs.shape[0], generators, probs.device))
+
+
+def _invert_cdf(probs: Tensor, u: Tensor) -> Tensor:  # [N, V], float64 [N, 1] -> int64 [N]
+    """The first i of each row with cdf_i > u * sum(p), never a zero-probability entry."""
+    vocab_size = probs.shape[1]
     cdf = probs.to(torch.float64).cumsum(dim=-1)
-    u = uniforms(1, num_rows, generators, probs.device)  # [N, 1]
     picked = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).squeeze(1).clamp_(max=vocab_size - 1)
     # Never a zero-probability entry, even where the CDF's sums are not sequential (a parallel cumsum
     # need not repeat the predecessor's value exactly) or the row has no mass at or after the draw.
@@ -246,6 +257,58 @@ def sample(
     if bool(off_support.any()):
         picked[off_support] = _nearest_positive_at_or_before(probs[off_support] > 0, picked[off_support])
     return picked
+
+
+def sample_logits(
+    logits: Tensor,  # [N, V]
+    temperature: Tensor | Sequence[float] | float,  # [N]
+    top_k: Tensor | Sequence[int] | int = 0,  # [N], 0 = off
+    top_p: Tensor | Sequence[float] | float = 1.0,  # [N], 1 = off
+    generators: GeneratorArg = None,
+) -> Tensor:  # int64 [N]
+    """sample(logits_to_probs(logits, temperature, top_k, top_p), generators) without the full rows: the same
+    one uniform per row from the same generators, inverted over the same id-ordered CDF, so the same law.
+
+    For plain decoding, where only the token is wanted. Rows with top-k invert their CDF over the k-window's
+    candidates (softmax, float64 cumsum and search over W entries, not V: 16 x 4096 rows at top-k 50 / top-p 0.9
+    sample in a third of the full-row path's time); the others, and a window whose k-th place ties past its edge,
+    take the full-row path.
+    """
+    temperature, top_k, top_p = _checked_params(logits, temperature, top_k, top_p)
+    num_rows, vocab_size = logits.shape
+    if num_rows == 0:
+        return torch.zeros(0, dtype=torch.int64, device=logits.device)
+    u = uniforms(1, num_rows, generators, logits.device)  # [N, 1]: one draw per row, whichever path it takes
+    windowed = (top_k > 0) & (top_k < vocab_size) & (temperature > 0)
+    tokens = None
+    if bool(windowed.all()):
+        tokens = _sample_in_window(logits, temperature, top_k, top_p, u)
+    elif bool(windowed.any()):
+        rows = windowed.nonzero().squeeze(1)
+        drawn = _sample_in_window(logits[rows], temperature[rows], top_k[rows], top_p[rows], u[rows])
+        if drawn is not None:
+            full = (~windowed).nonzero().squeeze(1)
+            tokens = torch.empty(num_rows, dtype=torch.int64, device=logits.device)
+            tokens[rows] = drawn
+            tokens[full] = _invert_cdf(logits_to_probs(logits[full], temperature[full], top_k[full], top_p[full]),
+                                       u[full])
+    if tokens is None:
+        tokens = _invert_cdf(logits_to_probs(logits, temperature, top_k, top_p), u)
+    return tokens
+
+
+def _sample_in_window(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor,
+                      u: Tensor) -> Tensor | None:  # [R, V], [R] x 3 (T > 0, 0 < k < V), [R, 1] -> [R] or None
+    """Each row's token drawn over its top-k window at u (see sample_logits); None if a tie runs past it."""
+    candidates = _top_k_candidates(logits.float() / temperature[:, None], top_k)
+    if candidates is None:
+        return None
+    cand_logits, cand_ids = candidates  # in id order, -inf outside each row's k
+    use_top_p = top_p < 1
+    if bool(use_top_p.any()):
+        cand_logits = torch.where(use_top_p[:, None], _nucleus(cand_logits, top_p), cand_logits)
+    picked = _invert_cdf(cand_logits.softmax(dim=-1), u)
+    return cand_ids.gather(-1, picked[:, None]).squeeze(1)
 
 
 def _nearest_positive_at_or_before(positive: Tensor, index: Tensor) -> Tensor:  # [R, V] bool, [R] -> [R]
@@ -291,52 +354,3 @@ def uniforms(
 def _draw_device(generator: torch.Generator | None, device) -> torch.device:
     """Draw where the generator lives (requests own CPU generators even when the model runs on CUDA)."""
     return torch.device(device) if generator is None else generator.device
-
-
-# Rows x vocab above which the blocked argmax below beats torch.argmax (measured on CPU: 17 x 4096 fp32,
-# 92 -> 38 us; 5 x 32000, 206 -> 53 us; below ~20k entries the extra ops cost more than they save).
-_BLOCKED_ARGMAX_MIN_ENTRIES = 32_768
-_ARGMAX_BLOCK = 64
-
-
-def argmax_rows(logits: Tensor) -> Tensor:  # [N, V] -> int64 [N]
-    """Exactly logits.argmax(dim=-1) (first index of the maximum), faster on wide rows.
-
-    torch's CPU argmax is not vectorized while amax is: take each block's max (vectorized), the first block
-    holding the row's maximum (argmax over V / 64 values), then the first maximum inside that block. The
-    first block with the maximum contains its first occurrence, so ties resolve as argmax does.
-    """
-    rows, vocab = logits.shape
-    if (rows * vocab < _BLOCKED_ARGMAX_MIN_ENTRIES or vocab % _ARGMAX_BLOCK or logits.device.type != "cpu"
-            or not logits.is_contiguous()):
-        return logits.argmax(dim=-1)
-    blocks = logits.view(rows, vocab // _ARGMAX_BLOCK, _ARGMAX_BLOCK)
-    best_block = blocks.amax(dim=-1).argmax(dim=-1)  # [N]
-    inner = blocks[torch.arange(rows, device=logits.device), best_block].argmax(dim=-1)
-    return best_block * _ARGMAX_BLOCK + inner
-
-
-# Block width of topk_rows' prefilter, and how many blocks it needs per kept entry to pay (measured on CPU at one
-# thread: 16 x 4096 fp32, width 66: torch.topk 475 us, blocks of 8 101 us, of 16 133 us, of 32 314 us).
-_TOPK_BLOCK = 8
-_TOPK_MIN_BLOCKS_PER_ENTRY = 2
-
-
-def topk_rows(scores: Tensor, width: int) -> tuple[Tensor, Tensor]:  # [N, V] -> (values [N, W], ids [N, W])
-    """The values of scores.topk(width, dim=-1), descending, and ids holding them (which of equal values is
-    taken is unspecified, as in torch.topk), faster on wide CPU rows.
-
-    torch's CPU topk walks all V entries per row; the prefilter takes each block's max (vectorized), the W
-    blocks with the highest maxima, and a topk over their entries. Any entry above the row's W-th value lies
-    in one of those blocks (otherwise W blocks would each hold a larger entry), so the values are the same.
-    """
-    rows, vocab = scores.shape
-    num_blocks = vocab // _TOPK_BLOCK
-    if (vocab % _TOPK_BLOCK or num_blocks < _TOPK_MIN_BLOCKS_PER_ENTRY * width or scores.device.type != "cpu"
-            or not scores.is_contiguous()):
-        return scores.topk(width, dim=-1)
-    top_blocks = scores.view(rows, num_blocks, _TOPK_BLOCK).amax(dim=-1).topk(width, dim=-1).indices  # [N, W]
-    candidate_ids = (top_blocks[:, :, None] * _TOPK_BLOCK
-                     + torch.arange(_TOPK_BLOCK, device=scores.device)).view(rows, -1)  # [N, W * block]
-    values, at = scores.gather(-1, candidate_ids).topk(width, dim=-1)
-    return values, candidate_ids.gather(-1, at)

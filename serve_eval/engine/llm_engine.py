@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 
 from kernels.attention import AttentionMetadata
-from kernels.sampling import argmax_rows, logits_to_probs, sample
+from kernels.row_ops import argmax_rows
+from kernels.sampling import sample_logits
 from serve_eval.engine.config import EngineConfig  # also importable from here, as before
 from serve_eval.engine.kv_cache_manager import KVCacheManager, cdiv
 from serve_eval.engine.logprobs import MAX_LOGPROBS
@@ -274,13 +275,13 @@ class LLMEngine:
                 tokens[i] = tok
         sampled = [seqs[i] for i in rows]
         sub = logits if len(rows) == len(seqs) else logits.index_select(0, torch.tensor(rows, device=logits.device))
-        probs = logits_to_probs(sub, [s.params.temperature for s in sampled], [s.params.top_k for s in sampled],
-                                [s.params.top_p for s in sampled])
         if any(s.generator is not None for s in sampled):
             gens = [s.generator or self.generator for s in sampled]
         else:
             gens = self.generator
-        for i, tok in zip(rows, sample(probs, gens).tolist()):
+        drawn = sample_logits(sub, [s.params.temperature for s in sampled], [s.params.top_k for s in sampled],
+                              [s.params.top_p for s in sampled], gens)
+        for i, tok in zip(rows, drawn.tolist()):
             tokens[i] = tok
         return tokens
 

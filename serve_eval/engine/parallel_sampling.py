@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from kernels.sampling import check_sampling_values, logits_to_probs, sample
+from kernels.sampling import check_sampling_values, sample_logits
 from serve_eval.engine.logprobs import TokenLogprob, token_logprobs
 from serve_eval.engine.request import Sequence
 from serve_eval.engine.sampling_params import SamplingParams
@@ -97,9 +97,8 @@ def draw_first_tokens(group: SampleGroup, logits_row: torch.Tensor, engine_gener
         tokens = rows.argmax(dim=-1).tolist()
     else:
         p = group.params
-        probs = logits_to_probs(rows, [p.temperature] * len(params), [p.top_k] * len(params),
-                                [p.top_p] * len(params))
-        tokens = sample(probs, generators if group.params.seed is not None else engine_generator).tolist()
+        tokens = sample_logits(rows, [p.temperature] * len(params), [p.top_k] * len(params), [p.top_p] * len(params),
+                               generators if group.params.seed is not None else engine_generator).tolist()
     records = None
     if group.params.logprobs is not None:
         records = token_logprobs(rows, tokens, group.params.logprobs)

@@ -16,7 +16,8 @@ import torch
 from torch import Tensor
 from torch.nn.utils.rnn import pad_sequence
 
-from kernels.sampling import argmax_rows, logits_to_probs
+from kernels.row_ops import argmax_rows
+from kernels.sampling import logits_to_probs
 from serve_eval.speculative.tree import DraftTree
 from serve_eval.speculative.verify import VerifyResult, verify_batch
 from serve_eval.speculative.verify_fast import greedy_chain_accepted, greedy_tree_paths, sampled_chain_accept

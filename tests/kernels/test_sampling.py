@@ -10,7 +10,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from scipy.stats import chisquare
 
-from kernels.sampling import logits_to_probs, sample, topk_rows, uniforms
+from kernels.sampling import logits_to_probs, sample, sample_logits, uniforms
 
 
 def reference_probs(logits: list[float], temperature: float, top_k: int, top_p: float) -> list[float] | None:
@@ -65,7 +65,7 @@ def test_logits_to_probs_matches_reference(logits, temperature, top_k, top_p):
 )
 def test_wide_rows_with_ties_at_the_kth_place_match_reference(seed, top_k, top_p, num_values):
     """bf16-like logits (few distinct values, many ties at the k-th place) on rows wider than the top-k window:
-    the windowed tie rule (over topk_rows' block prefilter) and its full-row fallback both equal the naive
+    the windowed tie rule (over topk_rows' group prefilter) and its full-row fallback both equal the naive
     definition, row by row, in one batch."""
     gen = torch.Generator().manual_seed(seed)
     logits = torch.randint(0, num_values, (4, 1024), generator=gen).float() / 4
@@ -74,21 +74,6 @@ def test_wide_rows_with_ties_at_the_kth_place_match_reference(seed, top_k, top_p
         want = reference_probs(logits[row].tolist(), 0.8, top_k, top_p)
         if want is not None:
             assert torch.allclose(got[row], torch.tensor(want), atol=1e-5), row
-
-
-@settings(max_examples=60, deadline=None)
-@given(st.integers(0, 2**31 - 1), st.sampled_from([1, 5, 66, 200]), st.sampled_from([4, 40, 100_000]))
-def test_topk_rows_has_torch_topk_values_at_ids_holding_them(seed, width, num_values):
-    """The block prefilter returns torch.topk's values (descending), at distinct ids that hold them; few distinct
-    values put ties across blocks and at the window's edge."""
-    gen = torch.Generator().manual_seed(seed)
-    scores = torch.randint(0, num_values, (5, 4096), generator=gen).float()
-    scores[0, :] = float("-inf")
-    scores[0, 4095] = 1.0   # a row that is all -inf but one entry
-    values, ids = topk_rows(scores, width)
-    assert torch.equal(values, scores.topk(width, dim=-1).values)
-    assert torch.equal(scores.gather(-1, ids), values)
-    assert all(len(set(row)) == width for row in ids.tolist())
 
 
 def test_rows_use_their_own_parameters():
@@ -146,6 +131,54 @@ def test_sample_at_the_top_of_the_cdf_stays_on_the_support(monkeypatch):
     probs = torch.tensor([[0.25, 0.75, 0.0, 0.0], [0.1, 0.0, 0.9, 0.0], [0.0, 0.0, 0.0, 1.0]])
     assert sample(probs).tolist() == [1, 2, 3]
     assert sample(torch.zeros(0, 4)).shape == (0,)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.integers(0, 2**31 - 1),
+    st.sampled_from([48, 1024]),     # 1024: the k-window is narrower than the row and topk_rows prefilters
+    st.sampled_from([None, 3, 40]),  # distinct values per row (bf16-like ties; few: the window's tie fallback)
+    st.sampled_from(["per-row", "one", "global"]),
+)
+def test_sample_logits_draws_what_sample_of_logits_to_probs_draws(seed, vocab, num_values, generators):
+    """Greedy, full-row and windowed rows mixed in one batch: sample_logits draws the same token as
+    sample(logits_to_probs(...)) from the same generators, so the same law. Where the two differ, the row's
+    uniform sits on a CDF boundary that the window's and the full row's float32 softmax round differently."""
+    gen = torch.Generator().manual_seed(seed)
+    num_rows = 12
+    logits = (torch.randn(num_rows, vocab, generator=gen) * 3 if num_values is None else
+              torch.randint(0, num_values, (num_rows, vocab), generator=gen).float() / 4)
+    temps = torch.tensor([0.0, 0.7, 1.0, 1.3])[torch.randint(0, 4, (num_rows,), generator=gen)]
+    ks = torch.tensor([0, 1, 5, 50, vocab - 1])[torch.randint(0, 5, (num_rows,), generator=gen)]
+    ps = torch.tensor([1.0, 0.9, 0.5])[torch.randint(0, 3, (num_rows,), generator=gen)]
+
+    def draw_from(row_seed: int):
+        if generators == "per-row":
+            return [torch.Generator().manual_seed(row_seed + i) for i in range(num_rows)]
+        return torch.Generator().manual_seed(row_seed) if generators == "one" else None
+
+    for draw in range(3):
+        if generators == "global":
+            torch.manual_seed(seed + draw)
+        got = sample_logits(logits, temps, ks, ps, draw_from(seed + draw))
+        if generators == "global":
+            torch.manual_seed(seed + draw)
+        probs = logits_to_probs(logits, temps, ks, ps)
+        want = sample(probs, draw_from(seed + draw))
+        if generators == "global":
+            torch.manual_seed(seed + draw)
+        u = uniforms(1, num_rows, draw_from(seed + draw)).squeeze(1)
+        cdf = probs.double().cumsum(dim=-1)
+        for row in (got != want).nonzero().squeeze(1).tolist():
+            boundary = cdf[row, min(got[row], want[row])]
+            assert abs(u[row] * cdf[row, -1] - boundary) < 1e-5, (row, got[row], want[row])
+        assert bool((probs.gather(1, got[:, None]) > 0).all())
+
+
+def test_sample_logits_takes_empty_batches_and_refuses_bad_values():
+    assert sample_logits(torch.zeros(0, 8), 1.0, 2).shape == (0,)
+    with pytest.raises(ValueError, match="top_p"):
+        sample_logits(torch.zeros(2, 8), 1.0, 2, 1.5)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

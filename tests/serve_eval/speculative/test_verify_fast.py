@@ -168,18 +168,3 @@ def test_round_verify_equals_general_path_on_logits(drafts_spec, seed):
         ref = verify_reference(tree.tokens[None], tree.parents[None], probs, seq.params.temperature == 0,
                                [torch.Generator().manual_seed(seed + b)])
         assert fast[b] == ref.to_results()[0]
-
-
-@settings(max_examples=60, deadline=None)
-@given(st.integers(1, 20), st.sampled_from([64, 4096, 4099, 8192]), st.integers(0, 2**31 - 1), st.booleans())
-def test_blocked_argmax_is_torch_argmax(rows, vocab, seed, ties):
-    """argmax_rows equals torch.argmax exactly, first index on ties included (ties across blocks too)."""
-    from kernels.sampling import argmax_rows
-
-    gen = torch.Generator().manual_seed(seed)
-    logits = torch.randn(rows, vocab, generator=gen)
-    if ties:  # the maximum at several places, in different blocks
-        logits = logits.round()
-        top = logits.amax(dim=-1, keepdim=True)
-        logits[:, torch.randint(0, vocab, (5,), generator=gen)] = top
-    assert torch.equal(argmax_rows(logits), logits.argmax(dim=-1))
