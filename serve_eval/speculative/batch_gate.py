@@ -13,7 +13,11 @@ in one of two ways:
   `margin`). The others are re-tried in turn after `explore_every` steps of the bucket, so that a change
   (another draft, longer contexts) is seen; each full turn of re-tries that confirms the winner doubles
   that interval (up to `max_explore_every`), while a flip resets it. Every arm starts with `min_samples`
-  steps, the uncapped one first.
+  steps, plain decoding first, then the caps from the smallest K up: when K <= k loses to plain decoding,
+  the arms of larger K are presumed to lose by as much and are not run until their re-try comes. (A round's
+  work grows with K about linearly once the batch is compute-bound, while its extra tokens grow by less:
+  a K that does not pay at K = 1 pays less at K = 4. Measuring the uncapped arm first spent the first steps
+  of every large bucket on its dearest arm.)
 
   Estimates are medians of an arm's last `window` steps, because one step's cost on a shared CPU has
   spikes of several times its typical value. A re-try is one step; if that step would make the arm the
@@ -71,10 +75,7 @@ class BatchGateConfig:
 class _Arm:
     recent: deque          # seconds per token of its latest steps (maxlen: the config's window)
     samples: int = 0       # steps measured in all
-
-    @property
-    def seconds_per_token(self) -> float | None:
-        return statistics.median(self.recent) if self.recent else None
+    presumed_ratio: float | None = None   # its cost / plain decoding's, presumed from a smaller K's loss
 
     def observe(self, value: float) -> None:
         self.recent.append(value)
@@ -93,12 +94,28 @@ class _Bucket:
     retry_burst: bool = False      # the re-try's first step would have won: confirming on fresh steps
     retry_from: int | None = None  # the winner when the re-try began
 
+    def cost(self, key: int) -> float | None:
+        """Seconds per token of an arm: the median of its latest steps; before it has run, its presumed
+        ratio times plain decoding's cost; None if neither is known."""
+        arm = self.arms[key]
+        if arm.recent:
+            return statistics.median(arm.recent)
+        plain = self.arms[PLAIN].recent
+        if arm.presumed_ratio is not None and plain:
+            return arm.presumed_ratio * statistics.median(plain)
+        return None
+
+    def measured(self, key: int, min_samples: int) -> bool:
+        arm = self.arms[key]
+        return arm.samples >= min_samples or arm.presumed_ratio is not None
+
 
 class BatchGate:
     def __init__(self, config: BatchGateConfig | None = None) -> None:
         self.config = config or BatchGateConfig()
         self._table = sorted((int(s), int(k)) for s, k in self.config.k_by_batch_size.items())
-        self._arm_keys = (UNCAPPED, *self.config.k_caps, PLAIN)   # measurement order
+        self._arm_keys = (UNCAPPED, *self.config.k_caps, PLAIN)   # of equal costs the first wins: the policy's K
+        self._measure_order = (PLAIN, *self.config.k_caps, UNCAPPED)   # K ascending
         self._buckets: dict[int, _Bucket] = {}
 
     @staticmethod
@@ -126,16 +143,15 @@ class BatchGate:
 
     def _winner(self, b: _Bucket) -> int | None:
         """The cheapest arm per token (a speculative one only by `margin`); None while one is unmeasured."""
-        if any(arm.samples < self.config.min_samples for arm in b.arms.values()):
+        if not all(b.measured(key, self.config.min_samples) for key in b.arms):
             return None
-        best = min(b.arms, key=lambda key: b.arms[key].seconds_per_token)
-        plain = b.arms[PLAIN].seconds_per_token
-        return best if b.arms[best].seconds_per_token < plain * (1 - self.config.margin) else PLAIN
+        best = min(b.arms, key=b.cost)
+        return best if b.cost(best) < b.cost(PLAIN) * (1 - self.config.margin) else PLAIN
 
     def _choose(self, b: _Bucket) -> int:
         """The arm of the next step; a pure function of the bucket's state (cap and observe_step agree)."""
-        for key, arm in b.arms.items():
-            if arm.samples < self.config.min_samples:
+        for key in self._measure_order:
+            if not b.measured(key, self.config.min_samples):
                 return key
         if b.retry_left:
             return b.retry_arm
@@ -158,6 +174,7 @@ class BatchGate:
             self._retry_step(b, cost)
             return
         b.arms[chosen].observe(cost)
+        self._presume_larger_k(b, chosen)
         if self._winner(b) is None:
             return
         b.steps_since_explore += 1
@@ -167,10 +184,22 @@ class BatchGate:
             b.retry_arm, b.retry_from = losers[b.retries % len(losers)], winner
             b.retry_left, b.retry_burst = 1, False
 
+    def _presume_larger_k(self, b: _Bucket, key: int) -> None:
+        """K <= key has just finished its first measurement: if it lost to plain decoding, the arms of larger K
+        that have not run yet are presumed to lose by as much (the module docstring says why)."""
+        if key in (PLAIN, UNCAPPED) or b.arms[key].samples != self.config.min_samples:
+            return
+        plain, mine = b.cost(PLAIN), b.cost(key)
+        if plain is None or mine < plain * (1 - self.config.margin):
+            return
+        for other in self._arm_keys:
+            if (other == UNCAPPED or other > key) and b.arms[other].samples == 0:
+                b.arms[other].presumed_ratio = mine / plain
+
     def _retry_step(self, b: _Bucket, cost: float) -> None:
         """A re-try's step: one step joins the arm's window, unless it would win; then a fresh burst decides."""
         arm = b.arms[b.retry_arm]
-        if not b.retry_burst and cost < b.arms[b.retry_from].seconds_per_token and self.config.min_samples > 1:
+        if not b.retry_burst and cost < b.cost(b.retry_from) and self.config.min_samples > 1:
             arm.recent.clear()
             b.retry_burst, b.retry_left = True, self.config.min_samples
         arm.observe(cost)
@@ -189,7 +218,8 @@ class BatchGate:
         b.steps_since_explore = 0
 
     def to_dict(self) -> dict:
-        """Per bucket: the cap its next step runs (None: no cap), each arm's seconds per token, its steps."""
+        """Per bucket: the cap its next step runs (None: no cap), each arm's seconds per token (measured or
+        presumed: the arms in `presumed` have not run yet), its steps."""
         def name(key: int) -> str:
             return "uncapped" if key == UNCAPPED else ("plain" if key == PLAIN else f"k<={key}")
 
@@ -197,6 +227,8 @@ class BatchGate:
         for size, b in sorted(self._buckets.items()):
             key = self._choose(b)
             out[str(size)] = {"cap": None if key == UNCAPPED else key, "speculate": key != PLAIN,
-                              "s_per_token": {name(k): arm.seconds_per_token for k, arm in b.arms.items()},
+                              "s_per_token": {name(k): b.cost(k) for k in b.arms},
+                              "presumed": [name(k) for k, arm in b.arms.items() if not arm.samples and
+                                           arm.presumed_ratio is not None],
                               "steps": b.steps}
         return out

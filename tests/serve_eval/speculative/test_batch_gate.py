@@ -133,3 +133,33 @@ def test_cost_spikes_neither_promote_nor_bury_an_arm():
         gate.observe_step(16, cap != 0, costs[cap] * spike * 16 / 1000, 16)
     assert chosen[-1000:].count(0) / 1000 > 0.97
     assert sum(costs[c] for c in chosen[-1000:]) / 1000 < 1.01
+
+
+def test_a_large_batch_never_runs_its_dearest_arms_before_k_1_has_lost():
+    """Scripted at batch 32, costs growing with K (K <= 1 1.1x plain per token, K <= 2 1.2x, K=4 1.4x): plain
+    decoding and K <= 1 are measured first, the larger Ks are presumed to lose and run only on their re-tries,
+    so the first 16 steps cost 1.02x plain decoding (measuring the uncapped arm first cost 1.13x)."""
+    gate = BatchGate()
+    costs = {None: 1.4, 1: 1.1, 2: 1.2, 0: 1.0}
+    chosen = []
+    for _ in range(16):
+        cap = gate.cap(32)
+        chosen.append(cap)
+        gate.observe_step(32, cap != 0, costs[cap] * 32 / 1000, 32)
+    assert chosen[:6] == [0, 0, 0, 1, 1, 1] and set(chosen[6:]) == {0}
+    assert gate.to_dict()["32"]["presumed"] == ["uncapped", "k<=2"]
+    assert sum(costs[c] for c in chosen) / 16 < 1.04
+    assert mean_cost(gate, 32, 2000, costs) < 1.02
+
+
+def test_a_presumed_loser_that_would_win_is_found_by_its_re_try():
+    """The presumption is only a prior: where K <= 1 loses but the uncapped K pays (acceptance high enough for
+    long rounds), the uncapped arm's re-try measures it and the gate settles on it; at batch 1, where K <= 1
+    already wins, every arm is measured."""
+    gate = BatchGate()
+    costs = {None: 0.7, 1: 1.05, 2: 0.9, 0: 1.0}
+    mean_cost(gate, 8, 400, costs)
+    assert gate.cap(8) is None and gate.to_dict()["8"]["presumed"] == []
+    small = BatchGate()
+    mean_cost(small, 1, 12, {None: 0.5, 1: 0.8, 2: 0.6, 0: 1.0})
+    assert small.to_dict()["1"]["presumed"] == [] and small.cap(1) is None
