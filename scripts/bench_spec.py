@@ -5,7 +5,8 @@ over our own no-spec engine for no-spec, n-gram, standalone, Medusa, EAGLE-1, EA
 transformers' generate(assistant_model=...) with the same standalone draft (ms/token = (time of n
 new tokens - time of 1) / (n - 1), so its prefill is excluded too), with the mean over domains and our
 standalone path against transformers'. Then batches of `--batch-sizes` (16 and 32): speculation under
-the server's default policy (fallback and the measured batch gate) vs no-spec. Then trees (issue 12, "trees that pay"): EAGLE-1's chain against its
+the server's default policy (fallback and the measured batch gate) vs no-spec (--plain-floor: and with the gate
+pinned to plain decoding, what a plainly decoding step costs under each strategy). Then trees (issue 12, "trees that pay"): EAGLE-1's chain against its
 dynamic tree sized by the cost model (eagle-tree, tree_budget="cost") and EAGLE-2's fixed 16-node tree
 (eagle-tree-fixed), each engine kept across `--tree-repeats` interleaved repetitions (order rotated; the cost
 tree keeps calibrating), batch 1, all prompts pooled: tau and ms/token as median (spread = max - min) over
@@ -40,6 +41,7 @@ sys.path.insert(0, str(ROOT))
 
 from serve_eval.engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
 from serve_eval.eval.interleave import interleave, rotation  # noqa: E402
+from serve_eval.speculative.batch_gate import BatchGateConfig  # noqa: E402
 from serve_eval.speculative.config import SpecConfig  # noqa: E402
 from serve_eval.speculative.metrics import SpecStats, ms_per_token, speedup  # noqa: E402
 
@@ -130,13 +132,16 @@ def load_prompts(artifacts: Path, per_domain: int, vocab: int, tokenizer) -> tup
 
 
 # -- measurement ------------------------------------------------------------------------------
+PLAIN_GATE = BatchGateConfig(mode="table", k_by_batch_size={1: 0})   # K capped at 0 at every batch size
+
+
 def engine_config(args, target: Path) -> EngineConfig:
     return EngineConfig(str(target), dtype=args.dtype, device=args.device, kv_cache_memory_gb=args.kv_gb,
                         max_model_len=args.max_model_len, num_threads=args.threads)
 
 
 def engine_for(args, target: Path, method: str, drafts: dict[str, Path], fallback: bool = True,
-               batch_gate: str = "off", tree: dict | None = None) -> LLMEngine:
+               batch_gate: "str | BatchGateConfig" = "off", tree: dict | None = None) -> LLMEngine:
     cfg = engine_config(args, target)
     if method == "nospec":
         return LLMEngine(cfg)
@@ -211,6 +216,9 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--kv-gb", type=float, default=0.5)
     ap.add_argument("--batch-sizes", default="16,32", help="batch section: comma list of batch sizes")
     ap.add_argument("--repeats", type=int, default=3, help="batch1 and batch sections: interleaved repetitions")
+    ap.add_argument("--plain-floor", action="store_true",
+                    help="batch section: also each method with its gate pinned to plain decoding (<method>@plain), "
+                         "the floor the gate can reach: below 1.0x, plain steps cost more under the strategy")
     ap.add_argument("--temperatures", default="0,1")
     ap.add_argument("--threads", default="auto", help="engine intra-op threads: a count or 'auto'")
     ap.add_argument("--sections", default=",".join(SECTIONS), help=f"comma list of {SECTIONS}")
@@ -319,6 +327,8 @@ def batch_comparison(args: argparse.Namespace, target: Path, methods: list[str],
         batch_prompts = waves[:2 * batch]          # two full waves of `batch` requests
         engines = {"nospec": engine_for(args, target, "nospec", drafts)}
         engines.update({m: engine_for(args, target, m, drafts, fallback=True, batch_gate="measured") for m in spec})
+        if args.plain_floor:   # the gate pinned to plain decoding: what a speculative engine's plain step costs
+            engines.update({f"{m}@plain": engine_for(args, target, m, drafts, batch_gate=PLAIN_GATE) for m in spec})
         cells = {m: (lambda e: lambda: decode_ms_per_token(e, batch_prompts, params, batch))(e)
                  for m, e in engines.items()}
         for call in cells.values():      # warm-up: the gate's first measurements, lazy allocations
@@ -328,7 +338,8 @@ def batch_comparison(args: argparse.Namespace, target: Path, methods: list[str],
               f"(fallback + measured batch gate), {args.repeats} interleaved repetitions")
         for method, ms in samples.items():
             cell = paired_summary(samples["nospec"], ms)
-            verdict = "" if method == "nospec" else ("  meets" if cell[2] >= 1.0 else "  BELOW") + " the 1.0x goal"
+            verdict = "" if method == "nospec" or "@" in method else (
+                ("  meets" if cell[2] >= 1.0 else "  BELOW") + " the 1.0x goal")
             print(f"batch {batch}: {method:<12} {summary_text(cell)}{verdict}")
 
 
