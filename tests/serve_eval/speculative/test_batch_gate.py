@@ -28,6 +28,19 @@ def mean_cost(gate: BatchGate, batch_size: int, steps: int, costs: dict[int | No
     return total / steps
 
 
+def chosen_caps(gate: BatchGate, batch_size: int, steps: int, costs: dict[int | None, float],
+                spike_every: int = 0) -> list[int | None]:
+    """The cap of each of `steps` scripted steps (`costs` as in mean_cost); with spike_every, every such step
+    costs 4x whatever arm runs it."""
+    chosen = []
+    for step in range(steps):
+        cap = gate.cap(batch_size)
+        chosen.append(cap)
+        spike = 4.0 if spike_every and step % spike_every == 3 else 1.0
+        gate.observe_step(batch_size, cap != 0, costs[cap] * spike * batch_size / 1000, batch_size)
+    return chosen
+
+
 def test_measured_gate_speculates_at_batch_1_and_decodes_plainly_at_batch_16():
     """Scripted: at batch 1 a speculative step costs 0.6 of plain per token, at batch 16 1.4x. The gate
     settles on speculation at 1 and on plain decoding at 16, exploring the other arms 1 step in 16 or fewer."""
@@ -125,12 +138,7 @@ def test_cost_spikes_neither_promote_nor_bury_an_arm():
     the time: no spike on a re-try makes plain decoding look dear or a speculative cap look cheap."""
     gate = BatchGate()
     costs = {None: 1.22, 1: 1.05, 2: 1.08, 0: 1.0}
-    chosen = []
-    for step in range(3000):
-        cap = gate.cap(16)
-        chosen.append(cap)
-        spike = 4.0 if step % 7 == 3 else 1.0
-        gate.observe_step(16, cap != 0, costs[cap] * spike * 16 / 1000, 16)
+    chosen = chosen_caps(gate, 16, 3000, costs, spike_every=7)
     assert chosen[-1000:].count(0) / 1000 > 0.97
     assert sum(costs[c] for c in chosen[-1000:]) / 1000 < 1.01
 
@@ -141,11 +149,7 @@ def test_a_large_batch_never_runs_its_dearest_arms_before_k_1_has_lost():
     so the first 16 steps cost 1.02x plain decoding (measuring the uncapped arm first cost 1.13x)."""
     gate = BatchGate()
     costs = {None: 1.4, 1: 1.1, 2: 1.2, 0: 1.0}
-    chosen = []
-    for _ in range(16):
-        cap = gate.cap(32)
-        chosen.append(cap)
-        gate.observe_step(32, cap != 0, costs[cap] * 32 / 1000, 32)
+    chosen = chosen_caps(gate, 32, 16, costs)
     assert chosen[:6] == [0, 0, 0, 1, 1, 1] and set(chosen[6:]) == {0}
     assert gate.to_dict()["32"]["presumed"] == ["uncapped", "k<=2"]
     assert sum(costs[c] for c in chosen) / 16 < 1.04
