@@ -72,6 +72,9 @@ class EvalConfig:
     ignore_eos: bool = False
     batch_size: int = 1               # requests in flight at once (1 = latency)
     repetitions: int = 3
+    # Wall-clock cap (minutes) on the sweep: a repetition after the first starts only while the time so far plus
+    # one more repetition's average stays within it, so every cell keeps the same count; logged when it cuts in.
+    max_minutes: float | None = None
     warmup: int = 1                   # unmeasured requests before each cell
     seed: int = 0
     engine: EngineSettings = field(default_factory=EngineSettings)

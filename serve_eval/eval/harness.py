@@ -13,6 +13,7 @@ A method, draft or domain that cannot run becomes a SkippedEntry with its reason
 from __future__ import annotations
 
 import logging
+import time
 import warnings
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -144,7 +145,15 @@ def _sweep(cfg: EvalConfig, opened: list[tuple[MethodPlan, Runner]], prompts: di
     drift of the machine's speed (another job, thermal state) is spread over every method alike."""
     cells: dict[tuple[str, str, int, float], _Cell] = {}
     failed: set[tuple[str, str, int, float]] = set()
+    start = time.perf_counter()
     for rep in range(cfg.repetitions):
+        if rep and cfg.max_minutes is not None:
+            elapsed = time.perf_counter() - start
+            if elapsed + elapsed / rep > 60 * cfg.max_minutes:
+                log.warning("eval stopped after %d of %d repetitions by eval.max_minutes=%g (%.1f minutes so far, "
+                            "%.1f per repetition; slow or busy CPU)", rep, cfg.repetitions, cfg.max_minutes,
+                            elapsed / 60, elapsed / rep / 60)
+                break
         for domain, domain_prompts in prompts.items():
             for temperature in cfg.temperatures:
                 spec = RunSpec(temperature, cfg.max_tokens, cfg.ignore_eos, cfg.seed, cfg.batch_size)

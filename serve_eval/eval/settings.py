@@ -107,6 +107,8 @@ def validate(cfg: EvalConfig) -> None:
             raise ValueError(f"eval.{name} must be >= 1, got {getattr(cfg, name)}")
     if cfg.warmup < 0:
         raise ValueError(f"eval.warmup must be >= 0, got {cfg.warmup}")
+    if cfg.max_minutes is not None and not cfg.max_minutes > 0:
+        raise ValueError(f"eval.max_minutes must be > 0 (or null: no cap), got {cfg.max_minutes}")
     for name in cfg.drafts:
         if name in known - {"drafts"} or name == "hf":
             raise ValueError(f"eval.drafts: label {name!r} is reserved for a built-in method")

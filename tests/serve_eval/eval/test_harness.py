@@ -174,6 +174,40 @@ def test_repetitions_are_interleaved_with_the_method_order_rotated():
                                    "ngram4", "no-spec", "ngram"]
 
 
+@pytest.mark.parametrize("max_minutes,repetitions", [(None, 3), (5.0, 2), (1.0, 1)])
+def test_the_wall_clock_cap_ends_the_sweep_between_repetitions(monkeypatch, caplog, max_minutes, repetitions):
+    """Scripted clock: every cell's pass takes a minute, 2 methods, so a repetition takes 2. With eval.max_minutes
+    a repetition starts only if the minutes so far plus one more average repetition fit (5: 2 + 2 fits, 4 + 2 does
+    not), the first always runs, every cell keeps the same count, and the cut is logged."""
+    clock = [0.0]
+    monkeypatch.setattr(harness.time, "perf_counter", lambda: clock[0])
+
+    class Timed(ScriptedRunner):
+        def run(self, prompts, spec, domain):
+            clock[0] += 60.0 if len(prompts) == 2 else 0.0   # the measured pass; the 1-prompt warm-up is free
+            return super().run(prompts, spec, domain)
+
+    def factory(plan: MethodPlan):
+        return Timed(plan.method, plan.K, {("a", 0.0): 10.0}, None if plan.K == 0 else (2, 1))
+
+    plans = [MethodPlan("no-spec", 0), MethodPlan("ngram", 2, "ngram")]
+    with caplog.at_level("WARNING"):
+        rows = run_cells(_cfg(temperatures=[0.0], repetitions=3, max_minutes=max_minutes), plans,
+                         {"a": ["p1", "p2"]}, factory, [])
+    assert [r.repetitions for r in rows] == [repetitions, repetitions]
+    cut = [r.message for r in caplog.records if "eval.max_minutes" in r.message]
+    assert (cut == []) == (repetitions == 3)
+    if cut:
+        assert f"after {repetitions} of 3 repetitions" in cut[0]
+
+
+def test_a_cap_that_is_not_positive_is_refused():
+    from serve_eval.eval.settings import validate
+
+    with pytest.raises(ValueError, match="eval.max_minutes"):
+        validate(_cfg(max_minutes=0))
+
+
 def test_rows_carry_bootstrap_intervals_that_contain_their_figure():
     """alpha, tau and speed-up intervals over prompts: ordered, around the point figure, and a
     speed-up interval only where a paired baseline exists."""
