@@ -52,7 +52,7 @@ def topk_rows(scores: Tensor, width: int) -> tuple[Tensor, Tensor]:  # [N, V] ->
     """
     rows, vocab = scores.shape
     num_groups = vocab // _TOPK_GROUP
-    if (vocab % _TOPK_GROUP or num_groups < _TOPK_MIN_GROUPS_PER_ENTRY * width or scores.device.type != "cpu"
+    if (not rows or vocab % _TOPK_GROUP or num_groups < _TOPK_MIN_GROUPS_PER_ENTRY * width or scores.device.type != "cpu"
             or not scores.is_contiguous()):
         return scores.topk(width, dim=-1)
     top_groups = scores.view(rows, _TOPK_GROUP, num_groups).amax(dim=1).topk(width, dim=-1).indices  # [N, W]

@@ -340,7 +340,7 @@ def batch_comparison(args: argparse.Namespace, target: Path, methods: list[str],
             cell = paired_summary(samples["nospec"], ms)
             verdict = "" if method == "nospec" or "@" in method else (
                 ("  meets" if cell[2] >= 1.0 else "  BELOW") + " the 1.0x goal")
-            print(f"batch {batch}: {method:<12} {summary_text(cell)}{verdict}")
+            print(f"batch {batch}: {method:<17} {summary_text(cell)}{verdict}")
 
 
 def tree_comparison(args: argparse.Namespace, target: Path, drafts: dict[str, Path], prompts: dict[str, list]) -> None:

@@ -187,8 +187,9 @@ class BatchGate:
     def _presume_larger_k(self, b: _Bucket, key: int) -> None:
         """K <= key has just finished its first measurement: if it lost to plain decoding, the arms of larger K
         that have not run yet are presumed to lose by as much (the module docstring says why)."""
-        if key in (PLAIN, UNCAPPED) or b.arms[key].samples != self.config.min_samples:
-            return
+        arm = b.arms[key]
+        if key in (PLAIN, UNCAPPED) or arm.samples != self.config.min_samples or arm.presumed_ratio is not None:
+            return   # not a cap's first measurement (a presumed arm's re-try burst is not one)
         plain, mine = b.cost(PLAIN), b.cost(key)
         if plain is None or mine < plain * (1 - self.config.margin):
             return
@@ -197,9 +198,11 @@ class BatchGate:
                 b.arms[other].presumed_ratio = mine / plain
 
     def _retry_step(self, b: _Bucket, cost: float) -> None:
-        """A re-try's step: one step joins the arm's window, unless it would win; then a fresh burst decides."""
+        """A re-try's step: one step joins the arm's window, unless it would win, or the arm has never run (its
+        cost was presumed); then a fresh burst of min_samples steps decides, so no arm's estimate rests on one step."""
         arm = b.arms[b.retry_arm]
-        if not b.retry_burst and cost < b.cost(b.retry_from) and self.config.min_samples > 1:
+        first_run = arm.samples == 0
+        if not b.retry_burst and (first_run or cost < b.cost(b.retry_from)) and self.config.min_samples > 1:
             arm.recent.clear()
             b.retry_burst, b.retry_left = True, self.config.min_samples
         arm.observe(cost)

@@ -35,3 +35,8 @@ def test_topk_rows_has_torch_topk_values_at_ids_holding_them(seed, width, num_va
     assert torch.equal(values, scores.topk(width, dim=-1).values)
     assert torch.equal(scores.gather(-1, ids), values)
     assert all(len(set(row)) == width for row in ids.tolist())
+
+
+def test_topk_rows_takes_an_empty_batch():
+    values, ids = topk_rows(torch.zeros(0, 4096), 20)
+    assert values.shape == ids.shape == (0, 20)

@@ -139,9 +139,11 @@ def test_sample_at_the_top_of_the_cdf_stays_on_the_support(monkeypatch):
     st.sampled_from([48, 1024]),     # 1024: the k-window is narrower than the row and topk_rows prefilters
     st.sampled_from([None, 3, 40]),  # distinct values per row (bf16-like ties; few: the window's tie fallback)
     st.sampled_from(["per-row", "one", "global"]),
+    st.booleans(),                   # every row windowed, as a batch of requests with one top-k is
 )
-def test_sample_logits_draws_what_sample_of_logits_to_probs_draws(seed, vocab, num_values, generators):
-    """Greedy, full-row and windowed rows mixed in one batch: sample_logits draws the same token as
+def test_sample_logits_draws_what_sample_of_logits_to_probs_draws(seed, vocab, num_values, generators, all_windowed):
+    """Greedy, full-row and windowed rows mixed in one batch, or every row windowed at k 20 (through topk_rows'
+    prefilter at V = 1024): sample_logits draws the same token as
     sample(logits_to_probs(...)) from the same generators, so the same law. Where the two differ, the row's
     uniform sits on a CDF boundary that the window's and the full row's float32 softmax round differently."""
     gen = torch.Generator().manual_seed(seed)
@@ -151,6 +153,8 @@ def test_sample_logits_draws_what_sample_of_logits_to_probs_draws(seed, vocab, n
     temps = torch.tensor([0.0, 0.7, 1.0, 1.3])[torch.randint(0, 4, (num_rows,), generator=gen)]
     ks = torch.tensor([0, 1, 5, 50, vocab - 1])[torch.randint(0, 5, (num_rows,), generator=gen)]
     ps = torch.tensor([1.0, 0.9, 0.5])[torch.randint(0, 3, (num_rows,), generator=gen)]
+    if all_windowed:
+        temps, ks = torch.full((num_rows,), 0.8), torch.full((num_rows,), 20)
 
     def draw_from(row_seed: int):
         if generators == "per-row":

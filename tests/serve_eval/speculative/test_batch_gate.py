@@ -167,3 +167,14 @@ def test_a_presumed_loser_that_would_win_is_found_by_its_re_try():
     small = BatchGate()
     mean_cost(small, 1, 12, {None: 0.5, 1: 0.8, 2: 0.6, 0: 1.0})
     assert small.to_dict()["1"]["presumed"] == [] and small.cap(1) is None
+
+
+def test_a_presumed_arms_first_re_try_is_a_full_burst():
+    """A presumed arm's first run is never a single step: its re-try runs min_samples steps, so its estimate is a
+    median like every other arm's (one spike on that step cannot bury it)."""
+    gate = BatchGate()
+    costs = {None: 1.4, 1: 1.1, 2: 1.2, 0: 1.0}
+    chosen = chosen_caps(gate, 32, 200, costs)
+    for arm in (None, 2):
+        first = chosen.index(arm)
+        assert chosen[first:first + 3] == [arm] * 3, (arm, chosen[first - 1:first + 4])
