@@ -280,21 +280,20 @@ def sample_logits(
         return torch.zeros(0, dtype=torch.int64, device=logits.device)
     u = uniforms(1, num_rows, generators, logits.device)  # [N, 1]: one draw per row, whichever path it takes
     windowed = (top_k > 0) & (top_k < vocab_size) & (temperature > 0)
-    tokens = None
-    if bool(windowed.all()):
+    if bool(windowed.all()):   # the common batch: no row copies in or out
         tokens = _sample_in_window(logits, temperature, top_k, top_p, u)
+        if tokens is not None:
+            return tokens
     elif bool(windowed.any()):
-        rows = windowed.nonzero().squeeze(1)
+        rows, full = windowed.nonzero().squeeze(1), (~windowed).nonzero().squeeze(1)
         drawn = _sample_in_window(logits[rows], temperature[rows], top_k[rows], top_p[rows], u[rows])
         if drawn is not None:
-            full = (~windowed).nonzero().squeeze(1)
             tokens = torch.empty(num_rows, dtype=torch.int64, device=logits.device)
             tokens[rows] = drawn
             tokens[full] = _invert_cdf(logits_to_probs(logits[full], temperature[full], top_k[full], top_p[full]),
                                        u[full])
-    if tokens is None:
-        tokens = _invert_cdf(logits_to_probs(logits, temperature, top_k, top_p), u)
-    return tokens
+            return tokens
+    return _invert_cdf(logits_to_probs(logits, temperature, top_k, top_p), u)   # no window, or a tie past one
 
 
 def _sample_in_window(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor,

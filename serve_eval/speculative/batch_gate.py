@@ -187,9 +187,10 @@ class BatchGate:
     def _presume_larger_k(self, b: _Bucket, key: int) -> None:
         """K <= key has just finished its first measurement: if it lost to plain decoding, the arms of larger K
         that have not run yet are presumed to lose by as much (the module docstring says why)."""
-        arm = b.arms[key]
-        if key in (PLAIN, UNCAPPED) or arm.samples != self.config.min_samples or arm.presumed_ratio is not None:
-            return   # not a cap's first measurement (a presumed arm's re-try burst is not one)
+        # Only the first measurement reaches min_samples here: re-tries (a presumed arm's first run among them)
+        # go through _retry_step.
+        if key in (PLAIN, UNCAPPED) or b.arms[key].samples != self.config.min_samples:
+            return
         plain, mine = b.cost(PLAIN), b.cost(key)
         if plain is None or mine < plain * (1 - self.config.margin):
             return
