@@ -40,7 +40,9 @@ class DraftDataConfig:
     store_hidden: bool | None = None  # None: decided by the kind and mode (EAGLE/Medusa offline)
     disk_cap_gb: float = 20.0  # refuse to start when the hidden-state cache estimate exceeds this
     teacher_batch_size: int = 8  # sequences per teacher-forced forward
-    teacher_bf16: bool = False  # teacher-forced pass under bf16 autocast (about 2x faster on CPU; stored in bf16 anyway)
+    # Teacher-forced pass under bf16 autocast (about 2x faster on a CPU with native bf16; stored in bf16 anyway);
+    # auto: where bf16 is fast (kernels.precision).
+    teacher_bf16: bool | str = False
     max_minutes: float | None = None  # wall-clock cap: stop after the shard that crosses it (logged), keep the rest
     # Engine settings for generation (EngineConfig fields).
     max_num_seqs: int = 64

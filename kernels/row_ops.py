@@ -55,7 +55,8 @@ def topk_rows(scores: Tensor, width: int) -> tuple[Tensor, Tensor]:  # [N, V] ->
     if (not rows or vocab % _TOPK_GROUP or num_groups < _TOPK_MIN_GROUPS_PER_ENTRY * width or scores.device.type != "cpu"
             or not scores.is_contiguous()):
         return scores.topk(width, dim=-1)
-    top_groups = scores.view(rows, _TOPK_GROUP, num_groups).amax(dim=1).topk(width, dim=-1).indices  # [N, W]
+    group_max = scores.view(rows, _TOPK_GROUP, num_groups).amax(dim=1)  # [N, G]
+    top_groups = group_max.topk(width, dim=-1, sorted=False).indices  # [N, W]: only the set is needed
     offsets = num_groups * torch.arange(_TOPK_GROUP, device=scores.device)  # [8]
     candidate_ids = (top_groups[:, None, :] + offsets[:, None]).view(rows, -1)  # [N, 8 * W]
     values, at = scores.gather(-1, candidate_ids).topk(width, dim=-1)

@@ -155,6 +155,7 @@ _TIE_WINDOW_MARGIN = 16
 def _top_k_candidates(
     scaled: Tensor,  # [R, V], rows that use top-k
     top_k: Tensor,  # int64 [R], each in [1, V)
+    temperature: Tensor | None = None,  # [R] > 0: `scaled` is raw logits, to be divided by it
 ) -> tuple[Tensor, Tensor] | None:  # (logits [R, W], -inf outside each row's top k; ids [R, W])
     """Each row's k highest entries (ties at the k-th value to the lower ids) via one torch.topk (k << V, no sort).
 
@@ -162,11 +163,18 @@ def _top_k_candidates(
     a window of the W highest entries, W a margin past the largest k, holds every entry tied with a row's k-th
     value unless its last entry still equals it; then (rare) this returns None and the caller decides over the
     full row.
+
+    With `temperature`, the window is chosen on the raw logits and only its W entries are divided: x -> x / T is
+    non-decreasing, so the raw top W are a top W of the scaled row, and an entry outside the window scales to at
+    most the window's last scaled value. The tie test and the kept set then read the scaled values, as they
+    would on the scaled row (division can merge two raw values into one scaled value).
     """
     vocab_size = scaled.shape[-1]
     k = top_k[:, None]
     width = min(vocab_size, int(top_k.max()) + _TIE_WINDOW_MARGIN)
     values, ids = topk_rows(scaled, width)  # by value, descending
+    if temperature is not None:
+        values = values / temperature[:, None]
     kth_value = values.gather(-1, k - 1)  # [R, 1]
     if width < vocab_size and bool((values[:, -1:] == kth_value).any()):
         return None
@@ -299,7 +307,7 @@ def sample_logits(
 def _sample_in_window(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor,
                       u: Tensor) -> Tensor | None:  # [R, V], [R] x 3 (T > 0, 0 < k < V), [R, 1] -> [R] or None
     """Each row's token drawn over its top-k window at u (see sample_logits); None if a tie runs past it."""
-    candidates = _top_k_candidates(logits.float() / temperature[:, None], top_k)
+    candidates = _top_k_candidates(logits.float(), top_k, temperature)
     if candidates is None:
         return None
     cand_logits, cand_ids = candidates  # in id order, -inf outside each row's k

@@ -64,7 +64,7 @@ class TargetConfig:
     warmup_steps: int = 30
     weight_decay: float = 0.01
     grad_clip: float = 1.0
-    bf16_autocast: bool = True  # CPU bf16 autocast for the training forward/backward
+    bf16_autocast: bool | str = "auto"  # CPU bf16 autocast for the training forward/backward; auto: where it is fast
     num_threads: int = 2
     log_every: int = 10
     eval_records_per_domain: int = 48  # held-out records scored for per-domain perplexity

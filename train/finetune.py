@@ -39,7 +39,7 @@ class FinetuneConfig:
     weight_decay: float = 0.0
     grad_clip: float = 1.0
     max_minutes: float = 15.0     # wall-clock cap; the LR schedule anneals to it (train_model)
-    bf16_autocast: bool = True
+    bf16_autocast: bool | str = "auto"   # auto: where bf16 is fast (kernels.precision)
     seed: int = 0
     num_threads: int = 2
     log_every: int = 10

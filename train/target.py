@@ -24,6 +24,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerBase
 from drafts.identity import target_fingerprint
 from drafts.artifacts import Artifacts
 from drafts.files import atomic_dir, entry_lock, is_complete, read_json, stable_hash, write_json
+from kernels.precision import resolve_bf16
 from train.corpus import Corpus
 from train.logs import progress
 from train.tokenizer import load_tokenizer
@@ -114,6 +115,7 @@ def train_model(model: LlamaForCausalLM, rows: torch.Tensor, tcfg: DictConfig, s
     model.train()
     losses: list[float] = []
     order = torch.randperm(len(rows), generator=generator)
+    use_bf16 = resolve_bf16(tcfg.bf16_autocast, "cpu", "target.bf16_autocast")
     cursor, start = 0, time.perf_counter()
     stopped = False
     bar = progress(total=tcfg.max_steps, desc="target train", unit="step")
@@ -128,7 +130,7 @@ def train_model(model: LlamaForCausalLM, rows: torch.Tensor, tcfg: DictConfig, s
         cursor += tcfg.batch_size
         for group in optimizer.param_groups:
             group["lr"] = _lr_at(step, tcfg, elapsed)
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=tcfg.bf16_autocast):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=use_bf16):
             loss = model(input_ids=batch, labels=batch).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), tcfg.grad_clip)

@@ -33,8 +33,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from kernels.precision import AUTO, resolve_bf16
+
 STRATEGIES = ("none", "ddp", "fsdp", "deepspeed")
-MIXED_PRECISION = ("no", "bf16", "fp16")
+MIXED_PRECISION = ("no", "bf16", "fp16", "auto")   # auto: bf16 where it is fast (kernels.precision)
 # FSDP2 keeps one knob of FSDP1's sharding strategies: reshard parameters after forward or keep them.
 FSDP_RESHARD_AFTER_FORWARD = {"FULL_SHARD": True, "SHARD_GRAD_OP": False}
 
@@ -181,6 +183,13 @@ def _enable_cpu_fsdp(plugin: Any, mixed_precision: str) -> None:
     AcceleratorState._shared_state["fsdp_plugin"] = plugin
 
 
+def resolve_mixed_precision(mixed_precision: str, cpu: bool) -> str:
+    """accelerate's setting for train.mixed_precision: auto is bf16 where this device runs it fast, else no."""
+    if mixed_precision != AUTO:
+        return mixed_precision
+    return "bf16" if resolve_bf16(AUTO, "cpu" if cpu else "cuda", "train.mixed_precision") else "no"
+
+
 def make_accelerator(
     launcher: LauncherConfig,
     *,
@@ -197,6 +206,7 @@ def make_accelerator(
     if mixed_precision not in MIXED_PRECISION:
         raise ValueError(f"train.mixed_precision: {mixed_precision!r} is not one of {MIXED_PRECISION}")
     cpu = launcher.use_cpu()
+    mixed_precision = resolve_mixed_precision(mixed_precision, cpu)
     if cpu:
         _init_cpu_process_group()
     kwargs: dict[str, Any] = {}

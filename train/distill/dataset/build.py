@@ -19,6 +19,7 @@ from typing import Any
 from drafts.files import stable_hash
 from drafts.identity import tokenizer_hash
 from drafts.schemas import SOURCES, DraftDataConfig, answer_temperature
+from kernels.precision import resolve_bf16
 from train.distill.dataset.passes import EngineGenerator, prompt_token_ids, reference_answers, teacher_forced_extras
 from train.distill.dataset.settings import cache_key, check_data_config, content_key, interleave_domains, sampling_dict
 from train.distill.gendata import Manifest, StoredExtras, finalize, find_covering, shard_complete, write_shard
@@ -132,6 +133,8 @@ def _write_shards(out_dir: Path, manifest: Manifest, target_dir: Path, tokenizer
     generator = external or EngineGenerator(target_dir, data)
     local = replace(extras, topk=0) if external is not None and external.topk else extras  # top-k: the endpoint's
     teacher = Teacher.from_dir(target_dir) if local.any else None
+    teacher_bf16 = teacher is not None and resolve_bf16(data.teacher_bf16, next(teacher.model.parameters()).device,
+                                                            "data.teacher_bf16")
     done = [i for i in range(manifest.num_shards) if shard_complete(out_dir, i)]
     bar = progress(total=len(prompts), initial=min(len(prompts), len(done) * data.shard_size), desc="generate", unit="prompt")
     start = time.perf_counter()
@@ -149,7 +152,7 @@ def _write_shards(out_dir: Path, manifest: Manifest, target_dir: Path, tokenizer
         answers = (generator.answers(prompts[lo:hi], ids) if data.source == "target"
                    else reference_answers(tokenizer, records[lo:hi], prompts[lo:hi], data))
         sequences = [prompts[i] + answer for i, (answer, _) in zip(ids, answers)]
-        tensors = (teacher_forced_extras(teacher, sequences, local, data.teacher_batch_size, ids, data.teacher_bf16)
+        tensors = (teacher_forced_extras(teacher, sequences, local, data.teacher_batch_size, ids, teacher_bf16)
                    if teacher else {})
         if local is not extras:
             tensors.update(external.topk_tensors(prompts[lo:hi], sequences, ids))

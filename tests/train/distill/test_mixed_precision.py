@@ -1,0 +1,20 @@
+"""train.mixed_precision=auto: bf16 where the device runs it faster than fp32 (kernels.precision), else no."""
+
+import pytest
+
+from kernels import precision
+from train.distill.launch import resolve_mixed_precision
+
+
+@pytest.mark.parametrize("fast, expected", [(True, "bf16"), (False, "no")])
+def test_auto_is_what_the_device_runs_fast(monkeypatch, fast, expected):
+    probed = []
+    monkeypatch.setattr(precision, "_bf16_probe", lambda kind: probed.append(kind) or (fast, 0.5 if fast else 40.0))
+    assert resolve_mixed_precision("auto", cpu=True) == expected
+    assert resolve_mixed_precision("auto", cpu=False) == expected
+    assert probed == ["cpu", "cuda"]
+
+
+def test_explicit_settings_pass_through_unprobed(monkeypatch):
+    monkeypatch.setattr(precision, "_bf16_probe", lambda kind: pytest.fail("an explicit setting was probed"))
+    assert [resolve_mixed_precision(m, cpu=True) for m in ("bf16", "no", "fp16")] == ["bf16", "no", "fp16"]
