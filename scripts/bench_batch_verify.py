@@ -38,7 +38,6 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--target", type=Path)
     ap.add_argument("--artifacts", type=Path, default=ROOT / "artifacts")
     ap.add_argument("--methods", default="standalone,eagle")
-    ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=32)

@@ -23,6 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from serve_eval.engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
+from serve_eval.engine.model_executor import dtype_name  # noqa: E402
 from serve_eval.eval.interleave import interleave  # noqa: E402
 from serve_eval.speculative.config import SpecConfig  # noqa: E402
 from serve_eval.speculative.metrics import ms_per_token  # noqa: E402
@@ -92,12 +93,14 @@ def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--artifacts", default=str(ROOT / "artifacts"))
     ap.add_argument("--target", default=None, help="target model dir (default: found under --artifacts)")
-    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--dtype", default="auto", help="float32, bfloat16, or auto: bf16 where this CPU runs it faster than fp32")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--configs", default="nospec,eagle:2,eagle:4,eagle3:2,eagle3:4")
     ap.add_argument("--profile", default=None, help="cProfile one config (e.g. eagle3:2) instead of the table")
-    return ap.parse_args()
+    args = ap.parse_args()
+    args.dtype = dtype_name(args.dtype)
+    return args
 
 
 def profile_one(engine: LLMEngine, name: str, prompts: list[list[int]], params: SamplingParams) -> None:

@@ -40,6 +40,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from serve_eval.engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
+from serve_eval.engine.model_executor import dtype_name, resolve_dtype  # noqa: E402
 from serve_eval.eval.interleave import interleave, rotation  # noqa: E402
 from serve_eval.speculative.batch_gate import BatchGateConfig  # noqa: E402
 from serve_eval.speculative.config import SpecConfig  # noqa: E402
@@ -177,7 +178,7 @@ def decode_ms_per_token(engine: LLMEngine, prompts: list, params: SamplingParams
 def hf_assisted_ms_per_token(args, target: Path, draft: Path, prompts: list, temperature: float) -> float:
     from transformers import AutoModelForCausalLM
 
-    dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[args.dtype]
+    dtype = resolve_dtype(args.dtype, args.device)
     model = AutoModelForCausalLM.from_pretrained(target, dtype=dtype).to(args.device).eval()
     assistant = AutoModelForCausalLM.from_pretrained(draft, dtype=dtype).to(args.device).eval()
     kw = dict(assistant_model=assistant, do_sample=temperature > 0, pad_token_id=0, eos_token_id=None)
@@ -207,7 +208,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--target", type=Path)
     ap.add_argument("--artifacts", type=Path, default=ROOT / "artifacts")
     ap.add_argument("--methods", default=",".join(METHODS))
-    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--dtype", default="auto", help="float32, bfloat16, or auto: bf16 where this CPU runs it faster than fp32")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=64)
@@ -386,6 +387,7 @@ def tree_comparison(args: argparse.Namespace, target: Path, drafts: dict[str, Pa
 
 def main() -> None:
     args = parse_args()
+    args.dtype = dtype_name(args.dtype, args.device)
     methods = [m for m in args.methods.split(",") if m]
     unknown = sorted(set(methods) - set(METHODS))
     if unknown:

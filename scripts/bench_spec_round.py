@@ -30,6 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from serve_eval.engine import LLMEngine  # noqa: E402
+from serve_eval.engine.model_executor import dtype_name  # noqa: E402
 from serve_eval.eval import step_cost  # noqa: E402
 from serve_eval.eval.step_cost import COMPONENTS, weights_read  # noqa: E402
 
@@ -108,7 +109,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--steps", type=int, default=24, help="decode steps per repetition")
     ap.add_argument("--repeats", type=int, default=5, help="interleaved repetitions (median + spread)")
     ap.add_argument("--threads", default="1,auto", help="comma list: thread counts or 'auto' (engine's choice)")
-    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--dtype", default="auto", help="float32, bfloat16, or auto: bf16 where this CPU runs it faster than fp32")
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--target", default=None, help="trained target dir (drafts found under --artifacts)")
     ap.add_argument("--artifacts", default=str(ROOT / "artifacts"))
@@ -121,6 +122,7 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
+    args.dtype = dtype_name(args.dtype)
     torch.set_grad_enabled(False)
     methods = [m for m in args.methods.split(",") if m]
     unknown = set(methods) - set(METHODS)

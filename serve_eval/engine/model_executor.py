@@ -20,9 +20,15 @@ from kernels.attention.window import sliding_window_attention
 from kernels.layers.causal_lm import CausalLM, causal_lm_from_state_dict
 from kernels.layers.checkpoint import load_config, read_state_dict
 from kernels.layers.linear import should_pack
+from kernels.precision import AUTO, bf16_is_fast
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
            "float16": torch.float16, "fp16": torch.float16}
+
+
+def dtype_name(dtype: torch.dtype | str, device: torch.device | str = "cpu") -> str:
+    """resolve_dtype's choice by name ("auto" -> "bfloat16" or "float32"), for configs and printed headers."""
+    return str(resolve_dtype(dtype, device)).removeprefix("torch.")
 
 
 class ForwardOutput(NamedTuple):
@@ -31,11 +37,14 @@ class ForwardOutput(NamedTuple):
     aux_hidden: dict[int, Tensor]  # {i: [T, d]} in HF hidden_states indexing (0 = embeddings)
 
 
-def resolve_dtype(dtype: torch.dtype | str) -> torch.dtype:
+def resolve_dtype(dtype: torch.dtype | str, device: torch.device | str = "cpu") -> torch.dtype:
+    """A dtype or its name; "auto" is bfloat16 where the device runs bf16 faster than fp32, else float32."""
     if isinstance(dtype, torch.dtype):
         return dtype
+    if dtype == AUTO:
+        return torch.bfloat16 if bf16_is_fast(device) else torch.float32
     if dtype not in _DTYPES:
-        raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+        raise ValueError(f"dtype must be one of {sorted(_DTYPES)} or {AUTO!r}, got {dtype!r}")
     return _DTYPES[dtype]
 
 
@@ -75,7 +84,7 @@ class ModelExecutor:
     def _setup(self, config, state_dict, dtype, device, attn_backend: str, source: str,
                model: CausalLM | None = None) -> None:
         self.config = config
-        self.dtype = resolve_dtype(dtype)
+        self.dtype = resolve_dtype(dtype, device)
         self.device = torch.device(device)
         self.model: CausalLM = model if model is not None else causal_lm_from_state_dict(
             config, state_dict, self.dtype, self.device, source)

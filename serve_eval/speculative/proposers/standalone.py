@@ -78,7 +78,7 @@ class StandaloneProposer(Proposer):
             raise ValueError(f"{config.draft_path}: method 'standalone' needs a standalone draft, got a {loaded.kind!r} draft")
         dtype = config.draft_dtype or engine.config.dtype
         if is_quantized(loaded.model):  # int8/int4 weights (drafts.quant): run the loaded module as it is
-            model = loaded.model.to(device=engine.config.device, dtype=resolve_dtype(dtype))
+            model = loaded.model.to(device=engine.config.device, dtype=resolve_dtype(dtype, engine.config.device))
             executor = ModelExecutor.from_model(load_config(config.draft_path), model, dtype, engine.config.device,
                                                 engine.config.attn_backend)
         else:
