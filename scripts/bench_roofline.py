@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from kernels.attention import AttentionMetadata
-from serve_eval.engine.model_executor import ModelExecutor
+from serve_eval.engine.model_executor import ModelExecutor, dtype_name, resolve_dtype
 
 EMBEDDED_SHAPE = dict(vocab_size=4096, hidden_size=256, intermediate_size=704, num_hidden_layers=8,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048)
@@ -75,6 +75,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=60, help="timed decode steps per variant")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     parser.add_argument("--compile", action="store_true", help="also time the executor with torch.compile")
+    parser.add_argument("--dtype", default="auto", help="float32, bfloat16, or auto: bf16 where this CPU runs it faster")
     parser.add_argument("--bandwidth-mb", type=int, default=1024, help="size of the bandwidth probe tensor")
     return parser.parse_args()
 
@@ -85,10 +86,11 @@ def load_variants(args: argparse.Namespace) -> tuple[Path, str, Any, dict[str, M
 
     with tempfile.TemporaryDirectory() as tmp:
         model_dir, origin = find_model(args.model, Path(tmp))
-        hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).eval()
-        variants = {"ours": ModelExecutor(model_dir, dtype=torch.bfloat16)}
+        dtype = resolve_dtype(args.dtype)
+        hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+        variants = {"ours": ModelExecutor(model_dir, dtype=dtype)}
         if args.compile:
-            variants["ours+compile"] = ModelExecutor(model_dir, dtype=torch.bfloat16, compile=True)
+            variants["ours+compile"] = ModelExecutor(model_dir, dtype=dtype, compile=True)
     return model_dir, origin, hf, variants
 
 
@@ -130,7 +132,7 @@ def time_steps(hf: Any, cache: Any, variants: dict[str, ModelExecutor], args: ar
                 start, cpu_start = time.perf_counter(), time.process_time()
                 logits = our_step(executor, length, token)
                 elapsed[name] = (time.perf_counter() - start, time.process_time() - cpu_start)
-                # Same tokens, same weights: bf16 logits agree up to rounding (a sanity check, not a test).
+                # Same tokens, same weights: the logits agree up to rounding (a sanity check, not a test).
                 diff = (logits - reference.float()).abs().max().item()
                 timings.max_diff[name] = max(timings.max_diff.get(name, 0.0), diff)
             if step >= WARMUP_STEPS:
@@ -150,7 +152,7 @@ def print_roofline(args: argparse.Namespace, model_dir: Path, origin: str, ours:
     roofline = weights / bandwidth
     cpu_roofline = weights / cpu_bandwidth
     load = os.getloadavg()[0]
-    print(f"model: {model_dir} ({origin}); bf16; batch 1; context {args.context}; threads {torch.get_num_threads()}")
+    print(f"model: {model_dir} ({origin}); {dtype_name(args.dtype)}; batch 1; context {args.context}; threads {torch.get_num_threads()}")
     print(f"weight bytes read per step: {weights / 1e6:.2f} MB (KV read per step ~{kv_read / 1e6:.2f} MB, not counted)")
     print(f"measured read bandwidth ({args.bandwidth_mb} MB probe): {bandwidth / 1e9:.2f} GB/s")
     print(f"  (same probe at weight size, cache-resident: {resident / 1e9:.2f} GB/s)")
