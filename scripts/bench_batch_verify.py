@@ -30,6 +30,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 from bench_spec import decode_ms_per_token, engine_for, paired_summary, resolve_inputs, summary_text  # noqa: E402
 from kernels.attention import torch_paged  # noqa: E402
 from serve_eval.engine import SamplingParams  # noqa: E402
+from serve_eval.engine.model_executor import dtype_name  # noqa: E402
 from serve_eval.eval.interleave import interleave  # noqa: E402
 
 
@@ -39,6 +40,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--artifacts", type=Path, default=ROOT / "artifacts")
     ap.add_argument("--methods", default="standalone,eagle")
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="auto", help="float32, bfloat16, or auto: bf16 where this CPU runs it faster than fp32")
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--prompts-per-domain", type=int, default=8)
@@ -48,6 +50,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", default="auto", help="engine intra-op threads: a count or 'auto'")
     args = ap.parse_args()
+    args.dtype = dtype_name(args.dtype, args.device)   # bench_spec's engines read it
     if args.threads != "auto":
         args.threads = int(args.threads)
     return args

@@ -17,6 +17,10 @@ AttentionFn = Callable[[Tensor, Tensor, Tensor, "AttentionMetadata", float], Ten
 
 BACKENDS = ("torch", "triton", "flash")
 
+# Batches of up to this many query tokens get their metadata from Python lists, larger ones from vectorised
+# tensor ops (AttentionMetadata.for_chunks). PLACEHOLDER
+LIST_METADATA_MAX_TOKENS = 160
+
 
 @dataclass
 class AttentionMetadata:
@@ -96,6 +100,42 @@ class AttentionMetadata:
             max_seqlen_k=max(seq_lens),
             tree_mask=tree_mask,
         )
+
+
+    @classmethod
+    def for_chunks(
+        cls,
+        query_lens: list[int],  # new tokens per sequence
+        starts: list[int],  # context positions already in the cache per sequence (the chunk starts there)
+        block_tables: list[list[int]],
+        block_size: int,
+        device: torch.device | str = "cpu",
+    ) -> tuple["AttentionMetadata", Tensor]:  # (metadata, int64 positions [T])
+        """The metadata and positions of one step's flattened chunks: from Python lists for a few tokens,
+        from one gather over a padded block-table tensor for many (the same values either way)."""
+        if sum(query_lens) <= LIST_METADATA_MAX_TOKENS:
+            seq_lens = [s + q for s, q in zip(starts, query_lens)]
+            positions = [p for s, q in zip(starts, query_lens) for p in range(s, s + q)]
+            meta = cls.build(query_lens, seq_lens, block_tables, block_size, device)
+            return meta, torch.tensor(positions, dtype=torch.int64, device=device)
+        return cls._for_chunks_vectorised(query_lens, starts, block_tables, block_size, device)
+
+    @classmethod
+    def _for_chunks_vectorised(cls, query_lens: list[int], starts: list[int], block_tables: list[list[int]],
+                               block_size: int, device: torch.device | str) -> tuple["AttentionMetadata", Tensor]:
+        width = max(len(t) for t in block_tables)
+        tables = torch.tensor([t + [0] * (width - len(t)) for t in block_tables], dtype=torch.int32)
+        qlens = torch.tensor(query_lens, dtype=torch.int64)
+        seq_lens = torch.tensor(starts, dtype=torch.int64) + qlens
+        cu = torch.zeros(len(query_lens) + 1, dtype=torch.int64)
+        torch.cumsum(qlens, 0, out=cu[1:])
+        seq_of_token = torch.repeat_interleave(torch.arange(len(query_lens)), qlens)
+        positions = torch.arange(int(cu[-1])) - cu[:-1][seq_of_token] + (seq_lens - qlens)[seq_of_token]
+        slots = tables[seq_of_token, positions // block_size].long() * block_size + positions % block_size
+        meta = cls(cu_seqlens_q=cu.to(torch.int32).to(device), seq_lens=seq_lens.to(torch.int32).to(device),
+                   block_tables=tables.to(device), slot_mapping=slots.to(device),
+                   max_seqlen_q=max(query_lens), max_seqlen_k=int(seq_lens.max()))
+        return meta, positions.to(device)
 
 
 def write_kv(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor) -> None:

@@ -33,6 +33,7 @@ from serve_eval.engine.threads import ThreadChoice, apply_threads, choose_thread
 if TYPE_CHECKING:   # the speculative package builds on the engine; the engine only names its types
     from serve_eval.speculative.config import SpecConfig
 
+
 class BatchInputs(NamedTuple):
     input_ids: torch.Tensor        # int64 [T]
     positions: torch.Tensor        # int64 [T]
@@ -217,7 +218,7 @@ class LLMEngine:
 
     def prepare_batch(self, out: SchedulerOutput, extra_tokens: list[list[int]] | None = None) -> BatchInputs:
         """Flatten the scheduled chunks (+ optional draft tokens in the lookahead slots) into one
-        batch. Slots come from one gather over a padded block-table tensor, not per token."""
+        batch (AttentionMetadata.for_chunks)."""
         bs = self.kv.block_size
         ids: list[int] = []
         query_lens, starts, tables = [], [], []
@@ -232,21 +233,8 @@ class LLMEngine:
             starts.append(start)
             tables.append(self.kv.get_block_ids(seq))
         dev = self.executor.device
-        width = max(len(t) for t in tables)
-        block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
-        qlens = torch.tensor(query_lens, dtype=torch.int64)
-        seq_lens = torch.tensor(starts, dtype=torch.int64) + qlens
-        cu = torch.zeros(len(query_lens) + 1, dtype=torch.int64)
-        torch.cumsum(qlens, 0, out=cu[1:])
-        num_tokens = int(cu[-1])
-        seq_of_token = torch.repeat_interleave(torch.arange(len(query_lens)), qlens)
-        positions = torch.arange(num_tokens) - cu[:-1][seq_of_token] + (seq_lens - qlens)[seq_of_token]
-        slots = block_tables[seq_of_token, positions // bs].long() * bs + positions % bs
-        meta = AttentionMetadata(
-            cu_seqlens_q=cu.to(torch.int32).to(dev), seq_lens=seq_lens.to(torch.int32).to(dev),
-            block_tables=block_tables.to(dev), slot_mapping=slots.to(dev),
-            max_seqlen_q=max(query_lens), max_seqlen_k=int(seq_lens.max()))
-        return BatchInputs(torch.tensor(ids, dtype=torch.int64, device=dev), positions.to(dev), meta, query_lens)
+        meta, positions = AttentionMetadata.for_chunks(query_lens, starts, tables, bs, dev)
+        return BatchInputs(torch.tensor(ids, dtype=torch.int64, device=dev), positions, meta, query_lens)
 
     def run_forward(self, batch: BatchInputs, logits_rows: list[int], aux_hidden_layers: tuple[int, ...] = ()):
         """executor.forward over a prepared batch, timed (the scheduler-overhead figure needs it).
