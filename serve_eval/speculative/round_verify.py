@@ -20,7 +20,7 @@ from kernels.row_ops import argmax_rows
 from kernels.sampling import logits_to_probs
 from serve_eval.speculative.tree import DraftTree
 from serve_eval.speculative.verify import VerifyResult, verify_batch
-from serve_eval.speculative.verify_fast import greedy_chain_accepted, greedy_tree_paths, sampled_chain_accept
+from serve_eval.speculative.verify_fast import greedy_tree_paths, sampled_chain_accept
 
 
 @dataclass
@@ -56,9 +56,13 @@ class _Packed:
         self.device = device
         self.width = max(self.counts)
         self.padded = min(self.counts) != self.width
-        self.tokens = (self.trees[0].tokens[None] if len(ids) == 1 else  # int64 [B, N]
-                       pad_sequence([t.tokens for t in self.trees], batch_first=True)).to(device)
         self.starts = [root_rows[i] for i in ids]  # logits row of each draft's root; its nodes follow
+
+    @cached_property
+    def tokens(self) -> Tensor:  # int64 [B, N]
+        trees = self.trees
+        return (trees[0].tokens[None] if len(trees) == 1 else
+                pad_sequence([t.tokens for t in trees], batch_first=True)).to(self.device)
 
     @cached_property
     def num_nodes(self) -> Tensor:  # int64 [B]
@@ -100,14 +104,9 @@ def _stacked_ancestors(trees: list[DraftTree], width: int) -> Tensor:  # bool [B
 
 def _greedy(logits_argmax: Tensor, packed: _Packed, drafts: dict[int, SpecDraft]) -> tuple[list, Tensor | None]:
     """-> per draft (emitted tokens, accepted count, accepted node ids), and accepted nodes [B, D] for trees."""
-    target_argmax = packed.gather_rows(logits_argmax)  # [B, N+1]
     if packed.chains:
-        valid = packed.valid_rows[:, 1:] if packed.padded else None
-        counts = greedy_chain_accepted(packed.tokens, target_argmax, valid).tolist()
-        # Per draft, not per token: its accepted prefix, then the argmax of the row after it.
-        rows = zip(counts, packed.tokens.tolist(), target_argmax.tolist())
-        out = [(tokens[:count] + [argmax[count]], count, list(range(count))) for count, tokens, argmax in rows]
-        return out, None  # a chain's accepted nodes already sit at their depth: nothing to compact
+        return _greedy_chains(logits_argmax.tolist(), packed), None   # accepted nodes already sit at their depth
+    target_argmax = packed.gather_rows(logits_argmax)  # [B, N+1]
     ancestors = _stacked_ancestors(packed.trees, packed.width).to(packed.tokens.device)
     valid = packed.valid_rows[:, 1:] if packed.padded else None
     num_accepted, path = greedy_tree_paths(packed.tokens, packed.parents, target_argmax, ancestors, valid)
@@ -118,6 +117,20 @@ def _greedy(logits_argmax: Tensor, packed: _Packed, drafts: dict[int, SpecDraft]
         out.append(([tokens[n] for n in ids] + [argmax[ids[-1] + 1 if ids else 0]], count, ids))
     width = path.shape[1]
     return out, torch.where(path < width, path, -1)
+
+
+def _greedy_chains(argmax: list[int], packed: _Packed) -> list:
+    """Each chain's leading run of tokens equal to the argmax of the row before them, then the argmax after the
+    run. In Python over the rows' argmaxes (one list): a chain's K compares cost less than the padding, gather,
+    cumprod and reads back that the same test takes in tensor ops (verify_fast.greedy_chain_accepted)."""
+    out = []
+    for tree, root in zip(packed.trees, packed.starts):
+        tokens = tree.tokens.tolist()
+        count = 0
+        while count < len(tokens) and tokens[count] == argmax[root + count]:
+            count += 1
+        out.append((tokens[:count] + [argmax[root + count]], count, list(range(count))))
+    return out
 
 
 def _rows(tokens: Tensor, num_accepted: Tensor, nodes: Tensor) -> list:
