@@ -18,8 +18,9 @@ AttentionFn = Callable[[Tensor, Tensor, Tensor, "AttentionMetadata", float], Ten
 BACKENDS = ("torch", "triton", "flash")
 
 # Batches of up to this many query tokens get their metadata from Python lists, larger ones from vectorised
-# tensor ops (AttentionMetadata.for_chunks). PLACEHOLDER
-LIST_METADATA_MAX_TOKENS = 160
+# tensor ops (AttentionMetadata.for_chunks). One CPU thread, us, lists vs tensors: 1 x 5 tokens (a K=4 round)
+# 45 vs 176; 16 x 5 134 vs 207; 32 x 5 227 vs 245; 64 x 1 284 vs 312; 32 x 9 292 vs 250; 64 x 5 406 vs 317.
+LIST_METADATA_MAX_TOKENS = 192
 
 
 @dataclass

@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from kernels.precision import AUTO, resolve_bf16
+from serve_eval.engine.threads import available_cores
 
 STRATEGIES = ("none", "ddp", "fsdp", "deepspeed")
 MIXED_PRECISION = ("no", "bf16", "fp16", "auto")   # auto: bf16 where it is fast (kernels.precision)
@@ -181,6 +182,14 @@ def _enable_cpu_fsdp(plugin: Any, mixed_precision: str) -> None:
         shared["distributed_type"] = DistributedType.FSDP
         shared["device"] = torch.device("cpu")
     AcceleratorState._shared_state["fsdp_plugin"] = plugin
+
+
+def training_threads(setting: int | str) -> int:
+    """torch intra-op threads for one training process: a count as given; auto = the cores this process's share
+    of the machine holds (the cores it may run on / the processes launched on this node)."""
+    if setting != AUTO:
+        return int(setting)
+    return max(1, available_cores() // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
 
 
 def resolve_mixed_precision(mixed_precision: str, cpu: bool) -> str:

@@ -23,7 +23,8 @@ from torch.utils.data import DataLoader
 from serve_eval.speculative.metrics import simulated_tau
 from train.distill import checkpoint as ckpt
 from train.distill.data import ShardedResumableSampler, collate_token_sequences, eval_shard_batches
-from train.distill.launch import LauncherConfig, make_accelerator, shutdown_distributed, write_rank_report
+from train.distill.launch import (LauncherConfig, make_accelerator, shutdown_distributed, training_threads,
+                                 write_rank_report)
 from train.distill.objective import Objective, PositionCounts
 from train.distill.train_log import JsonlMetrics, LogWindow, NoBar
 from train.distill.trainer_config import TrainerConfig, lr_factor
@@ -88,6 +89,9 @@ class Trainer:
         frozen_target: FrozenTarget | None = None,
     ) -> None:
         config.validate()
+        threads = training_threads(config.num_threads)
+        torch.set_num_threads(threads)
+        log_event(stage="distill", num_threads=threads, setting=config.num_threads)
         self.cfg, self.objective, self.launcher = config, objective, launcher or LauncherConfig()
         self.train_dataset, self.eval_dataset, self.wandb_run = train_dataset, eval_dataset, wandb_run
         self.collate = collate_fn or partial(

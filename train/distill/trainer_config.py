@@ -24,7 +24,10 @@ class TrainerConfig:
     lr_schedule: str = "cosine"  # constant | linear | cosine (after warmup)
     min_lr_ratio: float = 0.0
     grad_clip: float = 1.0  # max global grad norm; 0 = off
-    mixed_precision: str = "no"  # no | bf16 | fp16
+    mixed_precision: str = "no"  # no | bf16 | fp16 | auto (bf16 where it is faster than fp32 here)
+    # torch intra-op threads of this process: auto = its share of the cores (cores / local processes). Set at
+    # the trainer's start, so a job does not inherit the count an earlier stage's engine chose for decoding.
+    num_threads: int | str = field(default="auto", metadata=_VOLATILE)
     seed: int = 0
     shuffle: bool = True
     pad_token_id: int = 0
@@ -50,6 +53,9 @@ class TrainerConfig:
             raise ValueError(f"train.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
         if self.warmup_steps < 0 or self.grad_clip < 0:
             raise ValueError("train.warmup_steps and train.grad_clip must be >= 0")
+        if self.num_threads != "auto" and (isinstance(self.num_threads, bool) or not isinstance(self.num_threads, int)
+                                           or self.num_threads < 1):
+            raise ValueError(f"train.num_threads must be a positive int or 'auto', got {self.num_threads!r}")
 
     def trajectory_fields(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self) if not f.metadata.get("volatile")}
