@@ -30,7 +30,7 @@ from torch import Tensor, nn
 from drafts.common import _expand_kv, copy_from_target, count_parameters, target_layer_pairs, target_layers
 from drafts.eagle3 import default_aux_layers
 from kernels.layers.config import DecoderConfig, hf_config_dict
-from kernels.layers.decoder import AttnFn, DecoderLayer, run_layer
+from kernels.layers.decoder import AttnFn, DecoderLayer, OutRows, run_layer
 from kernels.layers.linear import Linear
 from kernels.layers.norm import RMSNorm
 from kernels.layers.rope import RotaryEmbedding, apply_rope
@@ -204,12 +204,14 @@ class BlockDraft(nn.Module):
         root = self.embed_tokens(root_ids)[:, None]  # [R, 1, d]
         return torch.cat([root, masks[:m].to(root.dtype)[None].expand(root.shape[0], -1, -1)], dim=1)
 
-    def forward(self, hidden: Tensor, positions: Tensor, attn_fns: list[AttnFn]) -> Tensor:
+    def forward(self, hidden: Tensor, positions: Tensor, attn_fns: list[AttnFn], out_rows: OutRows = None) -> Tensor:
         """Block tokens hidden [T, d] at positions [T]; attn_fns one per layer (they hold the injected KV and the
-        block mask) -> output hidden [T, d] (pre-norm)."""
+        block mask) -> output hidden [T, d] (pre-norm), or only ``out_rows`` of it: the last layer then runs its
+        o_proj and MLP on those rows alone (serving reads offsets 1..K, not the root or the masks past K)."""
         cos, sin = self.rotary(positions, hidden.dtype)
-        for layer, attn in zip(self.layers, attn_fns):
-            hidden = run_layer(layer, hidden, cos, sin, attn)
+        last = len(self.layers) - 1
+        for i, (layer, attn) in enumerate(zip(self.layers, attn_fns)):
+            hidden = run_layer(layer, hidden, cos, sin, attn, out_rows=out_rows if i == last else None)
         return hidden
 
     def compute_logits(self, hidden: Tensor) -> Tensor:

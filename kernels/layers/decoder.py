@@ -28,6 +28,9 @@ from kernels.layers.rope import apply_rope
 
 AttnFn = Callable[[Tensor, Tensor, Tensor], Tensor]  # (q [T,h,hd], k [T,kv,hd], v [T,kv,hd]) -> [T,h,hd]
 Op = Callable[[Tensor], Tensor]
+# Which of a layer's T rows leave it (a slice or an index tensor): every row's k/v still enters attention,
+# but o_proj, the residual and the MLP run on these rows only. None = all rows.
+OutRows = slice | Tensor | None
 
 
 @dataclass(frozen=True)
@@ -45,8 +48,9 @@ class HeadShape:
 
 
 def attend(shape: HeadShape, qkv: Op, o_proj: Op, x: Tensor, cos: Tensor, sin: Tensor, attn_fn: AttnFn,
-           qk_norm: tuple[Op, Op] | None = None) -> Tensor:
-    """x [T, in] -> [T, d]: q/k/v from one [T, (H + 2 KVH) * D] projection, rope on q and k heads together.
+           qk_norm: tuple[Op, Op] | None = None, out_rows: OutRows = None) -> Tensor:
+    """x [T, in] -> [T, d] (or [len(out_rows), d]): q/k/v from one [T, (H + 2 KVH) * D] projection, rope on q
+    and k heads together.
 
     qk_norm: Qwen3's per-head RMSNorms of q and of k (over head_dim), applied before rope as in HF."""
     num_tokens = x.shape[0]
@@ -59,7 +63,8 @@ def attend(shape: HeadShape, qkv: Op, o_proj: Op, x: Tensor, cos: Tensor, sin: T
     qk = apply_rope(qk, cos, sin)
     q, k = qk[:, :shape.num_heads], qk[:, shape.num_heads:]
     v = qkv_out[:, shape.qk_width:].view(num_tokens, shape.num_kv_heads, shape.head_dim)
-    return o_proj(attn_fn(q, k, v).reshape(num_tokens, shape.q_width))
+    out = attn_fn(q, k, v).reshape(num_tokens, shape.q_width)
+    return o_proj(out if out_rows is None else out[out_rows])
 
 
 def swiglu(gate_up: Op, down: Op, x: Tensor) -> Tensor:
@@ -90,9 +95,9 @@ class Attention(nn.Module):
     def qkv(self, x: Tensor) -> Tensor:  # [T, in] -> [T, (H + 2 KVH) * D]
         return torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attn_fn: AttnFn) -> Tensor:
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attn_fn: AttnFn, out_rows: OutRows = None) -> Tensor:
         norms = (self.q_norm, self.k_norm) if self.has_qk_norm else None
-        return attend(self.shape, self.qkv, self.o_proj, x, cos, sin, attn_fn, norms)
+        return attend(self.shape, self.qkv, self.o_proj, x, cos, sin, attn_fn, norms, out_rows)
 
     def serving(self, pack: bool | None = None) -> Callable[[Tensor, Tensor, Tensor, AttnFn], Tensor]:
         qkv = Linear.fuse([self.q_proj, self.k_proj, self.v_proj], pack)
@@ -132,10 +137,15 @@ def mlp_residual(ops: LayerOps, hidden: Tensor) -> Tensor:
     return hidden + ops.mlp(ops.post_norm(hidden))
 
 
-def decoder_block(ops: LayerOps, hidden: Tensor, cos: Tensor, sin: Tensor, attn_fn: AttnFn) -> Tensor:
-    """Pre-norm Llama block. hidden [T, d] residual stream; cos, sin [T, 1, D] -> [T, d]."""
+def decoder_block(ops: LayerOps, hidden: Tensor, cos: Tensor, sin: Tensor, attn_fn: AttnFn,
+                  out_rows: OutRows = None) -> Tensor:
+    """Pre-norm Llama block. hidden [T, d] residual stream; cos, sin [T, 1, D] -> [T, d] ([len(out_rows), d]).
+
+    out_rows: a last layer whose other rows nobody reads (the block draft's root and unused masks) skips their
+    o_proj and MLP, the bulk of its small-M matmul cost; the kept rows' values are unchanged."""
     x = hidden if ops.input_norm is None else ops.input_norm(hidden)
-    return mlp_residual(ops, hidden + ops.attention(x, cos, sin, attn_fn))
+    attended = ops.attention(x, cos, sin, attn_fn, out_rows=out_rows)
+    return mlp_residual(ops, (hidden if out_rows is None else hidden[out_rows]) + attended)
 
 
 class DecoderLayer(nn.Module):
@@ -158,8 +168,8 @@ class DecoderLayer(nn.Module):
             return self.serving_ops
         return LayerOps(self.input_layernorm, self.self_attn, self.post_attention_layernorm, self.mlp)
 
-    def forward(self, hidden: Tensor, cos: Tensor, sin: Tensor, attn_fn: AttnFn) -> Tensor:
-        return decoder_block(self.ops, hidden, cos, sin, attn_fn)
+    def forward(self, hidden: Tensor, cos: Tensor, sin: Tensor, attn_fn: AttnFn, out_rows: OutRows = None) -> Tensor:
+        return decoder_block(self.ops, hidden, cos, sin, attn_fn, out_rows)
 
     def to_serving_(self, pack: bool | None = None) -> "DecoderLayer":
         """Serving form (inference only): fused, possibly packed projections and functional norms."""
@@ -169,9 +179,9 @@ class DecoderLayer(nn.Module):
         return self
 
 
-def run_layer(layer: nn.Module, *args: Tensor | AttnFn) -> Tensor:
+def run_layer(layer: nn.Module, *args: Tensor | AttnFn, **kwargs: OutRows) -> Tensor:
     """Call a decoder layer: its serving form straight through forward (no nn.Module dispatch in the hot
     loop), its training form as a module call (autograd and FSDP/ZeRO hooks fire)."""
     if getattr(layer, "serving_ops", None) is not None:
-        return layer.forward(*args)
-    return layer(*args)
+        return layer.forward(*args, **kwargs)
+    return layer(*args, **kwargs)

@@ -242,9 +242,12 @@ class BlockProposer(Proposer):
         hidden = self.draft.block_embeds(roots).reshape(num * width, -1)  # [R W, d]
         positions = (torch.tensor([len(s.token_ids) - 1 for s in seqs], device=self.device)[:, None]
                      + torch.arange(width, device=self.device)).reshape(-1)
-        out = self.draft(hidden, positions, self.cache.layer_attn_fns(meta, self.draft.config.decoder.head_dim))
+        # Only offsets 1..k leave the last layer: each block's rows b * width + 1 .. b * width + k
+        out_rows = slice(1, k + 1) if num == 1 else (
+            torch.arange(num, device=self.device)[:, None] * width + torch.arange(1, k + 1, device=self.device)).reshape(-1)
+        out = self.draft(hidden, positions, self.cache.layer_attn_fns(meta, self.draft.config.decoder.head_dim), out_rows)
         self.num_forwards += 1
-        return self.draft.compute_logits(out.view(num, width, -1)[:, 1:k + 1]).float()
+        return self.draft.compute_logits(out.view(num, k, -1)).float()
 
     def _chains(self, seqs: list[SequenceView], counts: list[int], logits: Tensor) -> list[Proposal]:
         rows = torch.cat([logits[i, :k] for i, k in enumerate(counts)])  # [sum k, V]
