@@ -107,7 +107,7 @@ class CausalLM(nn.Module):
         """Serving form (inference only): every layer fused and packed, the head packed."""
         for layer in self.model.layers:
             layer.to_serving_(pack)
-        self.serving_head = Linear.fuse([self.lm_head], pack)
+        self.serving_head = Linear.fuse([self.lm_head], pack, alias=not self.tied)
         return self
 
     def repack(self, pack: bool) -> None:
