@@ -36,13 +36,15 @@ class Linear:
         """weight [out, in]; weight_t: the same matrix already stored [in, out] row-major (``fuse`` builds it)."""
         weight = weight.detach()
         self.bias = None if bias is None else bias.detach()  # [out] or None
-        if weight_t is None and stores_transposed(weight.dtype, weight.device):
+        if pack is None:
+            pack = should_pack(weight.dtype, weight.device)
+        if pack:
+            weight_t = None  # the packed matrix is the copy that runs
+        elif weight_t is None and stores_transposed(weight.dtype, weight.device):
             weight_t = weight.t().contiguous()
         self.weight_t = weight_t  # [in, out] contiguous, or None (cuBLAS / oneDNN paths read `weight`)
         # [out, in]: a view of weight_t where there is one; kept for anything that needs the dense matrix
         self.weight = weight if weight_t is None else weight_t.t()
-        if pack is None:
-            pack = should_pack(self.weight.dtype, self.weight.device)
         self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.contiguous(), 1) if pack else None
 
     @classmethod
@@ -50,8 +52,10 @@ class Linear:
         """One matrix for several projections of the same input (q/k/v, gate/up): outputs concatenated.
 
         alias: the modules' parameters become views of the fused matrix, so fusing a large target does not keep
-        two copies of every projection (state_dict and parameters() still read the same values). False for a
-        weight shared with something else (a head tied to the input embedding keeps its own layout)."""
+        two copies of every projection (state_dict and parameters() still read the same values); the serving
+        form is final, inference only, and the views are not contiguous. False for a weight shared with
+        something else: a head tied to the input embedding then holds its own transposed copy (V x d more
+        memory in fp32 on CPU, for the fastest of the step's matmuls), and the embedding stays as it was."""
         if any(getattr(m, "is_quantized", False) for m in linears):  # weight-only int8/int4 (kernels.quant)
             from kernels.quant import fuse_quantized
 
