@@ -31,21 +31,16 @@ def stores_transposed(dtype: torch.dtype, device: torch.device) -> bool:
 class Linear:
     """Inference-only linear over [T, in] rows; a plain object, so a call costs no nn.Module dispatch."""
 
-    def __init__(self, weight: Tensor, bias: Tensor | None, pack: bool | None = None,
-                 weight_t: Tensor | None = None) -> None:
-        """weight [out, in]; weight_t: the same matrix already stored [in, out] row-major (``fuse`` builds it)."""
+    def __init__(self, weight: Tensor, bias: Tensor | None, pack: bool | None = None) -> None:
         weight = weight.detach()
         self.bias = None if bias is None else bias.detach()  # [out] or None
         if pack is None:
             pack = should_pack(weight.dtype, weight.device)
-        if pack:
-            weight_t = None  # the packed matrix is the copy that runs
-        elif weight_t is None and stores_transposed(weight.dtype, weight.device):
-            weight_t = weight.t().contiguous()
-        self.weight_t = weight_t  # [in, out] contiguous, or None (cuBLAS / oneDNN paths read `weight`)
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), 1) if pack else None
+        # [in, out] contiguous where the plain fp32 CPU path runs it, else None (cuBLAS / oneDNN read `weight`)
+        self.weight_t = weight.t().contiguous() if not pack and stores_transposed(weight.dtype, weight.device) else None
         # [out, in]: a view of weight_t where there is one; kept for anything that needs the dense matrix
-        self.weight = weight if weight_t is None else weight_t.t()
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.contiguous(), 1) if pack else None
+        self.weight = weight if self.weight_t is None else self.weight_t.t()
 
     @classmethod
     def fuse(cls, linears: Sequence[nn.Linear], pack: bool | None = None, alias: bool = True) -> "Linear":
@@ -65,14 +60,9 @@ class Linear:
         if any(b is None for b in biases) and not all(b is None for b in biases):
             raise ValueError("fused projections must all have a bias or none")
         bias = None if biases[0] is None else torch.cat([b.detach() for b in biases], dim=0)
-        weight = weight_t = None
-        if stores_transposed(weights[0].dtype, weights[0].device):
-            weight_t = torch.cat([w.t() for w in weights], dim=1).contiguous()  # [in, sum out]
-        elif len(weights) > 1:
-            weight = torch.cat(weights, dim=0)
-        fused = cls(weights[0] if weight is None and weight_t is None else
-                    (weight if weight is not None else weight_t.t()), bias, pack, weight_t)
-        if alias and (weight_t is not None or len(weights) > 1):
+        fused = cls(weights[0] if len(weights) == 1 else torch.cat(weights, dim=0), bias, pack)
+        # One weight kept as it is already shares the module's storage; anything else is a new matrix.
+        if alias and (len(weights) > 1 or fused.weight_t is not None):
             sizes = [w.shape[0] for w in weights]
             with torch.no_grad():
                 parts = fused.bias.split(sizes) if fused.bias is not None else [None] * len(sizes)
@@ -92,17 +82,15 @@ class Linear:
 
     def __call__(self, x: Tensor) -> Tensor:
         """x: [..., in] -> [..., out]."""
-        if self.packed is None:
-            if self.weight_t is None:
-                return F.linear(x, self.weight, self.bias)
-            if x.dim() != 2:
-                return self(x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], self.out_features)
-            if self.bias is None:
-                return torch.mm(x, self.weight_t)
-            return torch.addmm(self.bias, x, self.weight_t)
-        if x.dim() != 2:  # oneDNN's packed GEMM takes 2-D input
+        if self.packed is None and self.weight_t is None:
+            return F.linear(x, self.weight, self.bias)
+        if x.dim() != 2:  # oneDNN's packed GEMM and addmm take 2-D input
             return self(x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], self.out_features)
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [None], "")
+        if self.packed is not None:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [None], "")
+        if self.bias is None:
+            return torch.mm(x, self.weight_t)
+        return torch.addmm(self.bias, x, self.weight_t)
 
     def nbytes(self) -> int:
         """Bytes of weights (and bias) a forward reads."""
