@@ -26,21 +26,10 @@ from train.distill.data import ShardedResumableSampler, collate_token_sequences,
 from train.distill.launch import (LauncherConfig, make_accelerator, shutdown_distributed, training_threads,
                                  write_rank_report)
 from train.distill.objective import Objective, PositionCounts
+from train.distill.ranks import NonFiniteLossError, mean_over_ranks, non_finite_names, sum_over_ranks
 from train.distill.train_log import JsonlMetrics, LogWindow, NoBar
 from train.distill.trainer_config import TrainerConfig, lr_factor
 from train.logs import log_event, progress, warn_event
-
-class NonFiniteLossError(RuntimeError):
-    """A NaN/inf loss or gradient: training stopped before the update; checkpoints are untouched."""
-
-    def __init__(self, step: int, epoch: int, batch_index: int, bad: list[str], last_checkpoint: Path | None):
-        self.step, self.epoch, self.batch_index, self.bad = step, epoch, batch_index, bad
-        where = ", ".join(bad) if bad else "on another rank"
-        super().__init__(
-            f"non-finite value at step {step} (epoch {epoch}, batch {batch_index}): {where}. Stopped before the "
-            f"optimizer update; last good checkpoint: {last_checkpoint or 'none yet'} (left intact)"
-        )
-
 
 @dataclass
 class _StepResult:
@@ -184,31 +173,16 @@ class Trainer:
     def _stop_if_non_finite(
         self, values: Mapping[str, Tensor | float | None], step: int, epoch: int, batch_index: int
     ) -> None:
-        # DeepSpeed's clip_grad_norm_ returns a float, the others a tensor; None = not computed.
-        bad = [name for name, v in values.items() if v is not None and not bool(torch.isfinite(torch.as_tensor(v)).all())]
-        flag = torch.tensor([float(len(bad))], device=self.accelerator.device)
-        if self.accelerator.num_processes > 1:  # every rank must stop together, or the others hang in all-reduce
-            flag = self.accelerator.reduce(flag, reduction="sum")
-        if flag.item() > 0:
+        bad = non_finite_names(self.accelerator, values)
+        if bad is not None:
             raise NonFiniteLossError(step, epoch, batch_index, bad, self.last_checkpoint)
-
-    def _mean_over_ranks(self, values: dict[str, float]) -> dict[str, float]:
-        if self.accelerator.num_processes == 1 or not values:
-            return values
-        names = sorted(values)
-        stacked = torch.tensor([values[n] for n in names], dtype=torch.float64, device=self.accelerator.device)
-        stacked = self.accelerator.reduce(stacked, reduction="mean")
-        return dict(zip(names, stacked.tolist()))
 
     def _time_up(self, start: float) -> bool:
         """Past train.max_minutes? Ranks agree (mean elapsed time), so they stop at the same step."""
         if self.cfg.max_minutes is None:
             return False
-        elapsed = self._mean_over_ranks({"elapsed": time.perf_counter() - start})["elapsed"]
+        elapsed = mean_over_ranks(self.accelerator, {"elapsed": time.perf_counter() - start})["elapsed"]
         return elapsed > self.cfg.max_minutes * 60
-
-    def _sum_over_ranks(self, tensor: Tensor) -> Tensor:
-        return self.accelerator.reduce(tensor, reduction="sum") if self.accelerator.num_processes > 1 else tensor
 
     # ------------------------------------------------------------------ eval
 
@@ -243,13 +217,13 @@ class Trainer:
                 counts = position_counts if counts is None else counts + position_counts
         self._set_training(True)
         names = sorted(loss_sums)
-        totals = self._sum_over_ranks(
-            torch.tensor([loss_sums[n] for n in names] + [real_batches], dtype=torch.float64, device=acc.device)
+        totals = sum_over_ranks(
+            acc, torch.tensor([loss_sums[n] for n in names] + [real_batches], dtype=torch.float64, device=acc.device)
         ).cpu()
         metrics = {f"eval/{n}": (totals[i] / totals[-1]).item() for i, n in enumerate(names)}
         if counts is not None:
-            correct = self._sum_over_ranks(counts.correct.to(acc.device)).cpu()
-            total = self._sum_over_ranks(counts.total.to(acc.device)).cpu()
+            correct = sum_over_ranks(acc, counts.correct.to(acc.device)).cpu()
+            total = sum_over_ranks(acc, counts.total.to(acc.device)).cpu()
             accuracies = PositionCounts(correct, total).accuracies()
             metrics.update({f"eval/acc_pos{k + 1}": a for k, a in enumerate(accuracies)})
             metrics["eval/simulated_tau"] = simulated_tau(accuracies)
@@ -367,7 +341,7 @@ class Trainer:
         return evaluated
 
     def _log_train(self, result: _StepResult, window: LogWindow, bar: Any) -> None:
-        reduced = self._mean_over_ranks({**result.losses, "_tokens": window.tokens})
+        reduced = mean_over_ranks(self.accelerator, {**result.losses, "_tokens": window.tokens})
         elapsed = time.perf_counter() - window.start
         record: dict[str, Any] = {"step": result.state.step, "epoch": result.epoch, "lr": result.lr}
         record.update({("loss" if n == "loss" else f"loss/{n}"): v for n, v in reduced.items() if n != "_tokens"})
