@@ -118,7 +118,7 @@ def main() -> None:
         step_times.append(step)
         fractions.append((step - fwd) / step)
     total = sum(step_times)
-    print(f"model: {origin}, {args.dtype}, threads {engine.num_threads} ({engine.threads.reason})")
+    print(f"model: {origin}, {args.dtype}, threads {engine.threads.describe()} ({engine.threads.reason})")
     print(f"{args.num_seqs} sequences decoding (prompt {args.prompt}), {args.sampling} sampling, {args.steps} steps, "
           f"median step {statistics.median(step_times) * 1e3:.2f} ms")
     for name, t in parts.items():

@@ -243,7 +243,7 @@ def resolve_inputs(args: argparse.Namespace, tmp: Path) -> tuple[Path, dict[str,
     del base
     print(f"target: {target} [{target_source}]; drafts: {draft_source}; prompts: {prompt_source}; "
           f"dtype {args.dtype}, device {args.device}, K={args.k}, max_tokens={args.max_tokens}; "
-          f"engine threads {threads.count} ({threads.reason})")
+          f"engine threads {threads.describe()} ({threads.reason})")
     return target, drafts, prompts
 
 

@@ -28,7 +28,7 @@ from serve_eval.engine.sampling_params import SamplingParams
 from serve_eval.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 # StepResult / StepStrategy / DefaultStrategy live in step_strategy; importable from here as before.
 from serve_eval.engine.step_strategy import DefaultStrategy, StepResult, StepStrategy  # noqa: F401
-from serve_eval.engine.threads import ThreadChoice, apply_threads, choose_threads, estimate_num_params
+from serve_eval.engine.threads import ThreadChoice, apply_threads, choose_threads, estimate_num_params, set_threads
 
 if TYPE_CHECKING:   # the speculative package builds on the engine; the engine only names its types
     from serve_eval.speculative.config import SpecConfig
@@ -76,7 +76,8 @@ class LLMEngine:
     # -- setup -------------------------------------------------------------------------
     @property
     def num_threads(self) -> int:
-        """Intra-op threads this engine chose (EngineConfig.num_threads) and set at construction."""
+        """Intra-op threads of this engine's small steps (EngineConfig.num_threads), set at construction;
+        `threads.for_step` gives a step's count (a small model's large steps use every core)."""
         return self.threads.count
 
     @staticmethod
@@ -209,6 +210,8 @@ class LLMEngine:
             ex.swap_in(out.blocks_to_swap_in)
         if out.is_empty:
             return []
+        # Draft slots count: a batch of 16 chains of K=4 verifies 80 rows.
+        set_threads(self.threads.for_step(sum(out.num_scheduled_tokens) + sum(out.num_lookahead_tokens)))
         result = self.strategy.execute(self, out)
         outputs = self._update(out, result)
         self.strategy.after_step(self, out, outputs)   # e.g. release finished requests' draft state

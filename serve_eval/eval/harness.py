@@ -252,17 +252,23 @@ def run_eval(cfg: EvalConfig, target_dir: Path, fingerprint: str, prompts: dict[
     notes: list[str] = []
     plans = plan_methods(cfg, drafts, Path(target_dir), skipped, notes)
     rows = run_cells(cfg, plans, prompts, factory or default_runner_factory(cfg, Path(target_dir)), skipped, progress)
-    notes.append(threads_note())
+    notes.append(threads_note(Path(target_dir), cfg.engine.device))
     return assemble_report(cfg, str(target_dir), fingerprint, prompts, rows, skipped, notes,
                            {d.method: DraftRoute(str(d.path), d.kind, d.draft_dtype) for d in drafts})
 
 
-def threads_note() -> str:
-    """The intra-op thread count the measurements ran with: each engine sets it from its num_threads
-    (serve_eval.engine.threads) when it is built, so after the run it is the engines' choice."""
+def threads_note(target_dir: Path, device: str) -> str:
+    """The intra-op thread counts the measurements ran with: the eval's engines run num_threads=auto
+    (serve_eval.engine.threads), which sets a count per step from the target's size and the step's tokens."""
     import torch
 
-    return f"torch intra-op threads: {torch.get_num_threads()} (set by the engines' num_threads)"
+    from kernels.layers.checkpoint import load_config
+    from serve_eval.engine.threads import AUTO, choose_threads, estimate_num_params
+
+    if not (target_dir / "config.json").is_file():  # a caller's own runners (tests' scripted ones) ran the cells
+        return f"torch intra-op threads: {torch.get_num_threads()}"
+    choice = choose_threads(AUTO, estimate_num_params(load_config(target_dir)), device)
+    return f"torch intra-op threads: {choice.describe()} (engine num_threads=auto: {choice.reason})"
 
 
 def assemble_report(cfg: EvalConfig, target_path: str, fingerprint: str, prompts: dict[str, list[str]],

@@ -8,8 +8,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from serve_eval.engine import EngineConfig, LLMEngine
-from serve_eval.engine.threads import SMALL_MODEL_PARAMS, choose_threads, estimate_num_params
+from serve_eval.engine import EngineConfig, LLMEngine, SamplingParams
+from serve_eval.engine.threads import SMALL_MODEL_PARAMS, WIDE_STEP_TOKENS, choose_threads, estimate_num_params
 from spec_helpers import make_llama
 
 
@@ -47,4 +47,36 @@ def test_engine_applies_logs_and_reports_its_count(tmp_path, caplog, restore_thr
         engine = LLMEngine(EngineConfig(str(model), num_gpu_blocks=64, num_threads=setting))
     assert torch.get_num_threads() == expected
     assert engine.num_threads == expected and engine.stats().num_threads == expected
-    assert f"engine: {expected} intra-op thread(s) (num_threads={setting}" in caplog.text
+    assert f"engine: intra-op threads {expected}" in caplog.text and f"(num_threads={setting}" in caplog.text
+
+
+def test_auto_rule_widens_large_steps_of_a_small_model():
+    """auto on a small model: 1 thread below WIDE_STEP_TOKENS tokens per step, every core from there; one core
+    or a configured count never widens."""
+    small = choose_threads("auto", SMALL_MODEL_PARAMS - 1, "cpu", cores=2)
+    assert [small.for_step(n) for n in (1, 5, WIDE_STEP_TOKENS - 1, WIDE_STEP_TOKENS, 512)] == [1, 1, 1, 2, 2]
+    assert small.describe() == f"1 (2 from {WIDE_STEP_TOKENS} tokens per step)"
+    assert choose_threads("auto", SMALL_MODEL_PARAMS - 1, "cpu", cores=1).for_step(512) == 1
+    assert choose_threads(1, 10, "cpu", cores=2).for_step(512) == 1
+    assert choose_threads("auto", 7 * 10**9, "cpu", cores=8).for_step(1) == 8
+
+
+def test_engine_sets_each_steps_count(tmp_path, restore_threads, monkeypatch):
+    """The engine applies for_step to every step: a long prefill runs on both cores, the decode steps after it
+    on one."""
+    monkeypatch.setattr("serve_eval.engine.threads.available_cores", lambda: 2)
+    model = make_llama(tmp_path / "m")
+    engine = LLMEngine(EngineConfig(str(model), num_gpu_blocks=64))
+    assert torch.get_num_threads() == 1
+    seen = []
+    execute = engine.strategy.execute
+
+    def recording(eng, out):
+        seen.append((sum(out.num_scheduled_tokens), torch.get_num_threads()))
+        return execute(eng, out)
+
+    monkeypatch.setattr(engine.strategy, "execute", recording)
+    engine.add_request("long", list(range(1, WIDE_STEP_TOKENS + 9)), SamplingParams(max_tokens=3, ignore_eos=True))
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert seen == [(WIDE_STEP_TOKENS + 8, 2), (1, 1), (1, 1)]
