@@ -45,7 +45,19 @@ def _kl(log_p: Tensor, log_q: Tensor) -> Tensor:
 
 def forward_kl(student_logits: Tensor, teacher_logits: Tensor, temperature: float = 1.0, mask: Tensor | None = None) -> Tensor:
     """KL(P_teacher || Q_student): mode-covering, the classic KD objective."""
-    return _masked_mean(_kl(_log_probs(teacher_logits, temperature), _log_probs(student_logits, temperature)), mask)
+    return forward_kl_log_target(student_logits, log_probs(teacher_logits, temperature), temperature, mask)
+
+
+def forward_kl_log_target(student_logits: Tensor, teacher_log_probs: Tensor, temperature: float = 1.0,
+                          mask: Tensor | None = None) -> Tensor:
+    """forward_kl with P given as log-probs (``log_probs(teacher_logits, temperature)``): a caller scoring several
+    student outputs against slices of one teacher distribution (EAGLE-3's unrolled steps) computes it once."""
+    return _masked_mean(_kl(teacher_log_probs, _log_probs(student_logits, temperature)), mask)
+
+
+def log_probs(logits: Tensor, temperature: float = 1.0) -> Tensor:
+    """log softmax(logits / temperature) in at least fp32: the distributions every loss here compares."""
+    return _log_probs(logits, temperature)
 
 
 def reverse_kl(student_logits: Tensor, teacher_logits: Tensor, temperature: float = 1.0, mask: Tensor | None = None) -> Tensor:

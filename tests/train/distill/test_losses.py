@@ -29,6 +29,18 @@ def test_forward_and_reverse_kl_hand_values():
     assert losses.reverse_kl(logits(Q), logits(P)).item() == pytest.approx(rev, rel=1e-6)
 
 
+def test_forward_kl_from_teacher_log_probs_is_forward_kl():
+    """A teacher given as log-probs (computed once, sliced per TTT step) scores exactly as its logits do,
+    at a temperature and under a mask."""
+    torch.manual_seed(0)
+    student, teacher = torch.randn(3, 7, 11), torch.randn(3, 7, 11)
+    mask = torch.rand(3, 7) > 0.3
+    for temperature in (1.0, 0.7):
+        expected = losses.forward_kl(student, teacher, temperature, mask)
+        got = losses.forward_kl_log_target(student, losses.log_probs(teacher, temperature), temperature, mask)
+        assert torch.equal(got, expected)
+
+
 def test_temperature_softens_both_distributions():
     """At T=2 the teacher (0.8, 0.2) becomes (sqrt .8, sqrt .2)/Z = (2/3, 1/3); Q stays uniform:
     KL = 2/3 ln(4/3) + 1/3 ln(2/3)."""

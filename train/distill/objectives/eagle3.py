@@ -18,12 +18,7 @@ from torch import Tensor, nn
 from drafts.eagle3 import Eagle3Draft
 from train import losses
 from train.distill.objective import PositionCounts
-from train.distill.objectives.common import (
-    FeatureSource,
-    ahead_mask,
-    shift_left,
-    uniform_noise,
-)
+from train.distill.objectives.common import FeatureSource, ahead_mask, uniform_noise
 from train.distill.objectives.eagle import EagleModule, eagle_inputs, unrolled_counts
 from train.distill.objectives.registry import register_objective
 from train.distill.objectives.teacher import Teacher
@@ -61,14 +56,18 @@ class Eagle3Objective:
             aux_in = uniform_noise(aux_in, self.cfg.noise_width)
         outs = model(ids_in, aux_in, self.cfg.ttt_steps)
         width = ids_in.shape[1]
+        # The target's distribution over the draft vocabulary, normalised once; step j reads it shifted by 1 + j.
+        teacher_log_probs = losses.log_probs(teacher_logits[..., self.draft_ids])  # [B, S, V_draft]
         in_vocab = self.in_draft_vocab[teacher_logits.argmax(-1)]  # [B, S]
         components: dict[str, Tensor] = {}
         loss = teacher_logits.new_zeros(())
         for j, ((_, logits), weight) in enumerate(zip(outs, self.weights)):
-            # step j at index i predicts x_{i+2+j}: the target's distribution at position i+1+j
-            labels = shift_left(teacher_logits, 1 + j, width)[..., self.draft_ids]
-            mask = ahead_mask(batch["loss_mask"], 2 + j, width) & shift_left(in_vocab, 1 + j, width, False)
-            step_loss = losses.forward_kl(logits.float(), labels, mask=mask)
+            # step j at index i predicts x_{i+2+j}: the target's distribution at position i+1+j. Indices past the
+            # last label are masked anyway, so the step scores the first `scored` indices only (no padded copies).
+            scored = max(0, min(width, teacher_log_probs.shape[1] - 1 - j))
+            labels = teacher_log_probs[:, 1 + j:1 + j + scored]
+            mask = ahead_mask(batch["loss_mask"], 2 + j, scored) & in_vocab[:, 1 + j:1 + j + scored]
+            step_loss = losses.forward_kl_log_target(logits[:, :scored].float(), labels, mask=mask)
             components[f"step{j + 1}"] = step_loss.detach()
             loss = loss + weight * step_loss
         return loss, components
