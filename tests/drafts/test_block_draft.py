@@ -121,7 +121,7 @@ def test_pipeline_refuses_an_eval_k_above_the_block_before_any_stage():
     cfg = compose([])
     assert "block" in planned_kinds(cfg)
     check_stage_configs(cfg)
-    # the embedded eval runs the block draft at its own Ks (pipeline.eval.num_speculative_tokens_of.block = [4, 8])
+    # the embedded eval runs the block draft at its own K (pipeline.eval.num_speculative_tokens_of.block = [8])
     with pytest.raises(ValueError, match=r"block_size: 5 proposes at most 4 tokens, but the eval asks for K=8"):
         check_stage_configs(compose(["pipeline.drafts.block.block_size=5"]))
 
