@@ -28,7 +28,7 @@ from serve_eval.eval.parity import parity_rows
 from serve_eval.eval.recommend import DraftRoute, Recommendations, Thresholds, recommend, write_recommendations
 from serve_eval.eval.report import BASELINE_METHOD, Report, ResultRow, SkippedEntry, TargetInfo
 from serve_eval.eval.report_files import ReportFiles, log_to_wandb, write_report
-from serve_eval.eval.rows import build_row
+from serve_eval.eval.rows import build_row, looping_cells
 from serve_eval.eval.runners import RunResult, Runner, RunSpec
 from serve_eval.eval.sources import DraftSource
 from serve_eval.eval.variants import mark_variants
@@ -253,6 +253,7 @@ def run_eval(cfg: EvalConfig, target_dir: Path, fingerprint: str, prompts: dict[
     plans = plan_methods(cfg, drafts, Path(target_dir), skipped, notes)
     rows = run_cells(cfg, plans, prompts, factory or default_runner_factory(cfg, Path(target_dir)), skipped, progress)
     notes.append(threads_note(Path(target_dir), cfg.engine.device))
+    notes += looping_cells(rows)
     return assemble_report(cfg, str(target_dir), fingerprint, prompts, rows, skipped, notes,
                            {d.method: DraftRoute(str(d.path), d.kind, d.draft_dtype) for d in drafts})
 

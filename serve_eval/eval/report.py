@@ -60,6 +60,9 @@ class ResultRow:
     # the draft it was quantized from; None for every other row.
     quantization: str | None = None
     variant_of: str | None = None
+    # Distinct 4-grams / all 4-grams of each output, mean over the cell's outputs (serve_eval.eval.rows): near 0
+    # when the outputs loop, as an undertrained target's greedy answers do. None = the runner saw no token ids.
+    distinct_4gram_share: float | None = None
 
 
 @dataclass
@@ -147,7 +150,7 @@ _VARIANT_STRINGS = ("quantization", "variant_of")
 _UNIT_INTERVAL = ("alpha", "draft_time_share", "target_time_share")
 _INTERVALS = ("alpha_ci", "tau_ci", "speedup_ci")
 _OPTIONAL_FIELDS = {"ms_per_token_samples", *_INTERVALS, "num_prompts", *_DRAFT_COST_FLOATS, "draft_bytes",
-                    *_VARIANT_STRINGS}   # absent in older reports
+                    *_VARIANT_STRINGS, "distinct_4gram_share"}   # absent in older reports
 
 
 def _is_number(x: Any) -> bool:
@@ -182,6 +185,9 @@ def _row_from_dict(r: Any, where: str) -> ResultRow:
     for key in _VARIANT_STRINGS:
         if r.get(key) is not None and (not isinstance(r[key], str) or not r[key]):
             raise ReportSchemaError(f"{where}.{key} must be null or a non-empty string, got {r[key]!r}")
+    share = r.get("distinct_4gram_share")
+    if share is not None and (not _is_number(share) or not 0 <= share <= 1):
+        raise ReportSchemaError(f"{where}.distinct_4gram_share must be null or in [0, 1], got {share!r}")
     for key in _UNIT_INTERVAL:
         if r[key] is not None and r[key] > 1:
             raise ReportSchemaError(f"{where}.{key} must be in [0, 1], got {r[key]!r}")

@@ -25,6 +25,33 @@ def run_ms_per_token(run: RunResult) -> float:
     return M.ms_per_token(decode_s, decode_tokens)
 
 
+# Below this distinct-4-gram share the outputs are loops: a draft predicts a loop perfectly, so the cell's
+# acceptance and speed-up say what drafts buy on the loop, not on text.
+LOOP_SHARE = 0.3
+NGRAM = 4
+
+
+def distinct_ngram_share(runs: list[RunResult], n: int = NGRAM) -> float | None:
+    """Mean over outputs of distinct n-grams / n-grams (1.0 = no n-gram repeats); None without token ids."""
+    shares = []
+    for run in runs:
+        for record in run.records:
+            ids = record.output_token_ids
+            grams = [tuple(ids[i:i + n]) for i in range(len(ids) - n + 1)]
+            if grams:
+                shares.append(len(set(grams)) / len(grams))
+    return statistics.fmean(shares) if shares else None
+
+
+def looping_cells(rows: list[ResultRow]) -> list[str]:
+    """One line per baseline cell whose outputs loop (distinct 4-gram share below LOOP_SHARE)."""
+    return [f"loop: {r.domain} T={r.temperature:g}: the target's answers repeat (distinct {NGRAM}-grams "
+            f"{r.distinct_4gram_share:.2f} of all, below {LOOP_SHARE}); every draft there predicts the loop, so its "
+            f"acceptance and speed-up overstate what it buys on non-repeating text (an undertrained target?)"
+            for r in rows if r.method == BASELINE_METHOD and r.distinct_4gram_share is not None
+            and r.distinct_4gram_share < LOOP_SHARE]
+
+
 def spec_stats(runs: list[RunResult]) -> M.SpecStats | None:
     """Counters of every request's rounds; times from the run-level accounting (None when no round)."""
     parts = [r.spec for run in runs for r in run.records if r.spec is not None]
@@ -85,7 +112,8 @@ def build_row(domain: str, method: str, K: int, temperature: float, runs: list[R
         itl_p50=_finite_or_none(M.percentile(itls, 50)), itl_p99=_finite_or_none(M.percentile(itls, 99)),
         draft_time_share=draft_share, target_time_share=_share([r.target_time_s for r in runs], busy),
         repetitions=len(runs), spread=statistics.stdev(finite) if len(finite) > 1 else 0.0,
-        ms_per_token_samples=finite, draft_ms_per_round=draft_ms, cost_ratio=cost)
+        ms_per_token_samples=finite, draft_ms_per_round=draft_ms, cost_ratio=cost,
+        distinct_4gram_share=distinct_ngram_share(runs))
 
 
 def draft_cost(stats: M.SpecStats | None, K: int, baseline_ms_per_token: float | None) -> tuple[float | None, float | None]:

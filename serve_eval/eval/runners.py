@@ -23,6 +23,7 @@ class RequestRecord:
     # chunk (endpoint mode, where a chunk may carry several tokens); first/last bound the decode phase.
     token_times: list[float]
     spec: SpecStats | None = None           # this request's speculative rounds, None without speculation
+    output_token_ids: list[int] = field(default_factory=list)  # empty where the runner does not see ids (endpoint)
 
 
 @dataclass
@@ -103,7 +104,8 @@ class EngineRunner:
             out = finals[i]
             m = out.metrics
             records.append(RequestRecord(len(out.output_token_ids), m.ttft, list(m.token_times),
-                                         SpecStats().merge(out.spec) if out.spec is not None else None))
+                                         SpecStats().merge(out.spec) if out.spec is not None else None,
+                                         list(out.output_token_ids)))
         draft1, target1 = _spec_totals(eng)
         busy = eng.step_time_s - step0
         if self.K == 0:   # plain decoding: every forward is the target's

@@ -119,6 +119,7 @@ def render_table(header: list[str], rows: list[list[str]]) -> str:
 
 def stage_report(ctx: PipelineContext) -> dict[str, Any]:
     from serve_eval.eval.report import load_report
+    from serve_eval.eval.rows import looping_cells
 
     out_dir = need(ctx.results.eval_dir, "eval")
     report = load_report(out_dir / "report.json")
@@ -129,6 +130,7 @@ def stage_report(ctx: PipelineContext) -> dict[str, Any]:
     notes += [f"parity: {p['method']} {p['domain']} K={p['K']} T={p['temperature']:g}: served tau "
                 f"{p['served_tau']:.2f} vs {p['simulated_tau']:.2f} from training: {p['flag']}"
                 for p in report.parity if p["flag"]]
+    notes += looping_cells(report.results)
     cost = "\n".join(ctx.results.cost.lines if ctx.results.cost else [])  # (the cost stage's lines, if it ran)
     (out_dir / SUMMARY_FILE).write_text(f"```\n{table}\n```\n" + "".join(f"\n- {s}" for s in notes) + "\n"
                                         + (f"\n```\n{cost}\n```\n" if cost else ""))
