@@ -75,7 +75,7 @@ class EvalConfig:
     # Wall-clock cap (minutes) on the sweep: a repetition after the first starts only while the time so far plus
     # one more repetition's average stays within it, so every cell keeps the same count; logged when it cuts in.
     max_minutes: float | None = None
-    warmup: int = 1                   # unmeasured requests before each cell
+    warmup: int = 1                   # unmeasured requests before a method's first cell at each temperature
     seed: int = 0
     engine: EngineSettings = field(default_factory=EngineSettings)
     # recommendations: speculation off where the speed-up's lower bound is below min_speedup (or alpha's below

@@ -145,6 +145,9 @@ def _sweep(cfg: EvalConfig, opened: list[tuple[MethodPlan, Runner]], prompts: di
     drift of the machine's speed (another job, thermal state) is spread over every method alike."""
     cells: dict[tuple[str, str, int, float], _Cell] = {}
     failed: set[tuple[str, str, int, float]] = set()
+    # A runner warms up once per temperature, before its first cell there: the first calls pay the lazy
+    # set-up (allocations, the sampling path), later domains find it done.
+    warmed: set[tuple[int, float]] = set()
     start = time.perf_counter()
     for rep in range(cfg.repetitions):
         if rep and cfg.max_minutes is not None:
@@ -168,8 +171,9 @@ def _sweep(cfg: EvalConfig, opened: list[tuple[MethodPlan, Runner]], prompts: di
                     if rep == 0:
                         progress(f"eval domain={domain} method={plan.method} K={plan.K} T={temperature:g}")
                     try:
-                        if rep == 0 and cfg.warmup:
+                        if cfg.warmup and (id(runner), float(temperature)) not in warmed:
                             runner.run(domain_prompts[:cfg.warmup], spec, domain)
+                            warmed.add((id(runner), float(temperature)))
                         run = runner.run(domain_prompts, spec, domain)
                     except Exception as e:  # noqa: BLE001 - a failing cell is reported, the sweep goes on
                         failed.add(key)
@@ -189,15 +193,19 @@ def _baseline_of(cell: _Cell, baselines: dict[tuple[str, str, float], _Cell]) ->
 
 
 def run_cells(cfg: EvalConfig, plans: list[MethodPlan], prompts: dict[str, list[str]], factory: RunnerFactory,
-              skipped: list[SkippedEntry], progress: Callable[[str], None] = log.info) -> list[ResultRow]:
+              skipped: list[SkippedEntry], progress: Callable[[str], None] = log.info,
+              notes: list[str] | None = None) -> list[ResultRow]:
     """Measure every plan x domain x temperature; rows with speed-ups against this run's baselines,
-    and bootstrap intervals over prompts."""
+    and bootstrap intervals over prompts. `notes` gets one line per thread rule the runs' engines applied."""
     opened = _open_runners(plans, factory, skipped)
     try:
         cells = _sweep(cfg, opened, prompts, skipped, progress)
     finally:
         for _, runner in opened:
             runner.close()
+    if notes is not None:
+        rules = sorted({run.threads for cell in cells.values() for run in cell.runs if run.threads})
+        notes += [f"torch intra-op threads: {rule}" for rule in rules]
     rows: list[ResultRow] = []
     baselines: dict[tuple[str, str, float], _Cell] = {}
     baseline_ms: dict[tuple[str, str, float], float] = {}
@@ -251,25 +259,11 @@ def run_eval(cfg: EvalConfig, target_dir: Path, fingerprint: str, prompts: dict[
     skipped = list(skipped or [])
     notes: list[str] = []
     plans = plan_methods(cfg, drafts, Path(target_dir), skipped, notes)
-    rows = run_cells(cfg, plans, prompts, factory or default_runner_factory(cfg, Path(target_dir)), skipped, progress)
-    notes.append(threads_note(Path(target_dir), cfg.engine.device))
+    rows = run_cells(cfg, plans, prompts, factory or default_runner_factory(cfg, Path(target_dir)), skipped, progress,
+                     notes)
     notes += looping_cells(rows)
     return assemble_report(cfg, str(target_dir), fingerprint, prompts, rows, skipped, notes,
                            {d.method: DraftRoute(str(d.path), d.kind, d.draft_dtype) for d in drafts})
-
-
-def threads_note(target_dir: Path, device: str) -> str:
-    """The intra-op thread counts the measurements ran with: the eval's engines run num_threads=auto
-    (serve_eval.engine.threads), which sets a count per step from the target's size and the step's tokens."""
-    import torch
-
-    from kernels.layers.checkpoint import load_config
-    from serve_eval.engine.threads import AUTO, choose_threads, estimate_num_params
-
-    if not (target_dir / "config.json").is_file():  # a caller's own runners (tests' scripted ones) ran the cells
-        return f"torch intra-op threads: {torch.get_num_threads()}"
-    choice = choose_threads(AUTO, estimate_num_params(load_config(target_dir)), device)
-    return f"torch intra-op threads: {choice.describe()} (engine num_threads=auto: {choice.reason})"
 
 
 def assemble_report(cfg: EvalConfig, target_path: str, fingerprint: str, prompts: dict[str, list[str]],

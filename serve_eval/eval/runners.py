@@ -37,6 +37,7 @@ class RunResult:
     busy_time_s: float | None = None        # engine step time: the denominator of the time shares
     spec_totals: SpecStats | None = None    # run-level counters when there are no per-request ones (endpoint)
     notes: list[str] = field(default_factory=list)
+    threads: str | None = None              # the intra-op thread rule the run's engine applied (None: not ours)
 
 
 @dataclass
@@ -108,6 +109,8 @@ class EngineRunner:
                                          list(out.output_token_ids)))
         draft1, target1 = _spec_totals(eng)
         busy = eng.step_time_s - step0
+        choice = eng.threads
+        threads = f"{choice.describe()} (engine num_threads={choice.setting}: {choice.reason})"
         if self.K == 0:   # plain decoding: every forward is the target's
             draft_s, target_s = 0.0, eng.forward_time_s - fwd0
         else:
@@ -116,8 +119,9 @@ class EngineRunner:
             if draft_s == 0 and target_s == 0:   # the strategy charges times per request instead
                 draft_s, target_s = per_request.draft_time_s, per_request.target_time_s
             if draft_s == 0 and target_s == 0:
-                return RunResult(records, wall, None, None, busy, notes=["no draft/target times reported"])
-        return RunResult(records, wall, draft_s, target_s, busy)
+                return RunResult(records, wall, None, None, busy, notes=["no draft/target times reported"],
+                                 threads=threads)
+        return RunResult(records, wall, draft_s, target_s, busy, threads=threads)
 
     def close(self) -> None:
         self.engine = None

@@ -66,8 +66,8 @@ def test_baseline_row_has_speedup_one_and_no_spec_metrics():
 
 
 class ScriptedRunner:
-    """ms/token fixed per (domain, temperature); the first call of each cell (the warm-up) is slow,
-    so a result that included it would show."""
+    """ms/token fixed per (domain, temperature); the runner's first call at each temperature (the warm-up)
+    is slow, so a result that included it would show."""
 
     def __init__(self, method: str, K: int, ms: dict, accept: tuple[int, int] | None = None,
                  fail_domains: tuple[str, ...] = ()):
@@ -77,7 +77,7 @@ class ScriptedRunner:
     def run(self, prompts, spec: RunSpec, domain):
         if domain in self.fail_domains:
             raise RuntimeError(f"scripted failure in {domain}")
-        first = not any(c[:2] == (domain, spec.temperature) for c in self.calls)
+        first = not any(c[1] == spec.temperature for c in self.calls)
         self.calls.append((domain, spec.temperature, len(prompts)))
         gap = (1.0 if first else self.ms[(domain, spec.temperature)] / 1000)
         records = []
@@ -117,8 +117,10 @@ def test_speedup_is_against_the_same_runs_no_spec_per_domain_and_temperature():
     assert by[("b", "ngram", 0.0)].speedup == pytest.approx(4.0)
     assert by[("a", "no-spec", 0.0)].ms_per_token == pytest.approx(10.0)  # slow warm-up excluded
     assert all(r.repetitions == 2 for r in rows)
-    # per cell: one warm-up call with `warmup` prompts, then `repetitions` full passes
+    # per method and temperature one warm-up call with `warmup` prompts before its first cell, then
+    # `repetitions` full passes per cell
     assert [c for c in runners["ngram"].calls if c[:2] == ("a", 0.0)] == [("a", 0.0, 1), ("a", 0.0, 2), ("a", 0.0, 2)]
+    assert [c for c in runners["ngram"].calls if c[:2] == ("b", 0.0)] == [("b", 0.0, 1), ("b", 0.0, 1)]
 
 
 def test_a_method_runs_only_at_its_temperatures_and_the_baseline_at_every_one():
