@@ -50,6 +50,10 @@ class ThreadChoice:
             return str(self.count)
         return f"{self.count} ({self.wide_count} from {self.wide_from_tokens} tokens per step)"
 
+    def summary(self) -> str:
+        """The counts with what was asked for and why: the log line's and the eval report's words."""
+        return f"{self.describe()} (num_threads={self.setting}: {self.reason})"
+
 
 def available_cores() -> int:
     try:
@@ -93,7 +97,7 @@ def choose_threads(setting: int | str, num_params: int, device: str, cores: int 
 def apply_threads(choice: ThreadChoice) -> None:
     """Set torch's intra-op count (process-wide) to a small step's and log the choice."""
     set_threads(choice.count)
-    log.info("engine: intra-op threads %s (num_threads=%s: %s)", choice.describe(), choice.setting, choice.reason)
+    log.info("engine: intra-op threads %s", choice.summary())
 
 
 def set_threads(count: int) -> None:

@@ -109,8 +109,7 @@ class EngineRunner:
                                          list(out.output_token_ids)))
         draft1, target1 = _spec_totals(eng)
         busy = eng.step_time_s - step0
-        choice = eng.threads
-        threads = f"{choice.describe()} (engine num_threads={choice.setting}: {choice.reason})"
+        threads = eng.threads.summary()
         if self.K == 0:   # plain decoding: every forward is the target's
             draft_s, target_s = 0.0, eng.forward_time_s - fwd0
         else:
