@@ -28,10 +28,10 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
 from bench_spec import decode_ms_per_token, engine_for, paired_summary, resolve_inputs, summary_text  # noqa: E402
-from kernels.attention import torch_paged  # noqa: E402
-from serve_eval.engine import SamplingParams  # noqa: E402
-from serve_eval.engine.model_executor import dtype_name  # noqa: E402
-from serve_eval.eval.interleave import interleave  # noqa: E402
+from draftsmith.kernels.attention import torch_paged  # noqa: E402
+from draftsmith.serve_eval.engine import SamplingParams  # noqa: E402
+from draftsmith.serve_eval.engine.model_executor import dtype_name  # noqa: E402
+from draftsmith.serve_eval.eval.interleave import interleave  # noqa: E402
 
 
 def parse_args() -> argparse.Namespace:

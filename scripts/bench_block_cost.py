@@ -22,14 +22,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from drafts.block import BlockDraft  # noqa: E402
-from serve_eval.eval.interleave import rotation  # noqa: E402
-from drafts.eagle3 import Eagle3Draft  # noqa: E402
-from kernels.layers.config import hf_config_dict  # noqa: E402
-from serve_eval.speculative.proposers.base import TargetFeatures  # noqa: E402
-from serve_eval.speculative.proposers.block import BlockProposer  # noqa: E402
-from serve_eval.speculative.proposers.eagle3 import Eagle3Proposer  # noqa: E402
-from serve_eval.speculative.verify import VerifyResult  # noqa: E402
+from draftsmith.drafts.block import BlockDraft  # noqa: E402
+from draftsmith.serve_eval.eval.interleave import rotation  # noqa: E402
+from draftsmith.drafts.eagle3 import Eagle3Draft  # noqa: E402
+from draftsmith.kernels.layers.config import hf_config_dict  # noqa: E402
+from draftsmith.serve_eval.speculative.proposers.base import TargetFeatures  # noqa: E402
+from draftsmith.serve_eval.speculative.proposers.block import BlockProposer  # noqa: E402
+from draftsmith.serve_eval.speculative.proposers.eagle3 import Eagle3Proposer  # noqa: E402
+from draftsmith.serve_eval.speculative.verify import VerifyResult  # noqa: E402
 
 
 class Runner:

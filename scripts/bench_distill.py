@@ -61,7 +61,7 @@ def print_table(report: dict) -> None:
 
 def target_model_dir(path: Path) -> Path:
     """An artifacts/targets/<fp> dir (its target.json names the model dir) or an HF checkpoint dir."""
-    from drafts.artifacts import TARGET_META_NAME
+    from draftsmith.drafts.artifacts import TARGET_META_NAME
 
     if (path / TARGET_META_NAME).is_file():
         return Path(json.loads((path / TARGET_META_NAME).read_text())["model_dir"])
@@ -69,8 +69,8 @@ def target_model_dir(path: Path) -> Path:
 
 
 def distill(args, kind: str, **extra: str) -> tuple[Path, float]:
-    from train.config import compose
-    from train.distill.run import run
+    from draftsmith.train.config import compose
+    from draftsmith.train.distill.run import run
 
     overrides = {"artifacts_root": args.artifacts, "target.path": str(args.model_dir), "wandb.mode": "disabled",
                  "draft": kind, "draft.data.max_prompts": str(args.max_prompts),
@@ -86,7 +86,7 @@ def distill(args, kind: str, **extra: str) -> tuple[Path, float]:
 
 def untrained(args, kind: str, reference: Path) -> Path:
     """The same architecture as `reference` with its initial weights (built exactly as the job builds it)."""
-    from drafts.io import load_draft, save_draft
+    from draftsmith.drafts.io import load_draft, save_draft
 
     loaded = load_draft(reference)
     import torch
@@ -95,14 +95,14 @@ def untrained(args, kind: str, reference: Path) -> Path:
     model = type(loaded.model)(loaded.model.config)
     for name in ("init_from_target",):
         if kind in ("medusa", "eagle", "eagle3") and hasattr(model, name):
-            from kernels.layers.checkpoint import load_target_embed_and_head
+            from draftsmith.kernels.layers.checkpoint import load_target_embed_and_head
 
             embed, head = load_target_embed_and_head(args.model_dir)
             model.init_from_target(head) if kind == "medusa" else model.init_from_target(embed, head)
     if kind == "eagle3":
         model.set_vocab_map(loaded.model.d2t, loaded.model.t2d)
     if kind == "standalone":
-        from drafts.standalone import init_from_target
+        from draftsmith.drafts.standalone import init_from_target
 
         try:
             init_from_target(model, args.model_dir)
@@ -116,9 +116,9 @@ def eval_prompts(args) -> dict[str, list[list[int]]]:
     """Held-out eval prompts per domain (the corpus eval split), as target token ids."""
     from transformers import AutoTokenizer
 
-    from train.artifacts import artifacts_from_config
-    from train.config import compose
-    from train.corpus import build_corpus
+    from draftsmith.train.artifacts import artifacts_from_config
+    from draftsmith.train.config import compose
+    from draftsmith.train.corpus import build_corpus
 
     overrides = [f"artifacts_root={args.artifacts}", f"target.path={args.model_dir}"]
     if args.data_path:
@@ -137,10 +137,10 @@ def eval_prompts(args) -> dict[str, list[list[int]]]:
 def acceptance(args, kind: str, draft_dir: Path, prompts: dict[str, list[list[int]]]) -> dict:
     """alpha / tau per domain and overall through the engine's speculative path; else simulated."""
     try:
-        from serve_eval.engine import LLM, SamplingParams
-        from serve_eval.speculative.config import SpecConfig
-        from serve_eval.speculative.metrics import SpecStats
-        from serve_eval.speculative.policy import SpecPolicyConfig
+        from draftsmith.serve_eval.engine import LLM, SamplingParams
+        from draftsmith.serve_eval.speculative.config import SpecConfig
+        from draftsmith.serve_eval.speculative.metrics import SpecStats
+        from draftsmith.serve_eval.speculative.policy import SpecPolicyConfig
 
         # fallback off: a draft measured at low alpha must keep speculating, or there is nothing to measure
         spec = SpecConfig(method=kind, draft_path=str(draft_dir), num_speculative_tokens=args.k,

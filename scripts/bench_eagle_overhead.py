@@ -22,20 +22,20 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from serve_eval.engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
-from serve_eval.engine.model_executor import dtype_name  # noqa: E402
-from serve_eval.eval.interleave import interleave  # noqa: E402
-from serve_eval.speculative.config import SpecConfig  # noqa: E402
-from serve_eval.speculative.metrics import ms_per_token  # noqa: E402
-from serve_eval.speculative.policy import SpecPolicyConfig  # noqa: E402
+from draftsmith.serve_eval.engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
+from draftsmith.serve_eval.engine.model_executor import dtype_name  # noqa: E402
+from draftsmith.serve_eval.eval.interleave import interleave  # noqa: E402
+from draftsmith.serve_eval.speculative.config import SpecConfig  # noqa: E402
+from draftsmith.serve_eval.speculative.metrics import ms_per_token  # noqa: E402
+from draftsmith.serve_eval.speculative.policy import SpecPolicyConfig  # noqa: E402
 
 
 def find_inputs(artifacts: Path, target_arg: str | None) -> tuple[Path, dict[str, Path]]:
     """The target (--target, else the first targets/<fp>/target.json with both drafts) and its newest trained
     eagle / eagle3 drafts."""
-    from drafts.artifacts import Artifacts
-    from drafts.identity import target_fingerprint
-    from drafts.io import latest_drafts_by_kind
+    from draftsmith.drafts.artifacts import Artifacts
+    from draftsmith.drafts.identity import target_fingerprint
+    from draftsmith.drafts.io import latest_drafts_by_kind
 
     layout = Artifacts(artifacts)
     if target_arg:

@@ -23,14 +23,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from drafts.identity import target_fingerprint  # noqa: E402
-from drafts.schemas import DraftDataConfig  # noqa: E402
-from serve_eval.engine.llm_engine import EngineConfig, LLMEngine  # noqa: E402
-from serve_eval.server.app import ServerConfig, create_app  # noqa: E402
-from serve_eval.server.testing import ServerThread, build_tiny_checkpoint  # noqa: E402
-from train.distill.dataset.build import generate_dataset  # noqa: E402
-from train.distill.gendata import StoredExtras  # noqa: E402
-from train.external_gen import EndpointConfig  # noqa: E402
+from draftsmith.drafts.identity import target_fingerprint  # noqa: E402
+from draftsmith.drafts.schemas import DraftDataConfig  # noqa: E402
+from draftsmith.serve_eval.engine.llm_engine import EngineConfig, LLMEngine  # noqa: E402
+from draftsmith.serve_eval.server.app import ServerConfig, create_app  # noqa: E402
+from draftsmith.serve_eval.server.testing import ServerThread, build_tiny_checkpoint  # noqa: E402
+from draftsmith.train.distill.dataset.build import generate_dataset  # noqa: E402
+from draftsmith.train.distill.gendata import StoredExtras  # noqa: E402
+from draftsmith.train.external_gen import EndpointConfig  # noqa: E402
 
 DOMAINS = [("chat", "tell me about"), ("code", "write a function for"), ("math", "count the"),
            ("prose", "once upon a time")]

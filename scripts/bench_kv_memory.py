@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from bench_throughput import find_target, make_workload
-from serve_eval.engine import DefaultStrategy, EngineConfig, LLMEngine, SamplingParams, StepResult
+from draftsmith.serve_eval.engine import DefaultStrategy, EngineConfig, LLMEngine, SamplingParams, StepResult
 
 
 class LengthOnlyStrategy(DefaultStrategy):

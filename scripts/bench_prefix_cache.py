@@ -18,7 +18,7 @@ import torch
 
 from bench_kv_memory import LengthOnlyStrategy
 from bench_throughput import find_target
-from serve_eval.engine import EngineConfig, LLMEngine, SamplingParams
+from draftsmith.serve_eval.engine import EngineConfig, LLMEngine, SamplingParams
 
 
 def run(model_dir: Path, caching: bool, prompts: list[list[int]], system_blocks: int, args) -> dict:

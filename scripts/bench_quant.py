@@ -30,13 +30,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from drafts.artifacts import Artifacts  # noqa: E402
-from drafts.io import latest_drafts_by_kind, load_draft  # noqa: E402
-from drafts.quant import QuantConfig, weight_bytes  # noqa: E402
-from drafts.quantize_job import quantize_dir  # noqa: E402
-from kernels.quant import QuantServingLinear  # noqa: E402
-from serve_eval.engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
-from serve_eval.eval.step_cost import PLAIN, instrument, interleaved  # noqa: E402
+from draftsmith.drafts.artifacts import Artifacts  # noqa: E402
+from draftsmith.drafts.io import latest_drafts_by_kind, load_draft  # noqa: E402
+from draftsmith.drafts.quant import QuantConfig, weight_bytes  # noqa: E402
+from draftsmith.drafts.quantize_job import quantize_dir  # noqa: E402
+from draftsmith.kernels.quant import QuantServingLinear  # noqa: E402
+from draftsmith.serve_eval.engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
+from draftsmith.serve_eval.eval.step_cost import PLAIN, instrument, interleaved  # noqa: E402
 
 KINDS = ("standalone", "medusa", "eagle", "eagle3", "block")
 
@@ -73,9 +73,9 @@ def random_setup(tmp: Path) -> tuple[Path, dict[str, Path], dict[str, list]]:
     """A random target of the embedded shape and one random (untrained) draft of each kind."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from drafts.identity import target_fingerprint
-    from drafts.io import save_draft
-    from drafts.standalone import StandaloneDraft
+    from draftsmith.drafts.identity import target_fingerprint
+    from draftsmith.drafts.io import save_draft
+    from draftsmith.drafts.standalone import StandaloneDraft
     from tests.spec_helpers import feature_draft
 
     torch.manual_seed(0)
@@ -106,8 +106,8 @@ def make_variants(drafts: dict[str, Path], out: Path, group_size: int, quantize_
 
 
 def build(target: Path, name: str, draft: Path | None, k: int, kv_gb: float) -> LLMEngine:
-    from serve_eval.speculative.config import SpecConfig
-    from serve_eval.speculative.policy import SpecPolicyConfig
+    from draftsmith.serve_eval.speculative.config import SpecConfig
+    from draftsmith.serve_eval.speculative.policy import SpecPolicyConfig
 
     cfg = EngineConfig(str(target), dtype="bfloat16", kv_cache_memory_gb=kv_gb, max_num_seqs=32)
     if draft is None:
@@ -119,7 +119,7 @@ def build(target: Path, name: str, draft: Path | None, k: int, kv_gb: float) -> 
 
 def serving_linears(engine: LLMEngine) -> list:
     """The proposer's serving linears (kernels.layers Linear / kernels.quant QuantServingLinear), each once."""
-    from kernels.layers.linear import Linear
+    from draftsmith.kernels.layers.linear import Linear
 
     found: dict[int, object] = {}
     seen: set[int] = set()

@@ -115,11 +115,11 @@ def parse_args() -> argparse.Namespace:
 
 def base_context(args: argparse.Namespace) -> Any:
     """Config + the corpus, tokenizer and target stages (cached under --artifacts)."""
-    from train.artifacts import artifacts_from_config
-    from train.config import compose
-    from train.logs import init_wandb
-    from train.pipeline.build import stage_corpus, stage_target, stage_tokenizer
-    from train.pipeline.context import PipelineContext
+    from draftsmith.train.artifacts import artifacts_from_config
+    from draftsmith.train.config import compose
+    from draftsmith.train.logs import init_wandb
+    from draftsmith.train.pipeline.build import stage_corpus, stage_target, stage_tokenizer
+    from draftsmith.train.pipeline.context import PipelineContext
 
     cfg = compose([f"pipeline={args.profile}", f"artifacts_root={args.artifacts}", "wandb.mode=disabled",
                    *args.override])
@@ -134,7 +134,7 @@ def base_context(args: argparse.Namespace) -> Any:
 
 def kind_steps(ctx: Any, kind: str, steps: int) -> int:
     """--steps, or (0) the step budget the profile's pipeline gives this kind."""
-    from train.pipeline.distill import trainer_node
+    from draftsmith.train.pipeline.distill import trainer_node
 
     return steps if steps > 0 else int(trainer_node(ctx.cfg, kind).max_steps)
 
@@ -143,8 +143,8 @@ def recipe_job(ctx: Any, recipe: Recipe, steps: int) -> Any:
     """The distill job config of one recipe: the profile's kind config + the recipe, at `steps` steps."""
     from omegaconf import open_dict
 
-    from train.pipeline.distill import draft_config, merge_checked, trainer_node
-    from train.recipes import check_recipe
+    from draftsmith.train.pipeline.distill import draft_config, merge_checked, trainer_node
+    from draftsmith.train.recipes import check_recipe
 
     job = ctx.cfg.copy()
     with open_dict(job):  # as train.pipeline.distill.job_config, with the recipe merged on
@@ -158,10 +158,10 @@ def recipe_job(ctx: Any, recipe: Recipe, steps: int) -> Any:
 
 def dataset_for(ctx: Any, job: Any) -> Path:
     """The recipe's dataset: the profile's data + the recipe's data fields, covering its needs (cached)."""
-    from drafts.schemas import DraftDataConfig
-    from train.distill.run import dataset_needs
-    from train.distill.dataset.build import generate_dataset
-    from train.pipeline.distill import as_dict, draft_config, union_extras
+    from draftsmith.drafts.schemas import DraftDataConfig
+    from draftsmith.train.distill.run import dataset_needs
+    from draftsmith.train.distill.dataset.build import generate_dataset
+    from draftsmith.train.pipeline.distill import as_dict, draft_config, union_extras
 
     target = ctx.results.target
     needs = dataset_needs(job.draft.kind, job.draft, int(target.shape["num_hidden_layers"]))
@@ -174,10 +174,10 @@ def dataset_for(ctx: Any, job: Any) -> Path:
 
 
 def train_recipe(ctx: Any, recipe: Recipe, steps: int) -> Path:
-    from drafts.files import stable_hash
-    from train.distill.gendata import Manifest
-    from train.distill.run import Prepared, train_and_export
-    from train.pipeline.distill import as_dict
+    from draftsmith.drafts.files import stable_hash
+    from draftsmith.train.distill.gendata import Manifest
+    from draftsmith.train.distill.run import Prepared, train_and_export
+    from draftsmith.train.pipeline.distill import as_dict
 
     target = ctx.results.target
     job = recipe_job(ctx, recipe, steps)
@@ -191,7 +191,7 @@ def train_recipe(ctx: Any, recipe: Recipe, steps: int) -> Path:
         (out / ".complete").write_text("")
         print(f"trained {recipe.kind}:{recipe.label} ({steps} steps) in {time.perf_counter() - t0:.1f} s", flush=True)
     if recipe.kind == "eagle3":  # the reduced vocabulary's coverage of the training answers
-        from drafts.io import read_draft_meta
+        from draftsmith.drafts.io import read_draft_meta
 
         coverage = read_draft_meta(out).metrics.get("draft_vocab_coverage")
         if isinstance(coverage, float):
@@ -203,10 +203,10 @@ def evaluate(ctx: Any, drafts: dict[str, Path], args: argparse.Namespace) -> Any
     """One eval run over every recipe's draft (labels kind:label), T in {0, 1} at K = --k."""
     from omegaconf import OmegaConf
 
-    from serve_eval.eval.harness import run_eval
-    from serve_eval.eval.settings import validate
-    from serve_eval.eval.sources import collect_drafts, gather_prompts
-    from train.pipeline.distill import merge_checked
+    from draftsmith.serve_eval.eval.harness import run_eval
+    from draftsmith.serve_eval.eval.settings import validate
+    from draftsmith.serve_eval.eval.sources import collect_drafts, gather_prompts
+    from draftsmith.train.pipeline.distill import merge_checked
 
     target = ctx.results.target
     node = merge_checked(ctx.cfg.eval, ctx.cfg.pipeline.eval, "pipeline.eval")
@@ -279,7 +279,7 @@ def main() -> None:
     t0 = time.perf_counter()
     ctx = base_context(args)
     if args.k <= 0:
-        from train.pipeline.cost import largest_eval_k
+        from draftsmith.train.pipeline.cost import largest_eval_k
 
         args.k = largest_eval_k(ctx)
     kinds = [k for k in args.kinds.split(",") if k]

@@ -23,8 +23,8 @@ from typing import Any
 
 import torch
 
-from kernels.attention import AttentionMetadata
-from serve_eval.engine.model_executor import ModelExecutor, dtype_name, resolve_dtype
+from draftsmith.kernels.attention import AttentionMetadata
+from draftsmith.serve_eval.engine.model_executor import ModelExecutor, dtype_name, resolve_dtype
 
 EMBEDDED_SHAPE = dict(vocab_size=4096, hidden_size=256, intermediate_size=704, num_hidden_layers=8,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048)

@@ -22,7 +22,7 @@ from pathlib import Path
 
 
 from bench_throughput import find_target, make_workload
-from serve_eval.engine import EngineConfig, LLMEngine, SamplingParams
+from draftsmith.serve_eval.engine import EngineConfig, LLMEngine, SamplingParams
 
 
 def timed(totals: dict, name: str, fn):

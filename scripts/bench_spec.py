@@ -14,7 +14,7 @@ the repetitions, the speedup paired with the no-spec run of the same repetition.
 
 Inputs: --target DIR, else the embedded target found under artifacts/ (target-cache/*/ or
 targets/<fp>/target.json), else a small untrained Llama. Drafts: the newest of each kind under
-artifacts/targets/<fp>/drafts/ when present, else untrained drafts built from drafts/*. Prompts:
+artifacts/targets/<fp>/drafts/ when present, else untrained drafts built from draftsmith/drafts/*. Prompts:
 the eval split of the corpus under artifacts/corpus/*/ (per domain) when present, else synthetic
 token prompts (domain "synthetic"). The table says which of these it used.
 
@@ -39,12 +39,12 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from serve_eval.engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
-from serve_eval.engine.model_executor import dtype_name, resolve_dtype  # noqa: E402
-from serve_eval.eval.interleave import interleave, rotation  # noqa: E402
-from serve_eval.speculative.batch_gate import BatchGateConfig  # noqa: E402
-from serve_eval.speculative.config import SpecConfig  # noqa: E402
-from serve_eval.speculative.metrics import SpecStats, ms_per_token, speedup  # noqa: E402
+from draftsmith.serve_eval.engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
+from draftsmith.serve_eval.engine.model_executor import dtype_name, resolve_dtype  # noqa: E402
+from draftsmith.serve_eval.eval.interleave import interleave, rotation  # noqa: E402
+from draftsmith.serve_eval.speculative.batch_gate import BatchGateConfig  # noqa: E402
+from draftsmith.serve_eval.speculative.config import SpecConfig  # noqa: E402
+from draftsmith.serve_eval.speculative.metrics import SpecStats, ms_per_token, speedup  # noqa: E402
 
 METHODS = ("nospec", "ngram", "standalone", "medusa", "eagle", "eagle3", "block", "hf-assisted")
 SECTIONS = ("batch1", "batch", "trees")
@@ -76,9 +76,9 @@ def untrained_target(root: Path) -> Path:
 
 def find_drafts(artifacts: Path, target: Path, root: Path) -> tuple[dict[str, Path], str]:
     """Trained drafts for this target when present, untrained ones for the rest."""
-    from drafts.artifacts import Artifacts
-    from drafts.identity import target_fingerprint
-    from drafts.io import latest_drafts_by_kind
+    from draftsmith.drafts.artifacts import Artifacts
+    from draftsmith.drafts.identity import target_fingerprint
+    from draftsmith.drafts.io import latest_drafts_by_kind
 
     fp = target_fingerprint(target)
     found = latest_drafts_by_kind(Artifacts(artifacts), fp)
@@ -91,8 +91,8 @@ def find_drafts(artifacts: Path, target: Path, root: Path) -> tuple[dict[str, Pa
 
 
 def untrained_draft(kind: str, target: Path, fp: str, root: Path) -> Path:
-    from kernels.layers.config import hf_config_dict
-    from drafts.io import save_draft
+    from draftsmith.kernels.layers.config import hf_config_dict
+    from draftsmith.drafts.io import save_draft
 
     torch.manual_seed(1)
     out = root / f"draft_{kind}"
@@ -109,7 +109,7 @@ def untrained_draft(kind: str, target: Path, fp: str, root: Path) -> Path:
     import importlib
 
     cls = {"medusa": "MedusaDraft", "eagle": "EagleDraft", "eagle3": "Eagle3Draft"}[kind]
-    module = importlib.import_module(f"drafts.{kind}")
+    module = importlib.import_module(f"draftsmith.drafts.{kind}")
     save_draft(getattr(module, cls).from_target_config(target), out, kind, fp)
     return out
 
@@ -146,7 +146,7 @@ def engine_for(args, target: Path, method: str, drafts: dict[str, Path], fallbac
     cfg = engine_config(args, target)
     if method == "nospec":
         return LLMEngine(cfg)
-    from serve_eval.speculative.policy import SpecPolicyConfig
+    from draftsmith.serve_eval.speculative.policy import SpecPolicyConfig
 
     spec = SpecConfig(method, draft_path=None if method == "ngram" else str(drafts[method]),
                       num_speculative_tokens=args.k, policy=SpecPolicyConfig(fallback=fallback), batch_gate=batch_gate,

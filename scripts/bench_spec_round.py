@@ -29,10 +29,10 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from serve_eval.engine import LLMEngine  # noqa: E402
-from serve_eval.engine.model_executor import dtype_name  # noqa: E402
-from serve_eval.eval import step_cost  # noqa: E402
-from serve_eval.eval.step_cost import COMPONENTS, weights_read  # noqa: E402
+from draftsmith.serve_eval.engine import LLMEngine  # noqa: E402
+from draftsmith.serve_eval.engine.model_executor import dtype_name  # noqa: E402
+from draftsmith.serve_eval.eval import step_cost  # noqa: E402
+from draftsmith.serve_eval.eval.step_cost import COMPONENTS, weights_read  # noqa: E402
 
 # eagle-tree: the dynamic tree sized by the cost model (tree_budget="cost", <= 16 nodes); eagle-tree-fixed: EAGLE-2's
 # raw-confidence tree of exactly 16 nodes (top-k 4), the shape the cost model replaced.
@@ -61,25 +61,25 @@ def random_draft(kind: str, target: Path, root: Path) -> Path:
     """An untrained draft of `kind` for target (standalone: 1 layer of the target's width)."""
     import importlib
 
-    from drafts.identity import target_fingerprint
-    from drafts.io import save_draft
+    from draftsmith.drafts.identity import target_fingerprint
+    from draftsmith.drafts.io import save_draft
 
     torch.manual_seed(1)
     if kind == "standalone":
-        from drafts.standalone import StandaloneConfig, StandaloneDraft
+        from draftsmith.drafts.standalone import StandaloneConfig, StandaloneDraft
 
         draft = StandaloneDraft(StandaloneConfig.from_target_config(target, num_layers=1))
     else:
         cls = {"medusa": "MedusaDraft", "eagle": "EagleDraft", "eagle3": "Eagle3Draft"}[kind]
-        draft = getattr(importlib.import_module(f"drafts.{kind}"), cls).from_target_config(target)
+        draft = getattr(importlib.import_module(f"draftsmith.drafts.{kind}"), cls).from_target_config(target)
     save_draft(draft, root / f"draft_{kind}", kind, target_fingerprint(target))
     return root / f"draft_{kind}"
 
 
 def trained_drafts(artifacts: Path, target: Path) -> dict[str, Path]:
-    from drafts.artifacts import Artifacts
-    from drafts.identity import target_fingerprint
-    from drafts.io import latest_drafts_by_kind
+    from draftsmith.drafts.artifacts import Artifacts
+    from draftsmith.drafts.identity import target_fingerprint
+    from draftsmith.drafts.io import latest_drafts_by_kind
 
     return latest_drafts_by_kind(Artifacts(artifacts), target_fingerprint(target))
 

@@ -49,7 +49,7 @@ def make_workload(n: int, prompt_range: tuple[int, int], output_range: tuple[int
 
 
 def run_ours(model_dir: Path, prompts, outputs, dtype: str, max_num_seqs: int, num_threads: int | str = "auto"):
-    from serve_eval.engine import LLM, SamplingParams
+    from draftsmith.serve_eval.engine import LLM, SamplingParams
 
     llm = LLM(model_dir, dtype=dtype, kv_cache_memory_gb=0.5, max_num_seqs=max_num_seqs,
               max_num_batched_tokens=2048, prefill_chunk_size=512, num_threads=num_threads)

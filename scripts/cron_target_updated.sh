@@ -36,7 +36,7 @@ if [[ -z "$baseline" ]]; then
 fi
 
 echo "$(stamp) target $TARGET_DIR changed: $baseline -> $current"
-"$PYTHON" -m train.cli hook target-updated "target.path=$TARGET_DIR" "baseline=$baseline" \
+"$PYTHON" -m draftsmith.train.cli hook target-updated "target.path=$TARGET_DIR" "baseline=$baseline" \
   "registry=$DRAFTSMITH_REGISTRY" "lock_timeout=${LOCK_TIMEOUT:-3600}" "$@"
 code=$?
 case $code in

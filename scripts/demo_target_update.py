@@ -6,7 +6,7 @@
 1. the embedded target (``--target DIR`` for another) and its promoted drafts in the registry; when the
    registry has none of a kind, one is distilled here with a bounded recipe (``--steps`` on
    ``--max-prompts`` prompts answered by the target), evaluated and registered as promoted;
-2. a target update: ``train.finetune`` on ``--domain`` (cached by base fingerprint + settings);
+2. a target update: ``draftsmith.train.finetune`` on ``--domain`` (cached by base fingerprint + settings);
 3. the hook, as a pipeline would call it: ``draftsmith hook target-updated target.path=NEW baseline=OLD``
    with the real eval harness, data regeneration and warm-started distillation (``--hook-steps``);
 4. the baseline the hook is measured against, in the same run: a from-scratch distillation of the
@@ -41,10 +41,10 @@ from typing import Any
 sys.path.insert(0, os.fspath(Path(__file__).resolve().parents[1]))   # run as a script from any directory
 sys.path.insert(0, os.fspath(Path(__file__).resolve().parent))      # its summary module, beside it
 
-from drafts.artifacts import Artifacts  # noqa: E402
-from train.hook import decision as rules  # noqa: E402
-from train.finetune import FinetuneConfig, FinetuneResult  # noqa: E402
-from train.target import TARGET_META_FILE  # noqa: E402
+from draftsmith.drafts.artifacts import Artifacts  # noqa: E402
+from draftsmith.train.hook import decision as rules  # noqa: E402
+from draftsmith.train.finetune import FinetuneConfig, FinetuneResult  # noqa: E402
+from draftsmith.train.target import TARGET_META_FILE  # noqa: E402
 from demo_target_update_summary import over_seeds, recovered_share, render, render_over_seeds, summarize  # noqa: E402,F401
 
 DEMO_DIR = "demo-target-update"
@@ -77,7 +77,7 @@ class DemoConfig:
     out: str | None = None                # None: <artifacts>/demo-target-update/<stamp>
 
     def validate(self) -> None:
-        from drafts.kinds import KINDS
+        from draftsmith.drafts.kinds import KINDS
 
         bad = [k for k in self.kinds if k not in KINDS]
         if bad or not self.kinds:
@@ -114,10 +114,10 @@ def say(message: str) -> None:
 
 def demo_target(cfg: DemoConfig, overrides: list[str]) -> tuple[Path, Any]:
     """(target dir, corpus): ``--target`` as given, else the embedded one through the pipeline's caches."""
-    from train.artifacts import artifacts_from_config
-    from train.config import compose
-    from train.corpus import build_corpus
-    from train.distill.dataset.job import ensure_target
+    from draftsmith.train.artifacts import artifacts_from_config
+    from draftsmith.train.config import compose
+    from draftsmith.train.corpus import build_corpus
+    from draftsmith.train.distill.dataset.job import ensure_target
 
     job = compose([o for o in overrides if not o.startswith(("draft.", "++train.", "eval."))]
                   + ([f"target.path={cfg.target}"] if cfg.target else []))
@@ -129,8 +129,8 @@ def demo_target(cfg: DemoConfig, overrides: list[str]) -> tuple[Path, Any]:
 
 
 def evaluate(target_dir: Path, drafts: dict[str, Path], overrides: list[str], domains: list[str] | None = None):
-    from serve_eval.eval.harness import evaluate as harness_evaluate
-    from train.hook.state import DEFAULT_PROFILE
+    from draftsmith.serve_eval.eval.harness import evaluate as harness_evaluate
+    from draftsmith.train.hook.state import DEFAULT_PROFILE
 
     return harness_evaluate(target_dir=target_dir, drafts=drafts, domains=domains or [], profile=DEFAULT_PROFILE,
                             overrides=overrides)
@@ -138,10 +138,10 @@ def evaluate(target_dir: Path, drafts: dict[str, Path], overrides: list[str], do
 
 def ensure_drafts(cfg: DemoConfig, registry: Any, target_dir: Path, overrides: list[str], work: Path) -> dict[str, Any]:
     """Promoted drafts of the target per kind; the missing kinds are distilled, evaluated and promoted here."""
-    from serve_eval.eval.report_files import write_report
-    from train.hook import jobs as hook_jobs
-    from train.hook.collaborators import ConfiguredLineage
-    from train.registry.records import RegisteredTarget
+    from draftsmith.serve_eval.eval.report_files import write_report
+    from draftsmith.train.hook import jobs as hook_jobs
+    from draftsmith.train.hook.collaborators import ConfiguredLineage
+    from draftsmith.train.registry.records import RegisteredTarget
 
     info = RegisteredTarget.from_dir(target_dir)
     have = {e.kind: e for e in registry.promoted(info.fingerprint)}
@@ -177,8 +177,8 @@ def ensure_drafts(cfg: DemoConfig, registry: Any, target_dir: Path, overrides: l
 
 def _initial_data(target_dir: Path, home: Path, overrides: list[str]) -> Path:
     """All domains answered by the target; the dir is keyed by the prompts and settings, so a rerun reuses it."""
-    from train.hook import jobs as hook_jobs
-    from drafts.files import stable_hash
+    from draftsmith.train.hook import jobs as hook_jobs
+    from draftsmith.drafts.files import stable_hash
 
     plan = {d: 1.0 for d in _corpus_domains(target_dir, overrides)}
     key = stable_hash({"plan": plan, "overrides": sorted(o for o in overrides if o.startswith("draft."))})
@@ -187,9 +187,9 @@ def _initial_data(target_dir: Path, home: Path, overrides: list[str]) -> Path:
 
 
 def _corpus_domains(target_dir: Path, overrides: list[str]) -> list[str]:
-    from train.artifacts import artifacts_from_config
-    from train.corpus import build_corpus
-    from train.hook.jobs import _REGENERATE_KEYS, compose_for
+    from draftsmith.train.artifacts import artifacts_from_config
+    from draftsmith.train.corpus import build_corpus
+    from draftsmith.train.hook.jobs import _REGENERATE_KEYS, compose_for
 
     job = compose_for(target_dir, overrides, ["draft=standalone"], owned=_REGENERATE_KEYS)
     corpus, _ = build_corpus(job, artifacts_from_config(job))
@@ -198,10 +198,10 @@ def _corpus_domains(target_dir: Path, overrides: list[str]) -> list[str]:
 
 def update_target(cfg: DemoConfig, base_dir: Path, corpus_dir: Path) -> tuple[Path, FinetuneResult | None]:
     """The fine-tuned target, cached under target-cache/ by base fingerprint + settings."""
-    from drafts.identity import target_fingerprint
-    from drafts.artifacts import Artifacts
-    from drafts.files import is_complete, stable_hash
-    from train.finetune import finetune_from_corpus
+    from draftsmith.drafts.identity import target_fingerprint
+    from draftsmith.drafts.artifacts import Artifacts
+    from draftsmith.drafts.files import is_complete, stable_hash
+    from draftsmith.train.finetune import finetune_from_corpus
 
     key = stable_hash({"base": target_fingerprint(base_dir), "finetune": asdict(cfg.finetune), "corpus": str(corpus_dir)})
     new_dir = Artifacts(Path(cfg.artifacts_root).resolve()).target_cache_dir(f"update-{key}")
@@ -213,7 +213,7 @@ def update_target(cfg: DemoConfig, base_dir: Path, corpus_dir: Path) -> tuple[Pa
 
 
 def run_hook(cfg: DemoConfig, new_dir: Path, old_dir: Path, overrides: list[str], work: Path) -> tuple[int, dict, float]:
-    from train.hook import cli as hook_cli
+    from draftsmith.train.hook import cli as hook_cli
 
     argv = ["target-updated", f"target.path={new_dir}", f"baseline={old_dir}", f"registry={_registry_root(cfg)}",
             f"hook.threshold={cfg.threshold}", f"hook.record={work / 'decision.json'}",
@@ -232,7 +232,7 @@ def scratch_baseline(cfg: DemoConfig, kinds: list[str], new_dir: Path, domains: 
                      work: Path) -> dict[str, Any]:
     """The same kinds distilled from scratch on the new target with the original recipe; timed like the hook,
     through an evaluated draft (the hook's wall time includes evaluating its candidates)."""
-    from train.hook import jobs as hook_jobs
+    from draftsmith.train.hook import jobs as hook_jobs
 
     start = time.perf_counter()
     data = hook_jobs.regenerate(target_dir=new_dir, plan={d: 1.0 for d in domains}, out_dir=work / "scratch-data",
@@ -244,7 +244,7 @@ def scratch_baseline(cfg: DemoConfig, kinds: list[str], new_dir: Path, domains: 
     distilled = time.perf_counter()
     report = evaluate(new_dir, drafts, overrides, domains)
     evaluated = time.perf_counter()
-    from serve_eval.eval.report_files import write_report
+    from draftsmith.serve_eval.eval.report_files import write_report
     report_path = write_report(report, work / "reports" / "scratch", plots=False).json
     return {"wall_s": evaluated - start, "regenerate_s": regenerated - start, "distill_s": distilled - regenerated,
             "evaluate_s": evaluated - distilled, "report": str(report_path),
@@ -259,7 +259,7 @@ def _registry_root(cfg: DemoConfig) -> Path:
 
 def run_demo(cfg: DemoConfig, extra: list[str] | None = None) -> dict[str, Any]:
     """The whole demonstration; returns the summary (also written to the work dir)."""
-    from train.registry.store import Registry
+    from draftsmith.train.registry.store import Registry
 
     cfg.validate()
     stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S")
@@ -301,7 +301,7 @@ def run_demo(cfg: DemoConfig, extra: list[str] | None = None) -> dict[str, Any]:
 
 def _lineage_text(registry: Any, record: dict) -> str:
     """The last candidate's lineage as `draftsmith drafts show` prints it (W&B offline by default)."""
-    from train.registry.cli import lineage_lines
+    from draftsmith.train.registry.cli import lineage_lines
 
     ids = [d["candidate"]["id"] for d in record.get("drafts", []) if (d.get("candidate") or {}).get("id")]
     return "".join(f"\n\nLineage of {i}:\n" + "\n".join(lineage_lines(registry.get(i))) for i in ids)
@@ -328,7 +328,7 @@ def run_seeds(cfg: DemoConfig, extra: list[str] | None = None) -> dict[str, Any]
 
 
 def parse_args(argv: list[str]) -> tuple[DemoConfig, list[str]]:
-    from train.registry.cli import split_key_values
+    from draftsmith.train.registry.cli import split_key_values
 
     pairs, rest = split_key_values(argv)
     p = argparse.ArgumentParser(prog="scripts/demo_target_update.sh", description=__doc__.split("\n\n")[0])

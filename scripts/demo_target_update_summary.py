@@ -27,7 +27,7 @@ _DRAWS = 4000
 def report_cells(report_path: str | Path | None, method: str) -> dict[str, tuple[float, list[float] | None]]:
     """domain -> (alpha, 95% interval or None) of ``method`` in an eval report; a domain measured at
     several (K, T) points gets their mean alpha and no interval (intervals do not average)."""
-    from serve_eval.eval.report import load_report
+    from draftsmith.serve_eval.eval.report import load_report
 
     if not report_path or not Path(report_path).is_file():
         return {}

@@ -27,11 +27,11 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from serve_eval.server.app import ServerConfig, create_app  # noqa: E402
-from serve_eval.server.prom import parse_text  # noqa: E402
-from serve_eval.server.run import build_speculative  # noqa: E402
-from serve_eval.server.testing import WORDS, ServerThread, build_tiny_checkpoint  # noqa: E402
-from serve_eval.speculative.metrics import percentile  # noqa: E402
+from draftsmith.serve_eval.server.app import ServerConfig, create_app  # noqa: E402
+from draftsmith.serve_eval.server.prom import parse_text  # noqa: E402
+from draftsmith.serve_eval.server.run import build_speculative  # noqa: E402
+from draftsmith.serve_eval.server.testing import WORDS, ServerThread, build_tiny_checkpoint  # noqa: E402
+from draftsmith.serve_eval.speculative.metrics import percentile  # noqa: E402
 
 INVALID = [  # (route, raw body): each must come back 400 (404 for the unknown model, as OpenAI's)
     ("completions", b'{"prompt": "hi", '),
@@ -209,7 +209,7 @@ async def drive(base_url: str, planned: list[Planned], concurrency: int, timeout
 
 
 def run(model_dir: str, args: argparse.Namespace, spec: str | None) -> dict:
-    from serve_eval.engine.llm_engine import EngineConfig, LLMEngine
+    from draftsmith.serve_eval.engine.llm_engine import EngineConfig, LLMEngine
     speculative = build_speculative(spec)
     engine = LLMEngine(EngineConfig(model=model_dir, num_gpu_blocks=args.num_gpu_blocks,
                                     num_cpu_blocks=args.num_cpu_blocks,

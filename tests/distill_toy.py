@@ -20,7 +20,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from train.distill.objective import PositionCounts  # noqa: E402
+from draftsmith.train.distill.objective import PositionCounts  # noqa: E402
 
 VOCAB = 32
 NUM_HEADS = 2
@@ -102,9 +102,9 @@ class ToyObjective:
 
 
 def main() -> None:
-    from train.distill.launch import LauncherConfig
-    from train.distill.trainer import Trainer
-    from train.distill.trainer_config import TrainerConfig
+    from draftsmith.train.distill.launch import LauncherConfig
+    from draftsmith.train.distill.trainer import Trainer
+    from draftsmith.train.distill.trainer_config import TrainerConfig
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)

@@ -8,9 +8,9 @@ import time
 from pathlib import Path
 from typing import Any, Iterator
 
-from serve_eval.engine.llm_engine import EngineConfig, LLMEngine
-from serve_eval.server.app import ServerConfig, create_app
-from serve_eval.server.testing import ServerThread, build_tiny_checkpoint
+from draftsmith.serve_eval.engine.llm_engine import EngineConfig, LLMEngine
+from draftsmith.serve_eval.server.app import ServerConfig, create_app
+from draftsmith.serve_eval.server.testing import ServerThread, build_tiny_checkpoint
 
 ENGINE_KWARGS = dict(num_gpu_blocks=96, num_cpu_blocks=16, block_size=16, max_model_len=128)
 

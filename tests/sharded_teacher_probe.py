@@ -25,7 +25,7 @@ def tiny_target(family: str) -> torch.nn.Module:
 
 
 def main() -> None:
-    from train.distill.objectives.teacher import Teacher
+    from draftsmith.train.distill.objectives.teacher import Teacher
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)

@@ -9,9 +9,9 @@ from types import SimpleNamespace
 
 import torch
 
-from serve_eval.engine import EngineConfig, LLMEngine, SamplingParams
-from serve_eval.speculative.proposers.base import Proposal, Proposer
-from serve_eval.speculative.tree import DraftTree
+from draftsmith.serve_eval.engine import EngineConfig, LLMEngine, SamplingParams
+from draftsmith.serve_eval.speculative.proposers.base import Proposal, Proposer
+from draftsmith.serve_eval.speculative.tree import DraftTree
 from tiny_models import save_tiny_model
 
 VOCAB = 128
@@ -29,16 +29,16 @@ def make_llama(path: Path, vocab: int = VOCAB, hidden: int = 64, layers: int = 2
 def feature_draft(kind: str, target_dir: Path, out_dir: Path, seed: int = 0, init=None, block_opts=None) -> Path:
     """An untrained Medusa / EAGLE / EAGLE-3 / block draft for target_dir, saved with its fingerprint.
     init: optional callable(draft module) that sets weights before saving; block_opts: BlockConfig options."""
-    from drafts.identity import target_fingerprint
-    from drafts.io import save_draft
+    from draftsmith.drafts.identity import target_fingerprint
+    from draftsmith.drafts.io import save_draft
 
-    module = importlib.import_module(f"drafts.{kind}")
+    module = importlib.import_module(f"draftsmith.drafts.{kind}")
     cls = {"medusa": module.__dict__.get("MedusaDraft"), "eagle": module.__dict__.get("EagleDraft"),
            "eagle3": module.__dict__.get("Eagle3Draft"), "block": module.__dict__.get("BlockDraft")}[kind]
     torch.manual_seed(seed)
     opts = dict(block_opts or {}) if kind == "block" else {}
     if kind in ("eagle3", "block"):  # default [2, L//2, L-3] needs L >= 5; tiny targets name distinct layers
-        from kernels.layers.config import hf_config_dict
+        from draftsmith.kernels.layers.config import hf_config_dict
 
         num_layers = int(hf_config_dict(target_dir)["num_hidden_layers"])
         opts["aux_layers"] = [1, num_layers // 2, num_layers - 1] if num_layers >= 3 else [0, 1, num_layers]
@@ -50,7 +50,7 @@ def feature_draft(kind: str, target_dir: Path, out_dir: Path, seed: int = 0, ini
 
 
 def proposer_available(method: str) -> bool:
-    from serve_eval.speculative.proposers.registry import proposer_methods
+    from draftsmith.serve_eval.speculative.proposers.registry import proposer_methods
 
     return method in proposer_methods()
 

@@ -7,8 +7,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from kernels.layers.family import SUPPORTED_MODEL_TYPES
-from serve_eval.engine.model_executor import ModelExecutor
+from draftsmith.kernels.layers.family import SUPPORTED_MODEL_TYPES
+from draftsmith.serve_eval.engine.model_executor import ModelExecutor
 from test_executor import SHAPE, TOL, run_schedule_and_compare
 from tiny_models import FAMILIES, YARN, tiny_config, tiny_model
 

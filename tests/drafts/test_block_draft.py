@@ -7,12 +7,12 @@ import json
 import pytest
 import torch
 
-from drafts.block import BlockDraft
-from drafts.export import export_draft, load_exported
-from drafts.io import load_draft
-from kernels.layers.checkpoint import load_target_embed_and_head
-from serve_eval.engine import EngineConfig, LLMEngine, SamplingParams
-from serve_eval.speculative.config import SpecConfig
+from draftsmith.drafts.block import BlockDraft
+from draftsmith.drafts.export import export_draft, load_exported
+from draftsmith.drafts.io import load_draft
+from draftsmith.kernels.layers.checkpoint import load_target_embed_and_head
+from draftsmith.serve_eval.engine import EngineConfig, LLMEngine, SamplingParams
+from draftsmith.serve_eval.speculative.config import SpecConfig
 from spec_helpers import feature_draft, make_llama, run_engine, workload
 
 ENGINE = dict(block_size=4, max_model_len=96, prefill_chunk_size=16, max_num_batched_tokens=96, num_gpu_blocks=200)
@@ -102,7 +102,7 @@ def test_one_draft_forward_per_round_whatever_k(world, k):
 
 def test_plan_prices_the_block_draft_as_one_forward_per_round():
     """`draftsmith plan`: EAGLE's draft cost grows with K (K steps), the block draft's does not (one forward)."""
-    from serve_eval.plan.estimate import DraftOptions, Hardware, TargetSpec, Workload, make_plan
+    from draftsmith.serve_eval.plan.estimate import DraftOptions, Hardware, TargetSpec, Workload, make_plan
 
     target = TargetSpec(params=8e9, num_layers=32, num_kv_heads=8, head_dim=128, hidden_size=4096, vocab_size=128256)
     rows = {k: {r.strategy: r for r in make_plan(target, Hardware(80.0, 3.35), Workload(), DraftOptions(K=k)).strategies}
@@ -114,9 +114,9 @@ def test_plan_prices_the_block_draft_as_one_forward_per_round():
 
 def test_pipeline_refuses_an_eval_k_above_the_block_before_any_stage():
     """The embedded profile plans the block draft; a block shorter than the eval's K stops the job at the checks."""
-    from train.config import compose
-    from train.pipeline.run import check_stage_configs
-    from train.pipeline.distill import planned_kinds
+    from draftsmith.train.config import compose
+    from draftsmith.train.pipeline.run import check_stage_configs
+    from draftsmith.train.pipeline.distill import planned_kinds
 
     cfg = compose([])
     assert "block" in planned_kinds(cfg)
@@ -129,7 +129,7 @@ def test_pipeline_refuses_an_eval_k_above_the_block_before_any_stage():
 def test_layers_warm_start_from_the_targets_last_layers(world):
     """init_layers_from_target copies the target's last decoder layers and final norm; a bad layer list or a
     checkpoint without a named weight is one line."""
-    from kernels.layers.checkpoint import read_state_dict
+    from draftsmith.kernels.layers.checkpoint import read_state_dict
 
     _, target, _ = world
     state = read_state_dict(target)  # a 4-layer target

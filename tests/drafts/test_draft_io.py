@@ -9,11 +9,11 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM
 
-from drafts.eagle import EagleDraft
-from drafts.eagle3 import Eagle3Draft, build_reduced_vocab
-from drafts.io import ExpectedTarget, load_draft, read_draft_meta, save_draft
-from drafts.medusa import MedusaDraft
-from drafts.standalone import StandaloneDraft
+from draftsmith.drafts.eagle import EagleDraft
+from draftsmith.drafts.eagle3 import Eagle3Draft, build_reduced_vocab
+from draftsmith.drafts.io import ExpectedTarget, load_draft, read_draft_meta, save_draft
+from draftsmith.drafts.medusa import MedusaDraft
+from draftsmith.drafts.standalone import StandaloneDraft
 from tiny_models import save_tiny_model, tiny_model
 
 V, D = 128, 64
@@ -123,7 +123,7 @@ def test_standalone_fingerprint_mismatch_warns_but_vocab_mismatch_errors(tmp_pat
 
 def test_expected_target_from_model_dir_uses_identity_fingerprint(tmp_path):
     """Passing the target's model dir computes its fingerprint via drafts.identity and checks against it."""
-    from drafts.identity import target_fingerprint
+    from draftsmith.drafts.identity import target_fingerprint
 
     save_tiny_model(tmp_path / "target", **TARGET)
     fp = target_fingerprint(tmp_path / "target")

@@ -7,12 +7,12 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from drafts.common import DenseKVCache
-from drafts.eagle import EagleDraft
-from drafts.eagle3 import Eagle3Config, Eagle3Draft, build_reduced_vocab, default_aux_layers
-from drafts.medusa import MedusaDraft
-from drafts.standalone import StandaloneConfig, StandaloneDraft, init_from_target
-from kernels.layers.config import DecoderConfig
+from draftsmith.drafts.common import DenseKVCache
+from draftsmith.drafts.eagle import EagleDraft
+from draftsmith.drafts.eagle3 import Eagle3Config, Eagle3Draft, build_reduced_vocab, default_aux_layers
+from draftsmith.drafts.medusa import MedusaDraft
+from draftsmith.drafts.standalone import StandaloneConfig, StandaloneDraft, init_from_target
+from draftsmith.kernels.layers.config import DecoderConfig
 from tiny_models import tiny_config, tiny_model
 
 V, D, L = 128, 64, 4

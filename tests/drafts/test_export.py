@@ -10,12 +10,12 @@ import torch
 from safetensors.torch import load_file
 from transformers import LlamaConfig
 
-from drafts.eagle import EagleDraft
-from drafts.eagle3 import Eagle3Draft, build_reduced_vocab
-from drafts.export import detect_format, export_draft, load_exported, main
-from drafts.io import save_draft
-from drafts.medusa import MedusaDraft
-from drafts.standalone import StandaloneDraft
+from draftsmith.drafts.eagle import EagleDraft
+from draftsmith.drafts.eagle3 import Eagle3Draft, build_reduced_vocab
+from draftsmith.drafts.export import detect_format, export_draft, load_exported, main
+from draftsmith.drafts.io import save_draft
+from draftsmith.drafts.medusa import MedusaDraft
+from draftsmith.drafts.standalone import StandaloneDraft
 
 V, D = 128, 64
 TARGET = dict(hidden_size=D, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2, vocab_size=V)
@@ -97,7 +97,7 @@ VLLM_EAGLE_WEIGHTS = {"embed_tokens.weight", "fc.weight"} | {
 
 
 def eagle1(target_dir, fc_bias=False) -> EagleDraft:
-    from kernels.layers.checkpoint import load_target_embed_and_head
+    from draftsmith.kernels.layers.checkpoint import load_target_embed_and_head
 
     torch.manual_seed(2)
     draft = EagleDraft.from_target_config(TARGET, fc_bias=fc_bias).eval()
@@ -184,7 +184,7 @@ def test_medusa_layout_and_reload(shared, tmp_path):
 
 
 def test_standalone_hf_export_and_cli(tmp_path):
-    """`python -m drafts.export src=... format=hf out=...` (Hydra-style args) writes a plain HF dir that
+    """`python -m draftsmith.drafts.export src=... format=hf out=...` (Hydra-style args) writes a plain HF dir that
     reloads identically; a format that does not take the draft's kind is refused naming both."""
     torch.manual_seed(4)
     draft = StandaloneDraft.from_target_config(TARGET, num_layers=1).eval()

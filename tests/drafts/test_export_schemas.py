@@ -14,9 +14,9 @@ import pytest
 import torch
 from transformers import LlamaConfig
 
-from drafts.eagle3 import Eagle3Draft, build_reduced_vocab
-from drafts.export import FORMATS, export_draft
-from drafts.io import save_draft
+from draftsmith.drafts.eagle3 import Eagle3Draft, build_reduced_vocab
+from draftsmith.drafts.export import FORMATS, export_draft
+from draftsmith.drafts.io import save_draft
 
 # speculators 0.9 refuses any other speculators_model_type ("model type `eagle` is not among ...").
 SPECULATORS_MODEL_TYPES = {"dflash", "dflash2", "dspark", "eagle3", "mtp", "peagle", "xpress"}
@@ -140,7 +140,7 @@ LLAMA_LAYER_FIELDS = ("model_type", "num_hidden_layers", "vocab_size", "hidden_s
                       "num_key_value_heads", "head_dim", "intermediate_size", "rms_norm_eps", "rope_theta", "rope_scaling",
                       "attention_bias", "mlp_bias", "hidden_act", "max_position_embeddings", "tie_word_embeddings",
                       "torch_dtype")
-# drafts/export_block.py's docstring: the fields speculators documents for DFlash
+# draftsmith/drafts/export_block.py's docstring: the fields speculators documents for DFlash
 DFLASH_FIELDS = ("architectures", "speculators_model_type", "speculators_version", "block_size",
                  "aux_hidden_state_layer_ids", "target_hidden_size", "draft_vocab_size", "num_hidden_layers",
                  "mask_token_id", "transformer_layer_config", "speculators_config")
@@ -202,8 +202,8 @@ def test_sglang_eagle3_layout_for_qwen3_targets(tmp_path: Path, target):
     """A draft for a Qwen3 (dense or MoE) target exports in SpecForge's Qwen3 layout: LlamaForCausalLMEagle3,
     model_type llama, every SpecForge key present, head_dim the target's, aux layers named, and it reads back
     into the same module (bit-equal weights)."""
-    from drafts.export import load_exported
-    from drafts.io import load_draft
+    from draftsmith.drafts.export import load_exported
+    from draftsmith.drafts.io import load_draft
 
     src = _eagle3_dir(tmp_path, target)
     out = export_draft(src, "sglang", tmp_path / "sg", verifier=str(tmp_path / "target"))
@@ -233,7 +233,7 @@ def test_verifier_architecture_given_or_read(tmp_path: Path):
 
 def test_dflash_fields_are_explicit(tmp_path: Path):
     """The block draft's speculators (DFlash) export writes each documented field and a full layer config."""
-    from drafts.block import BlockDraft
+    from draftsmith.drafts.block import BlockDraft
 
     torch.manual_seed(3)
     save_draft(BlockDraft.from_target_config(QWEN3, block_size=4), tmp_path / "block")

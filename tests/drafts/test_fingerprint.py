@@ -1,4 +1,4 @@
-"""drafts.identity.target_fingerprint: the key the registry files drafts under.
+"""draftsmith.drafts.identity.target_fingerprint: the key the registry files drafts under.
 
 Stable across save -> load -> save and resharding (it names the model, not the file); changed by any
 single weight element or any computation-relevant config value.
@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 from transformers import LlamaForCausalLM
 
-from drafts.identity import target_fingerprint
+from draftsmith.drafts.identity import target_fingerprint
 
 
 @pytest.fixture(scope="module")

@@ -1,12 +1,12 @@
-"""drafts.io.latest_drafts_by_kind: the newest draft of each kind, quantized copies only on request."""
+"""draftsmith.drafts.io.latest_drafts_by_kind: the newest draft of each kind, quantized copies only on request."""
 from __future__ import annotations
 
 import json
 import os
 
-from drafts.artifacts import Artifacts
-from drafts.io import latest_drafts_by_kind
-from drafts.quant import QUANT_FILE
+from draftsmith.drafts.artifacts import Artifacts
+from draftsmith.drafts.io import latest_drafts_by_kind
+from draftsmith.drafts.quant import QUANT_FILE
 
 
 def _draft(home, name: str, kind: str, mtime: int, quantized: bool = False):

@@ -13,7 +13,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kernels.attention import AttentionMetadata, attention, get_attention_backend, select_backend, write_kv
+from draftsmith.kernels.attention import AttentionMetadata, attention, get_attention_backend, select_backend, write_kv
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -93,7 +93,7 @@ def test_torch_paged_pure_decode_batch_path():
 def test_torch_paged_batches_verify_blocks(dtype, tol):
     """Short causal blocks after a prefix (a chain's K+1 verify rows) are served together, bucketed by
     their length with decode rows beside them; a long block (a prefill chunk) still goes through SDPA."""
-    from kernels.attention import torch_paged
+    from draftsmith.kernels.attention import torch_paged
 
     long_block = torch_paged.MAX_BATCHED_QUERY_ROWS + 1
     specs = [(5, 12), (5, 40), (1, 9), (5, 6), (3, 20), (long_block, long_block + 4), (5, 5)]
@@ -180,8 +180,8 @@ import os, sys, json
 os.environ["TRITON_INTERPRET"] = "1"
 sys.path[:0] = __TESTS__   # the test folders, as tests/conftest.py puts them
 import torch
-from kernels.attention.triton_paged import paged_attention as triton_attention
-from kernels.attention import attention
+from draftsmith.kernels.attention.triton_paged import paged_attention as triton_attention
+from draftsmith.kernels.attention import attention
 from test_attention_kernels import make_case, _random_tree_mask
 diffs = []
 cases = [
@@ -199,7 +199,7 @@ diffs.append((triton_attention(q, kc, vc, meta, 0.25) - attention(q, kc, vc, met
 # End to end: the executor on the triton backend gives the torch backend's logits over mixed steps.
 from test_executor import SHAPE, PagedRunner
 from tiny_models import tiny_model
-from serve_eval.engine.model_executor import ModelExecutor
+from draftsmith.serve_eval.engine.model_executor import ModelExecutor
 model = tiny_model(shape=SHAPE)
 runners = [PagedRunner(ModelExecutor.from_hf_model(model, attn_backend=b)) for b in ("torch", "triton")]
 worst = 0.0

@@ -3,7 +3,7 @@
 import torch
 from hypothesis import given, settings, strategies as st
 
-from kernels.attention import LIST_METADATA_MAX_TOKENS, AttentionMetadata
+from draftsmith.kernels.attention import LIST_METADATA_MAX_TOKENS, AttentionMetadata
 
 BLOCK_SIZE = 4
 

@@ -8,12 +8,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from drafts.common import causal_attn_fn
-from kernels.layers.causal_lm import CausalLM, LMShape
-from kernels.layers.config import DecoderConfig
-from kernels.layers.decoder import DecoderLayer
-from kernels.layers.linear import Linear
-from kernels.layers.rope import RotaryEmbedding
+from draftsmith.drafts.common import causal_attn_fn
+from draftsmith.kernels.layers.causal_lm import CausalLM, LMShape
+from draftsmith.kernels.layers.config import DecoderConfig
+from draftsmith.kernels.layers.decoder import DecoderLayer
+from draftsmith.kernels.layers.linear import Linear
+from draftsmith.kernels.layers.rope import RotaryEmbedding
 
 DECODER = DecoderConfig(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8, intermediate_size=48)
 

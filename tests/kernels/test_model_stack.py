@@ -11,20 +11,20 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM
 
-from drafts.block import BlockDraft
-from drafts.common import causal_attn_fn
-from drafts.eagle import EagleDraft
-from drafts.eagle3 import Eagle3Draft
-from drafts.identity import target_fingerprint
-from drafts.io import save_draft
-from drafts.kinds import KIND_NAMES
-from drafts.medusa import MedusaDraft
-from drafts.standalone import StandaloneDraft
-from kernels.layers.causal_lm import CausalLM
-from kernels.layers.checkpoint import load_target_embed_and_head
-from serve_eval.engine import EngineConfig, LLMEngine, SamplingParams
-from serve_eval.engine.model_executor import ModelExecutor
-from serve_eval.speculative.config import SpecConfig
+from draftsmith.drafts.block import BlockDraft
+from draftsmith.drafts.common import causal_attn_fn
+from draftsmith.drafts.eagle import EagleDraft
+from draftsmith.drafts.eagle3 import Eagle3Draft
+from draftsmith.drafts.identity import target_fingerprint
+from draftsmith.drafts.io import save_draft
+from draftsmith.drafts.kinds import KIND_NAMES
+from draftsmith.drafts.medusa import MedusaDraft
+from draftsmith.drafts.standalone import StandaloneDraft
+from draftsmith.kernels.layers.causal_lm import CausalLM
+from draftsmith.kernels.layers.checkpoint import load_target_embed_and_head
+from draftsmith.serve_eval.engine import EngineConfig, LLMEngine, SamplingParams
+from draftsmith.serve_eval.engine.model_executor import ModelExecutor
+from draftsmith.serve_eval.speculative.config import SpecConfig
 from spec_helpers import feature_draft, greedy_reference, run_engine, workload
 
 V, D, L = 128, 64, 4

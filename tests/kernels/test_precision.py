@@ -4,7 +4,7 @@ import logging
 
 import pytest
 
-from kernels import precision
+from draftsmith.kernels import precision
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""kernels.row_ops: the fast row reductions return exactly what torch's do."""
+"""draftsmith.kernels.row_ops: the fast row reductions return exactly what torch's do."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kernels.row_ops import argmax_rows, topk_rows
+from draftsmith.kernels.row_ops import argmax_rows, topk_rows
 
 
 @settings(max_examples=60, deadline=None)

@@ -1,4 +1,4 @@
-"""kernels.sampling: logits -> probs transforms (against a naive per-row reference) and sampling."""
+"""draftsmith.kernels.sampling: logits -> probs transforms (against a naive per-row reference) and sampling."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from scipy.stats import chisquare
 
-from kernels.sampling import logits_to_probs, sample, sample_logits, uniforms
+from draftsmith.kernels.sampling import logits_to_probs, sample, sample_logits, uniforms
 
 
 def reference_probs(logits: list[float], temperature: float, top_k: int, top_p: float) -> list[float] | None:
@@ -125,7 +125,7 @@ def test_sample_at_the_top_of_the_cdf_stays_on_the_support(monkeypatch):
     """A draw at the very top of the CDF (forced here with u = 1; a parallel cumsum's rounding can land
     there) takes the row's last positive entry, never a zero-probability tail token nor an index past the
     vocabulary; an empty batch gives no tokens."""
-    import kernels.sampling as sampling
+    import draftsmith.kernels.sampling as sampling
 
     monkeypatch.setattr(sampling, "uniforms", lambda counts, rows, *a, **k: torch.ones(rows, 1, dtype=torch.float64))
     probs = torch.tensor([[0.25, 0.75, 0.0, 0.0], [0.1, 0.0, 0.9, 0.0], [0.0, 0.0, 0.0, 1.0]])
@@ -227,7 +227,7 @@ def test_values_that_pass_the_check_never_fail_in_the_kernels(temperature, top_p
     """Property: whatever check_sampling_values accepts, logits_to_probs and sample take without
     raising and turn into finite probabilities (float64 values that break only in float32, such as
     temperature 1e39 or top_p 1e-50, are refused by the check, not by the batch)."""
-    from kernels.sampling import check_sampling_values
+    from draftsmith.kernels.sampling import check_sampling_values
     try:
         check_sampling_values(temperature, top_k, top_p, seed)
     except ValueError as exc:

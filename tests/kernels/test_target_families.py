@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.layers.family import layer_variants
-from serve_eval.engine.model_executor import ModelExecutor
+from draftsmith.kernels.layers.family import layer_variants
+from draftsmith.serve_eval.engine.model_executor import ModelExecutor
 from test_executor import SCHEDULE, SHAPE, TOL, run_schedule_and_compare
 from tiny_models import MOE, WINDOW, tiny_model
 
@@ -64,7 +64,7 @@ def test_variants_follow_the_config():
 @pytest.mark.parametrize("name", ["qwen3", "qwen3_moe", "mistral-window"])
 def test_greedy_generate_equals_transformers(tmp_path, name):
     """LLM.generate (paged cache, chunked prefill, batch of 2) == transformers' greedy generate, token for token."""
-    from serve_eval.engine import LLM, SamplingParams
+    from draftsmith.serve_eval.engine import LLM, SamplingParams
 
     kind, extra = FAMILIES[name]
     model = tiny_model(kind, shape=SHAPE, **extra)

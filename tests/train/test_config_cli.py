@@ -10,15 +10,15 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from train import cli
-from train.config import OPEN_GROUPS, check_open_groups, compose
+from draftsmith.train import cli
+from draftsmith.train.config import OPEN_GROUPS, check_open_groups, compose
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 def run_cli(*args: str, timeout: int = 240) -> subprocess.CompletedProcess:
     env = {**os.environ, "DRAFTSMITH_NO_PROGRESS": "1", "HYDRA_FULL_ERROR": "0"}
-    return subprocess.run([sys.executable, "-m", "train.cli", *args], cwd=REPO, env=env,
+    return subprocess.run([sys.executable, "-m", "draftsmith.train.cli", *args], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=timeout)
 
 
@@ -85,9 +85,9 @@ def test_missing_job_module_says_not_available(monkeypatch):
 
 
 def test_python_m_entry_and_cfg_print():
-    """`python -m train.pipeline --cfg job` composes and prints the config without running stages."""
+    """`python -m draftsmith.train.pipeline --cfg job` composes and prints the config without running stages."""
     env = {**os.environ, "DRAFTSMITH_NO_PROGRESS": "1"}
-    proc = subprocess.run([sys.executable, "-m", "train.pipeline", "--cfg", "job", "pipeline=smoke"], cwd=REPO,
+    proc = subprocess.run([sys.executable, "-m", "draftsmith.train.pipeline", "--cfg", "job", "pipeline=smoke"], cwd=REPO,
                           env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "name: tiny" in proc.stdout and "stage=" not in proc.stdout

@@ -11,9 +11,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from omegaconf import OmegaConf
 
-from drafts.artifacts import Artifacts
-from train.config import DataConfig
-from train.corpus import SYSTEM_PROMPT, build_corpus, build_embedded_records, math_problem, render_chat, split_records
+from draftsmith.drafts.artifacts import Artifacts
+from draftsmith.train.config import DataConfig
+from draftsmith.train.corpus import SYSTEM_PROMPT, build_corpus, build_embedded_records, math_problem, render_chat, split_records
 
 DOMAINS = ("code", "prose", "math", "chat")
 
@@ -136,7 +136,7 @@ def test_data_path_reads_a_user_file(tmp_path):
 
 def test_failed_cache_build_leaves_nothing_behind(tmp_path):
     """An exception while filling a cache entry leaves neither the entry nor its temporary dir."""
-    from drafts.files import atomic_dir, is_complete
+    from draftsmith.drafts.files import atomic_dir, is_complete
 
     entry = tmp_path / "cache" / "key"
     with pytest.raises(RuntimeError):
@@ -152,7 +152,7 @@ def test_failed_cache_build_leaves_nothing_behind(tmp_path):
 def test_a_new_builder_version_builds_a_new_corpus_entry(tmp_path, monkeypatch):
     """The embedded corpus's cache key carries the builder's version: an artifacts root built by an older
     builder (e.g. prose cut at sentence ends) does not serve its stale corpus to the new code."""
-    import train.corpus as corpus_module
+    import draftsmith.train.corpus as corpus_module
 
     cfg = OmegaConf.create({"data": small_data(), "seed": 0})
     artifacts = Artifacts(tmp_path)

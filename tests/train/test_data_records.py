@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from serve_eval.eval.sources import load_prompt_records
-from drafts.artifacts import Artifacts
-from train.config import DataConfig, compose
-from train.corpus import build_corpus, load_records
+from draftsmith.serve_eval.eval.sources import load_prompt_records
+from draftsmith.drafts.artifacts import Artifacts
+from draftsmith.train.config import DataConfig, compose
+from draftsmith.train.corpus import build_corpus, load_records
 
 
 def _jsonl(path: Path, rows: list[dict | None]) -> Path:

@@ -12,12 +12,12 @@ from pathlib import Path
 import pytest
 from transformers import BertConfig
 
-from train.config import compose
-from train.corpus import load_records
-from train.pipeline.run import run
-from train.target import validate_target_dir
+from draftsmith.train.config import compose
+from draftsmith.train.corpus import load_records
+from draftsmith.train.pipeline.run import run
+from draftsmith.train.target import validate_target_dir
 from tiny_models import save_tiny_model
-from train.tokenizer import train_tokenizer
+from draftsmith.train.tokenizer import train_tokenizer
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -42,7 +42,7 @@ def test_missing_target_path():
 
 def test_missing_target_path_via_cli_is_one_line(tmp_path):
     """Through the CLI the same error is one line on stderr (no traceback) and no stage starts."""
-    proc = subprocess.run([sys.executable, "-m", "train.cli", "pipeline", "target.path=/no/such/ckpt",
+    proc = subprocess.run([sys.executable, "-m", "draftsmith.train.cli", "pipeline", "target.path=/no/such/ckpt",
                            f"artifacts_root={tmp_path}", "wandb.mode=disabled"], cwd=REPO,
                           capture_output=True, text=True, timeout=120, env={**os.environ})
     assert proc.returncode != 0
@@ -146,7 +146,7 @@ def test_bad_wandb_mode(tmp_path):
 
 def test_fingerprint_of_non_checkpoint(tmp_path):
     """Fingerprinting a dir without safetensors weights is refused, naming the dir."""
-    from drafts.identity import target_fingerprint
+    from draftsmith.drafts.identity import target_fingerprint
 
     (tmp_path / "config.json").write_text("{}")
     with pytest.raises(ValueError, match="no \\*.safetensors"):

@@ -11,11 +11,11 @@ from omegaconf import OmegaConf
 from safetensors.torch import load_file, save_file
 from transformers import LlamaForCausalLM
 
-from drafts.identity import target_fingerprint
-from train.config import DataConfig, TargetConfig
-from train.corpus import build_embedded_records
-from train.target import domain_perplexity, llama_config, pack_tokens, train_model
-from train.tokenizer import train_tokenizer
+from draftsmith.drafts.identity import target_fingerprint
+from draftsmith.train.config import DataConfig, TargetConfig
+from draftsmith.train.corpus import build_embedded_records
+from draftsmith.train.target import domain_perplexity, llama_config, pack_tokens, train_model
+from draftsmith.train.tokenizer import train_tokenizer
 
 TINY = dict(vocab_size=512, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=176,
             max_position=256, seq_len=64, batch_size=8, max_steps=40, warmup_steps=5, lr=3e-3,
@@ -109,7 +109,7 @@ def test_fingerprint_stable_across_save_load_and_sensitive_to_weights(setup, tmp
 
 def test_lr_schedule_anneals_by_step_or_time_budget():
     """The LR warms up, then reaches lr * min_lr_ratio when either the step or (if enabled) the time budget ends."""
-    from train.target import _lr_at
+    from draftsmith.train.target import _lr_at
 
     tcfg = OmegaConf.structured(TargetConfig(**TINY))
     assert _lr_at(0, tcfg) == pytest.approx(tcfg.lr / tcfg.warmup_steps)

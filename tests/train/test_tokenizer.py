@@ -7,9 +7,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from omegaconf import OmegaConf
 
-from train.config import DataConfig
-from train.corpus import SYSTEM_PROMPT, build_embedded_records, render_chat
-from train.tokenizer import SPECIAL_TOKENS, load_tokenizer, train_tokenizer
+from draftsmith.train.config import DataConfig
+from draftsmith.train.corpus import SYSTEM_PROMPT, build_embedded_records, render_chat
+from draftsmith.train.tokenizer import SPECIAL_TOKENS, load_tokenizer, train_tokenizer
 
 
 @pytest.fixture(scope="module")

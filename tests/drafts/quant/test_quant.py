@@ -6,14 +6,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from drafts.identity import target_fingerprint
-from drafts.io import load_draft, save_draft
-from drafts.quant import QuantConfig
-from drafts.quantize_job import quantize_dir
-from drafts.standalone import StandaloneDraft
-from kernels.quant import QuantizedLinear, QuantScheme, QuantServingLinear, dequantize, quantize_weight
-from serve_eval.engine import EngineConfig, LLMEngine, SamplingParams
-from serve_eval.speculative.config import SpecConfig
+from draftsmith.drafts.identity import target_fingerprint
+from draftsmith.drafts.io import load_draft, save_draft
+from draftsmith.drafts.quant import QuantConfig
+from draftsmith.drafts.quantize_job import quantize_dir
+from draftsmith.drafts.standalone import StandaloneDraft
+from draftsmith.kernels.quant import QuantizedLinear, QuantScheme, QuantServingLinear, dequantize, quantize_weight
+from draftsmith.serve_eval.engine import EngineConfig, LLMEngine, SamplingParams
+from draftsmith.serve_eval.speculative.config import SpecConfig
 from spec_helpers import feature_draft, make_llama, run_engine, workload
 
 KINDS = ("standalone", "medusa", "eagle", "eagle3")
@@ -120,7 +120,7 @@ def test_group_size_must_divide_every_layer(drafts, tmp_path):
 
 
 def test_quantized_draft_is_refused_by_training(drafts, tmp_path):
-    from train.distill.run import warm_start
+    from draftsmith.train.distill.run import warm_start
 
     target, dirs = drafts
     out, _ = quantize_dir(dirs["eagle"], INT8, tmp_path / "q")
@@ -158,7 +158,7 @@ def test_quantized_draft_speculates_with_greedy_output_identical_to_no_spec(draf
 
 def test_quantized_block_draft_keeps_the_target_head_and_greedy_output(tmp_path):
     """The block-parallel draft (a kind added later): its frozen head is the target's and stays dense."""
-    from kernels.layers.checkpoint import load_target_embed_and_head
+    from draftsmith.kernels.layers.checkpoint import load_target_embed_and_head
 
     target = make_llama(tmp_path / "target", layers=4, seed=0)
     init = lambda d: (_spread(d), d.init_from_target(*load_target_embed_and_head(target)))  # noqa: E731
@@ -177,7 +177,7 @@ def test_quantized_block_draft_keeps_the_target_head_and_greedy_output(tmp_path)
 
 
 def test_quantize_job_reports_bad_input_in_one_line(drafts, capsys):
-    from drafts.quantize_job import main
+    from draftsmith.drafts.quantize_job import main
 
     _, dirs = drafts
     assert main([str(dirs["eagle"]), "--bits", "3"]) == 2
@@ -188,8 +188,8 @@ def test_quantize_job_reports_bad_input_in_one_line(drafts, capsys):
 def test_quantized_medusa_proposes_the_quantized_heads_argmax(drafts, tmp_path):
     """The proposer casts features to the draft's dtype (its first parameter's): a quantized module must
     present a float dtype there, not uint8 / int8 (regression: INT4 Medusa proposed garbage, alpha 0)."""
-    from serve_eval.speculative.proposers.base import TargetFeatures
-    from serve_eval.speculative.proposers.medusa import MedusaProposer
+    from draftsmith.serve_eval.speculative.proposers.base import TargetFeatures
+    from draftsmith.serve_eval.speculative.proposers.medusa import MedusaProposer
     from spec_helpers import Seq, params
 
     _, dirs = drafts

@@ -8,12 +8,12 @@ import json
 import pytest
 import torch
 
-from drafts.identity import target_fingerprint
-from drafts.io import load_draft, save_draft
-from drafts.quant_export import pack_int32, read_compressed, unpack_int32
-from drafts.quantize_job import main as quantize_main
-from drafts.standalone import StandaloneDraft
-from kernels.quant import QuantizedLinear
+from draftsmith.drafts.identity import target_fingerprint
+from draftsmith.drafts.io import load_draft, save_draft
+from draftsmith.drafts.quant_export import pack_int32, read_compressed, unpack_int32
+from draftsmith.drafts.quantize_job import main as quantize_main
+from draftsmith.drafts.standalone import StandaloneDraft
+from draftsmith.kernels.quant import QuantizedLinear
 from spec_helpers import make_llama
 
 

@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from serve_eval.plan.cli import main
-from serve_eval.plan.estimate import DraftOptions, Hardware, TargetSpec, Workload, make_plan
-from serve_eval.plan.quant import quantized_alphas
+from draftsmith.serve_eval.plan.cli import main
+from draftsmith.serve_eval.plan.estimate import DraftOptions, Hardware, TargetSpec, Workload, make_plan
+from draftsmith.serve_eval.plan.quant import quantized_alphas
 
 TARGET = TargetSpec(70e9, 80, 8, 128, 8192, 128256)
 
@@ -47,7 +47,7 @@ def test_alpha_cost_needs_a_quantized_draft_dtype(tmp_path, capsys):
 
 
 def _report_row(domain, method, alpha, quantization=None, variant_of=None):
-    from serve_eval.eval.report import ResultRow
+    from draftsmith.serve_eval.eval.report import ResultRow
 
     return ResultRow(domain=domain, method=method, K=4, temperature=0.0, alpha=alpha, tau=1 + 4 * alpha, a_k=[],
                      ms_per_token=5.0, tokens_per_s=1.0, speedup=1.5, predicted_speedup=None, ttft_p50=None,
@@ -57,8 +57,8 @@ def _report_row(domain, method, alpha, quantization=None, variant_of=None):
 
 def _scripted_report(tmp_path):
     """An eval report: standalone and its int4 variant in two domains (5 and 3 points lost), eagle3 and its int8."""
-    from serve_eval.eval.report import Report, TargetInfo
-    from serve_eval.eval.report_files import write_report
+    from draftsmith.serve_eval.eval.report import Report, TargetInfo
+    from draftsmith.serve_eval.eval.report_files import write_report
 
     rows = [_report_row("chat", "standalone", 0.60), _report_row("chat", "standalone@int4-g64", 0.55, "int4-g64",
                                                                 "standalone"),

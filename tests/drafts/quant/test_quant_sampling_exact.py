@@ -11,11 +11,11 @@ TV-0.02 error, and the TV-0.03 negative control); only the draft differs. INT8 b
 from __future__ import annotations
 
 
-from drafts.quant import QuantConfig
-from drafts.quantize_job import quantize_dir
-from serve_eval.engine import EngineConfig, LLMEngine
-from serve_eval.speculative.config import SpecConfig
-from serve_eval.speculative.policy import SpecPolicyConfig
+from draftsmith.drafts.quant import QuantConfig
+from draftsmith.drafts.quantize_job import quantize_dir
+from draftsmith.serve_eval.engine import EngineConfig, LLMEngine
+from draftsmith.serve_eval.speculative.config import SpecConfig
+from draftsmith.serve_eval.speculative.policy import SpecPolicyConfig
 from spec_helpers import make_llama, noisy_copy
 from stats_helpers import chi_square_fit, total_variation, worst_case_perturbation
 from test_spec_sampling_exact import (

@@ -1,10 +1,10 @@
 """Unit tests of BlockPool and KVCacheManager bookkeeping (no model involved)."""
 import pytest
 
-from serve_eval.engine.block_pool import BlockPool, FreeBlockQueue, KVBlock, hash_block
-from serve_eval.engine.kv_cache_manager import KVCacheManager
-from serve_eval.engine.request import Sequence
-from serve_eval.engine.sampling_params import SamplingParams
+from draftsmith.serve_eval.engine.block_pool import BlockPool, FreeBlockQueue, KVBlock, hash_block
+from draftsmith.serve_eval.engine.kv_cache_manager import KVCacheManager
+from draftsmith.serve_eval.engine.request import Sequence
+from draftsmith.serve_eval.engine.sampling_params import SamplingParams
 
 
 def make_seq(tokens, rid="r"):

@@ -1,7 +1,7 @@
 """Bad input fails with a ValueError naming the field, and the engine keeps serving everyone else."""
 import pytest
 
-from serve_eval.engine import EngineConfig, LLM, LLMEngine, SamplingParams
+from draftsmith.serve_eval.engine import EngineConfig, LLM, LLMEngine, SamplingParams
 
 MAX_POS = 64
 

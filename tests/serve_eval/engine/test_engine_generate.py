@@ -5,7 +5,7 @@ import random
 import pytest
 import torch
 
-from serve_eval.engine import LLM, LLMEngine, EngineConfig, SamplingParams
+from draftsmith.serve_eval.engine import LLM, LLMEngine, EngineConfig, SamplingParams
 from tiny_models import tiny_model, word_tokenizer
 
 VOCAB, MAX_POS = 256, 160

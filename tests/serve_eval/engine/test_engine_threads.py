@@ -8,8 +8,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from serve_eval.engine import EngineConfig, LLMEngine, SamplingParams
-from serve_eval.engine.threads import SMALL_MODEL_PARAMS, WIDE_STEP_TOKENS, choose_threads, estimate_num_params
+from draftsmith.serve_eval.engine import EngineConfig, LLMEngine, SamplingParams
+from draftsmith.serve_eval.engine.threads import SMALL_MODEL_PARAMS, WIDE_STEP_TOKENS, choose_threads, estimate_num_params
 from spec_helpers import make_llama
 
 
@@ -43,7 +43,7 @@ def test_engine_applies_logs_and_reports_its_count(tmp_path, caplog, restore_thr
     """The engine sets torch's intra-op count from EngineConfig.num_threads, logs it and puts it in stats()."""
     model = make_llama(tmp_path / "m")
     torch.set_num_threads(3 if expected != 3 else 2)
-    with caplog.at_level(logging.INFO, logger="serve_eval.engine.threads"):
+    with caplog.at_level(logging.INFO, logger="draftsmith.serve_eval.engine.threads"):
         engine = LLMEngine(EngineConfig(str(model), num_gpu_blocks=64, num_threads=setting))
     assert torch.get_num_threads() == expected
     assert engine.num_threads == expected and engine.stats().num_threads == expected
@@ -64,7 +64,7 @@ def test_auto_rule_widens_large_steps_of_a_small_model():
 def test_engine_sets_each_steps_count(tmp_path, restore_threads, monkeypatch):
     """The engine applies for_step to every step: a long prefill runs on both cores, the decode steps after it
     on one."""
-    monkeypatch.setattr("serve_eval.engine.threads.available_cores", lambda: 2)
+    monkeypatch.setattr("draftsmith.serve_eval.engine.threads.available_cores", lambda: 2)
     model = make_llama(tmp_path / "m")
     engine = LLMEngine(EngineConfig(str(model), num_gpu_blocks=64))
     assert torch.get_num_threads() == 1

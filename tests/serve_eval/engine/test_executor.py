@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.attention import AttentionMetadata
-from serve_eval.engine.model_executor import ModelExecutor
+from draftsmith.kernels.attention import AttentionMetadata
+from draftsmith.serve_eval.engine.model_executor import ModelExecutor
 from tiny_models import SHAPE as TINY_SHAPE, Init, tiny_model
 
 VOCAB = 160
@@ -283,8 +283,8 @@ def test_bad_inputs(tmp_path):
 
 @pytest.mark.parametrize("fast, expected", [(True, torch.bfloat16), (False, torch.float32)])
 def test_dtype_auto_is_bf16_only_where_it_is_faster(monkeypatch, fast, expected):
-    from kernels import precision
-    from serve_eval.engine.model_executor import dtype_name, resolve_dtype
+    from draftsmith.kernels import precision
+    from draftsmith.serve_eval.engine.model_executor import dtype_name, resolve_dtype
 
     monkeypatch.setattr(precision, "_bf16_probe", lambda kind: (fast, 0.5 if fast else 40.0))
     assert resolve_dtype("auto") is expected and dtype_name("auto") == str(expected).removeprefix("torch.")

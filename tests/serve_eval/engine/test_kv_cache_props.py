@@ -6,10 +6,10 @@ import random
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from serve_eval.engine.kv_cache_manager import KVCacheManager
-from serve_eval.engine.request import Sequence, SequenceStatus
-from serve_eval.engine.sampling_params import SamplingParams
-from serve_eval.engine.scheduler import Scheduler, SchedulerConfig
+from draftsmith.serve_eval.engine.kv_cache_manager import KVCacheManager
+from draftsmith.serve_eval.engine.request import Sequence, SequenceStatus
+from draftsmith.serve_eval.engine.sampling_params import SamplingParams
+from draftsmith.serve_eval.engine.scheduler import Scheduler, SchedulerConfig
 
 VOCAB = 5   # tiny vocabulary: prompts collide often, so prefix caching gets exercised
 

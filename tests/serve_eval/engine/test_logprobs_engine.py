@@ -7,8 +7,8 @@ import shutil
 import pytest
 import torch
 
-from serve_eval.engine import EngineConfig, LLMEngine, SamplingParams
-from serve_eval.speculative.config import SpecConfig
+from draftsmith.serve_eval.engine import EngineConfig, LLMEngine, SamplingParams
+from draftsmith.serve_eval.speculative.config import SpecConfig
 from spec_helpers import feature_draft, make_llama, proposer_available, run_engine, workload
 
 ENGINE = dict(block_size=4, max_model_len=96, prefill_chunk_size=16, max_num_batched_tokens=96, num_gpu_blocks=200)

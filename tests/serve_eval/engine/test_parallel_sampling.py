@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import pytest
 
-from serve_eval.engine import EngineConfig, LLMEngine, SamplingParams
-from serve_eval.speculative.config import SpecConfig
-from serve_eval.speculative.policy import SpecPolicyConfig
+from draftsmith.serve_eval.engine import EngineConfig, LLMEngine, SamplingParams
+from draftsmith.serve_eval.speculative.config import SpecConfig
+from draftsmith.serve_eval.speculative.policy import SpecPolicyConfig
 from spec_helpers import feature_draft, make_llama, noisy_copy, workload
 
 MAX_LEN = 64   # max_model_len: a tiny pool still holds one max-length sequence

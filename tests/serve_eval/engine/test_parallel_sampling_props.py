@@ -10,8 +10,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from serve_eval.engine import EngineConfig, LLMEngine, SamplingParams
-from serve_eval.engine.model_executor import ModelExecutor
+from draftsmith.serve_eval.engine import EngineConfig, LLMEngine, SamplingParams
+from draftsmith.serve_eval.engine.model_executor import ModelExecutor
 from spec_helpers import make_llama
 
 MAX_LEN = 40

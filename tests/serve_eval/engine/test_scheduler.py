@@ -1,10 +1,10 @@
 """Scheduler behaviour in hand-made scenarios (no model: a step advances counters and appends a token)."""
 import pytest
 
-from serve_eval.engine.kv_cache_manager import KVCacheManager
-from serve_eval.engine.request import Sequence, SequenceStatus
-from serve_eval.engine.sampling_params import SamplingParams
-from serve_eval.engine.scheduler import Scheduler, SchedulerConfig
+from draftsmith.serve_eval.engine.kv_cache_manager import KVCacheManager
+from draftsmith.serve_eval.engine.request import Sequence, SequenceStatus
+from draftsmith.serve_eval.engine.sampling_params import SamplingParams
+from draftsmith.serve_eval.engine.scheduler import Scheduler, SchedulerConfig
 
 
 def make(num_blocks=64, block_size=4, cpu=0, **cfg):

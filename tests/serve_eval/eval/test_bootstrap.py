@@ -1,10 +1,10 @@
-"""serve_eval.eval.bootstrap: the intervals cover the truth about 95% of the time on synthetic evals
+"""draftsmith.serve_eval.eval.bootstrap: the intervals cover the truth about 95% of the time on synthetic evals
 whose true values are known, and pairing makes a speed-up interval tighter than the noise it shares."""
 from __future__ import annotations
 
 import numpy as np
 
-from serve_eval.eval import bootstrap as B
+from draftsmith.serve_eval.eval import bootstrap as B
 
 PROMPTS, TOKENS, DRAWS, REPS = 12, 64, 300, 3
 

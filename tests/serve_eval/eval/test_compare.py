@@ -5,9 +5,9 @@ import json
 
 import pytest
 
-from serve_eval.eval.compare import compare, main
-from serve_eval.eval.report import SCHEMA_VERSION, Report, ReportSchemaError, ResultRow, TargetInfo
-from serve_eval.eval.report_files import write_report
+from draftsmith.serve_eval.eval.compare import compare, main
+from draftsmith.serve_eval.eval.report import SCHEMA_VERSION, Report, ReportSchemaError, ResultRow, TargetInfo
+from draftsmith.serve_eval.eval.report_files import write_report
 
 
 def row(domain, method, K, T=0.0, alpha=None, tau=None, ms=10.0, speedup=None) -> ResultRow:

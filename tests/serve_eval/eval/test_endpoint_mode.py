@@ -12,12 +12,12 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import httpx
 import pytest
 
-from serve_eval.eval import endpoint
-from serve_eval.eval.endpoint import (parse_prometheus, read_spec_counters, run_endpoint_eval, spec_stats_of_run,
+from draftsmith.serve_eval.eval import endpoint
+from draftsmith.serve_eval.eval.endpoint import (parse_prometheus, read_spec_counters, run_endpoint_eval, spec_stats_of_run,
                                       stream_completion)
-from serve_eval.speculative.metrics import SpecStats
-from serve_eval.eval.runners import RunSpec
-from serve_eval.schemas import EndpointEntry, EvalConfig
+from draftsmith.serve_eval.speculative.metrics import SpecStats
+from draftsmith.serve_eval.eval.runners import RunSpec
+from draftsmith.serve_eval.schemas import EndpointEntry, EvalConfig
 
 VLLM_PAGE = """# HELP vllm:spec_decode_num_drafts_total Number of spec decoding drafts.
 # TYPE vllm:spec_decode_num_drafts_total counter
@@ -81,8 +81,8 @@ def test_stream_timing_math_on_a_scripted_clock(monkeypatch):
                             timeout_s=5)
     assert seen["stream"] is True and seen["seed"] == 7 and seen["ignore_eos"] is True and seen["domain"] == "code"
     assert (rec.num_output_tokens, rec.ttft, rec.token_times) == (6, 1.0, [1.0, 2.0, 3.0])
-    from serve_eval.eval.rows import run_ms_per_token
-    from serve_eval.eval.runners import RunResult
+    from draftsmith.serve_eval.eval.rows import run_ms_per_token
+    from draftsmith.serve_eval.eval.runners import RunResult
 
     assert run_ms_per_token(RunResult([rec], 3.0)) == pytest.approx(1000 * (3.0 - 1.0) / 5)
 

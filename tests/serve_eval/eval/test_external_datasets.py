@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from serve_eval.eval.external_datasets import (DatasetUnavailable, ExternalDomain, domains_from_config,
+from draftsmith.serve_eval.eval.external_datasets import (DatasetUnavailable, ExternalDomain, domains_from_config,
                                                load_config_file, load_domains, load_prompts)
 
 

@@ -10,16 +10,16 @@ from pathlib import Path
 import pytest
 import yaml
 
-from serve_eval.eval import harness
-from serve_eval.eval.harness import MethodPlan, run_cells, run_eval, write_outputs
-from serve_eval.eval.rows import build_row
-from serve_eval.eval.recommend import load_recommendations
-from serve_eval.eval.report import SkippedEntry, load_report
-from serve_eval.eval.runners import RequestRecord, RunResult, RunSpec
-from serve_eval.eval.settings import load_settings
-from serve_eval.eval.sources import DraftSource, group_prompts, load_prompt_records
-from serve_eval.schemas import EngineSettings, EvalConfig
-from serve_eval.speculative.metrics import SpecStats
+from draftsmith.serve_eval.eval import harness
+from draftsmith.serve_eval.eval.harness import MethodPlan, run_cells, run_eval, write_outputs
+from draftsmith.serve_eval.eval.rows import build_row
+from draftsmith.serve_eval.eval.recommend import load_recommendations
+from draftsmith.serve_eval.eval.report import SkippedEntry, load_report
+from draftsmith.serve_eval.eval.runners import RequestRecord, RunResult, RunSpec
+from draftsmith.serve_eval.eval.settings import load_settings
+from draftsmith.serve_eval.eval.sources import DraftSource, group_prompts, load_prompt_records
+from draftsmith.serve_eval.schemas import EngineSettings, EvalConfig
+from draftsmith.serve_eval.speculative.metrics import SpecStats
 
 
 def _stats(rounds: list[tuple[int, int]]) -> SpecStats:
@@ -204,7 +204,7 @@ def test_the_wall_clock_cap_ends_the_sweep_between_repetitions(monkeypatch, capl
 
 
 def test_a_cap_that_is_not_positive_is_refused():
-    from serve_eval.eval.settings import validate
+    from draftsmith.serve_eval.eval.settings import validate
 
     with pytest.raises(ValueError, match="eval.max_minutes"):
         validate(_cfg(max_minutes=0))
@@ -255,8 +255,8 @@ def test_a_speedup_interval_holds_its_point_when_prompts_and_repetitions_differ_
 
 
 def _tiny_standalone(target: dict, path: Path) -> Path:
-    from drafts.io import save_draft
-    from drafts.standalone import StandaloneDraft
+    from draftsmith.drafts.io import save_draft
+    from draftsmith.drafts.standalone import StandaloneDraft
 
     return save_draft(StandaloneDraft.from_target_config(target, num_layers=1), path, target_fingerprint="other-fp")
 
@@ -267,7 +267,7 @@ TARGET_CFG = dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_hid
 
 @pytest.fixture(scope="module")
 def tiny_target(tmp_path_factory):
-    from serve_eval.server.testing import build_tiny_checkpoint
+    from draftsmith.serve_eval.server.testing import build_tiny_checkpoint
 
     return build_tiny_checkpoint(tmp_path_factory.mktemp("target"), num_layers=2, hidden_size=64)
 
@@ -382,7 +382,7 @@ def test_evaluate_entry_labels_rows_by_draft_key_and_skips_unloadable(tiny_targe
     assert report.config["num_speculative_tokens"] == [4] and report.config["max_prompts_per_domain"] == 4
     assert {r.domain for r in report.results} == {"code"}
     assert any(s.method == "broken" and "vocab_size" in s.reason for s in report.skipped)
-    standalone_ready = importlib.util.find_spec("serve_eval.speculative.proposers.standalone") is not None
+    standalone_ready = importlib.util.find_spec("draftsmith.serve_eval.speculative.proposers.standalone") is not None
     if standalone_ready:
         assert any(r.method == "old-standalone" and r.K == 4 for r in report.results), report.skipped
     else:
@@ -414,9 +414,9 @@ def test_settings_profiles_and_bad_overrides():
 def test_hydra_job_writes_report_under_target_fingerprint(tiny_target, prompts_file, tmp_path):
     """`draftsmith eval` composes conf/eval/default.yaml (typed by EvalConfig) and writes report.json,
     report.md and recommendations.yaml under <artifacts>/targets/<fingerprint>/reports/<stamp>/."""
-    from drafts.identity import target_fingerprint
-    from serve_eval.eval.run import run
-    from train.config import compose
+    from draftsmith.drafts.identity import target_fingerprint
+    from draftsmith.serve_eval.eval.run import run
+    from draftsmith.train.config import compose
 
     cfg = compose([f"artifacts_root={tmp_path}", "wandb.mode=disabled", f"eval.target={tiny_target}",
                    f"eval.prompts={prompts_file}", "eval.methods=[no-spec]", "eval.domains=[code]",
@@ -430,7 +430,7 @@ def test_hydra_job_writes_report_under_target_fingerprint(tiny_target, prompts_f
 
 def test_compare_subcommand_routes_to_compare_main(tmp_path, capsys):
     """`draftsmith eval compare A B` reaches compare.main (exit 0, deltas printed), not Hydra."""
-    from serve_eval.eval.run import main
+    from draftsmith.serve_eval.eval.run import main
 
     def factory(plan: MethodPlan):
         return ScriptedRunner(plan.method, plan.K, {("a", 0.0): 10.0})

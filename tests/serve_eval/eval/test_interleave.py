@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from serve_eval.eval.interleave import interleave, rotation
+from draftsmith.serve_eval.eval.interleave import interleave, rotation
 
 
 @given(st.lists(st.integers(), min_size=1, max_size=8, unique=True), st.integers(0, 50))

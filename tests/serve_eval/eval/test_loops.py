@@ -5,9 +5,9 @@ import json
 
 import pytest
 
-from serve_eval.eval.report import ReportSchemaError, load_report
-from serve_eval.eval.rows import LOOP_SHARE, distinct_ngram_share, looping_cells
-from serve_eval.eval.runners import RequestRecord, RunResult
+from draftsmith.serve_eval.eval.report import ReportSchemaError, load_report
+from draftsmith.serve_eval.eval.rows import LOOP_SHARE, distinct_ngram_share, looping_cells
+from draftsmith.serve_eval.eval.runners import RequestRecord, RunResult
 from test_report import make_row, scripted_report
 
 

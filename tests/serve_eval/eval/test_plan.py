@@ -7,8 +7,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from serve_eval.plan.cli import main
-from serve_eval.plan.estimate import DraftOptions, Hardware, TargetSpec, Workload, make_plan
+from draftsmith.serve_eval.plan.cli import main
+from draftsmith.serve_eval.plan.estimate import DraftOptions, Hardware, TargetSpec, Workload, make_plan
 
 GB = 1e9
 

@@ -6,9 +6,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from serve_eval.eval.recommend import (DraftRoute, Recommendations, Thresholds, choose_for_cell, load_recommendations,
+from draftsmith.serve_eval.eval.recommend import (DraftRoute, Recommendations, Thresholds, choose_for_cell, load_recommendations,
                                        policy_for_method, recommend, to_yaml, write_recommendations)
-from serve_eval.eval.report import ResultRow
+from draftsmith.serve_eval.eval.report import ResultRow
 
 
 def r(domain, method, K, alpha, speedup, T=0.0, alpha_ci=None, speedup_ci=None) -> ResultRow:
@@ -73,7 +73,7 @@ def test_the_fallback_bar_comes_from_the_speedup_s_lower_bound_and_the_measured_
 
 
 def test_break_even_alpha_by_hand_and_at_its_ends():
-    from serve_eval.speculative.metrics import break_even_alpha
+    from draftsmith.serve_eval.speculative.metrics import break_even_alpha
 
     assert break_even_alpha(0.5, 3.0, 1.5) == pytest.approx((3.0 / 1.5 - 1) / 4)   # K=4 full chains
     assert break_even_alpha(0.5, 3.0, 1.0) == pytest.approx(0.5)     # paying nothing: any drop stops it
@@ -203,7 +203,7 @@ def test_by_default_an_enabled_choice_pays_and_falls_back_between_zero_and_its_a
 def test_policy_for_one_method_fits_the_engine_policy_config():
     """For a server running EAGLE: per-domain K where EAGLE passes, the rest listed as disabled, and the
     policy keys construct the engine's SpecPolicyConfig."""
-    from serve_eval.speculative.policy import SpecPolicyConfig
+    from draftsmith.serve_eval.speculative.policy import SpecPolicyConfig
 
     snippet = policy_for_method(SCRIPTED, "eagle", Thresholds(min_alpha=0.5))
     assert snippet.policy["k_by_domain"] == {"code": 3, "math": 3}
@@ -217,7 +217,7 @@ def test_policy_for_one_method_fits_the_engine_policy_config():
 def test_policy_for_one_method_by_default_carries_each_domain_s_break_even():
     """Default thresholds: EAGLE speculates in every domain (each measured >= 1x), each falling back at its
     own break-even; unseen domains at the default's bar; without a safe default, the seed's 0.5."""
-    from serve_eval.speculative.policy import SpecPolicyConfig
+    from draftsmith.serve_eval.speculative.policy import SpecPolicyConfig
 
     snippet = policy_for_method(SCRIPTED, "eagle")
     config = SpecPolicyConfig(**snippet.policy)

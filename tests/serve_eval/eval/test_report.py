@@ -6,10 +6,10 @@ import os
 
 import pytest
 
-from serve_eval.eval.recommend import recommend
-from serve_eval.eval.report import (SCHEMA_VERSION, Report, ReportSchemaError, ResultRow, SkippedEntry, TargetInfo,
+from draftsmith.serve_eval.eval.recommend import recommend
+from draftsmith.serve_eval.eval.report import (SCHEMA_VERSION, Report, ReportSchemaError, ResultRow, SkippedEntry, TargetInfo,
                                     load_report)
-from serve_eval.eval.report_files import log_to_wandb, render_markdown, write_report
+from draftsmith.serve_eval.eval.report_files import log_to_wandb, render_markdown, write_report
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -127,8 +127,8 @@ def test_failed_write_keeps_the_previous_report(tmp_path, monkeypatch):
     def boom(src, dst):
         raise OSError("disk full")
 
-    import drafts.files
-    monkeypatch.setattr(drafts.files.os, "replace", boom)
+    from draftsmith.drafts import files
+    monkeypatch.setattr(files.os, "replace", boom)
     with pytest.raises(OSError):
         write_report(Report(TargetInfo("other", "zzz"), {}, []), tmp_path, plots=False)
     assert (tmp_path / "report.json").read_text() == before
@@ -189,8 +189,8 @@ def test_parity_flags_a_served_tau_far_below_the_training_prediction(tmp_path):
     being positions beyond those trained; at K=2 within 0.5 it is not flagged; the section renders."""
     import json as _json
 
-    from serve_eval.eval.parity import parity_rows
-    from serve_eval.eval.report_files import render_markdown
+    from draftsmith.serve_eval.eval.parity import parity_rows
+    from draftsmith.serve_eval.eval.report_files import render_markdown
 
     draft = tmp_path / "draft"
     draft.mkdir()

@@ -1,8 +1,8 @@
 """The engine runner: what one pass over a domain's prompts records per request."""
 from __future__ import annotations
 
-from serve_eval.eval.runners import RunSpec, build_engine_runner
-from serve_eval.schemas import EngineSettings
+from draftsmith.serve_eval.eval.runners import RunSpec, build_engine_runner
+from draftsmith.serve_eval.schemas import EngineSettings
 from spec_helpers import make_llama, workload
 
 

@@ -7,19 +7,19 @@ import json
 
 import pytest
 
-from drafts.io import save_draft
-from drafts.quant import QuantConfig
-from drafts.quantize_job import quantize_dir
-from drafts.standalone import StandaloneDraft
-from serve_eval.eval.harness import MethodPlan, run_eval, write_outputs
-from serve_eval.eval.recommend import (DomainChoice, DraftRoute, Recommendations, Thresholds, load_recommendations,
+from draftsmith.drafts.io import save_draft
+from draftsmith.drafts.quant import QuantConfig
+from draftsmith.drafts.quantize_job import quantize_dir
+from draftsmith.drafts.standalone import StandaloneDraft
+from draftsmith.serve_eval.eval.harness import MethodPlan, run_eval, write_outputs
+from draftsmith.serve_eval.eval.recommend import (DomainChoice, DraftRoute, Recommendations, Thresholds, load_recommendations,
                                        recommend, write_recommendations)
-from serve_eval.eval.report import ResultRow, load_report
-from serve_eval.eval.runners import RequestRecord, RunResult, RunSpec
-from serve_eval.eval.sources import DraftSource, discover_drafts
-from serve_eval.eval.variants import VARIANT_DRAFT_DTYPE, variant_comparisons
-from serve_eval.schemas import EngineSettings, EvalConfig
-from serve_eval.speculative.metrics import SpecStats
+from draftsmith.serve_eval.eval.report import ResultRow, load_report
+from draftsmith.serve_eval.eval.runners import RequestRecord, RunResult, RunSpec
+from draftsmith.serve_eval.eval.sources import DraftSource, discover_drafts
+from draftsmith.serve_eval.eval.variants import VARIANT_DRAFT_DTYPE, variant_comparisons
+from draftsmith.serve_eval.schemas import EngineSettings, EvalConfig
+from draftsmith.serve_eval.speculative.metrics import SpecStats
 
 INT4 = QuantConfig(4, 32)
 VARIANT = f"standalone@{INT4.label}"
@@ -28,8 +28,8 @@ VARIANT = f"standalone@{INT4.label}"
 @pytest.fixture(scope="module")
 def standalone_pair(tmp_path_factory):
     """A tiny target, a standalone draft of it and that draft's INT4 copy (drafts.quantize_job)."""
-    from drafts.identity import target_fingerprint
-    from serve_eval.server.testing import build_tiny_checkpoint
+    from draftsmith.drafts.identity import target_fingerprint
+    from draftsmith.serve_eval.server.testing import build_tiny_checkpoint
 
     root = tmp_path_factory.mktemp("variants")
     target = build_tiny_checkpoint(root / "target", num_layers=2, hidden_size=64)
@@ -114,7 +114,7 @@ def test_a_variant_whose_source_is_not_in_the_run_is_measured_without_a_comparis
 
 
 def test_discovered_quantized_dirs_are_labelled_kind_at_quantization(standalone_pair, tmp_path):
-    from drafts.artifacts import Artifacts
+    from draftsmith.drafts.artifacts import Artifacts
 
     _, base, _ = standalone_pair
     home = Artifacts(tmp_path).target_home("fp") / "drafts"
@@ -158,8 +158,8 @@ def test_a_variant_below_an_alpha_floor_is_not_recommended():
 def test_the_routed_server_runs_a_recommended_quantized_variant_exactly(standalone_pair, tmp_path):
     """A recommendations file naming the INT4 variant: the routed proposer loads the quantized dir with the
     standalone proposer at bf16 (int kernels, quantized weight bytes), and greedy output equals no-spec's."""
-    from serve_eval.engine import EngineConfig, LLMEngine, SamplingParams
-    from serve_eval.speculative.config import SpecConfig
+    from draftsmith.serve_eval.engine import EngineConfig, LLMEngine, SamplingParams
+    from draftsmith.serve_eval.speculative.config import SpecConfig
     from spec_helpers import run_engine
 
     target, base, quantized = standalone_pair
@@ -186,7 +186,7 @@ def test_a_real_engine_eval_measures_the_variant_beside_its_source(standalone_pa
     prompts_file = tmp_path / "eval.jsonl"
     prompts_file.write_text("\n".join(json.dumps({"domain": "chat", "prompt": f"hello {w} the cat"})
                                       for w in ("one", "two")) + "\n")
-    from serve_eval.eval.sources import group_prompts, load_prompt_records
+    from draftsmith.serve_eval.eval.sources import group_prompts, load_prompt_records
 
     prompts, _ = group_prompts(load_prompt_records(prompts_file), [], 2, "eval.jsonl")
     cfg = EvalConfig(methods=["no-spec", "drafts"], num_speculative_tokens=[2], temperatures=[0.0], repetitions=1,

@@ -7,7 +7,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from serve_eval.engine.llm import LLM
+from draftsmith.serve_eval.engine.llm import LLM
 from server_helpers import ENGINE_KWARGS, make_engine, serve, tiny_checkpoint
 
 

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from serve_eval.server.prom import parse_text
+from draftsmith.serve_eval.server.prom import parse_text
 from server_helpers import engine_call, kv_is_clean, make_engine, serve, tiny_checkpoint
 
 MAX_MODEL_LEN = 128   # server_helpers.ENGINE_KWARGS

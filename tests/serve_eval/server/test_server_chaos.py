@@ -1,4 +1,4 @@
-"""Chaos: the real server process (`python -m serve_eval.server.run`) gets SIGTERM while it
+"""Chaos: the real server process (`python -m draftsmith.serve_eval.server.run`) gets SIGTERM while it
 streams; every stream ends with a terminal event, the process exits, and a restart serves."""
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from serve_eval.server.testing import build_tiny_checkpoint, free_loopback_socket
+from draftsmith.serve_eval.server.testing import build_tiny_checkpoint, free_loopback_socket
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -32,7 +32,7 @@ def start_server(model_dir: Path, grace_s: float) -> tuple[subprocess.Popen, str
     sock.close()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "serve_eval.server.run", "--model", str(model_dir), "--port", str(port),
+        [sys.executable, "-m", "draftsmith.serve_eval.server.run", "--model", str(model_dir), "--port", str(port),
          "--shutdown-grace-s", str(grace_s), "--num-gpu-blocks", "512", "--log-level", "warning"],
         cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     base_url = f"http://127.0.0.1:{port}"

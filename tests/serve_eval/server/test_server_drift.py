@@ -10,12 +10,12 @@ import httpx
 import pytest
 import torch
 
-from serve_eval.eval.report import Report, ResultRow, TargetInfo
-from serve_eval.eval.report_files import write_report
-from serve_eval.server.drift import DriftConfig, DriftEvent, DriftMonitor, DriftSettings, wilson_upper
-from serve_eval.server.prom import parse_text
-from serve_eval.engine import SamplingParams
-from serve_eval.speculative.proposers.base import Proposal, Proposer
+from draftsmith.serve_eval.eval.report import Report, ResultRow, TargetInfo
+from draftsmith.serve_eval.eval.report_files import write_report
+from draftsmith.serve_eval.server.drift import DriftConfig, DriftEvent, DriftMonitor, DriftSettings, wilson_upper
+from draftsmith.serve_eval.server.prom import parse_text
+from draftsmith.serve_eval.engine import SamplingParams
+from draftsmith.serve_eval.speculative.proposers.base import Proposal, Proposer
 from server_helpers import ENGINE_KWARGS, serve, tiny_checkpoint
 
 K = 4
@@ -100,9 +100,9 @@ class SwappableOracle(Proposer):
 
 
 def spec_engine(model_dir, oracle: SwappableOracle):
-    from serve_eval.engine.llm_engine import EngineConfig, LLMEngine
-    from serve_eval.speculative.config import SpecConfig
-    from serve_eval.speculative.strategy import SpeculativeStrategy
+    from draftsmith.serve_eval.engine.llm_engine import EngineConfig, LLMEngine
+    from draftsmith.serve_eval.speculative.config import SpecConfig
+    from draftsmith.serve_eval.speculative.strategy import SpeculativeStrategy
     from server_helpers import ENGINE_KWARGS
 
     return LLMEngine(EngineConfig(str(model_dir), **ENGINE_KWARGS),
@@ -143,7 +143,7 @@ def test_the_server_reports_drift_on_one_domain_within_200_requests_and_never_wi
     stats: the draft's 'eval' alpha is measured by serving 400 requests; then 2,000 requests at that
     quality raise no event; after code's draft turns bad, an event is written (JSON line) within 200
     requests, the gauge shows it, and chat stays quiet. Prints the figures."""
-    from serve_eval.engine import EngineConfig, LLMEngine
+    from draftsmith.serve_eval.engine import EngineConfig, LLMEngine
     from spec_helpers import run_engine
 
     model_dir = tiny_checkpoint(tmp_path_factory)

@@ -12,8 +12,8 @@ import schemathesis
 from hypothesis import HealthCheck, given, settings
 from schemathesis import GenerationMode
 
-from serve_eval.engine.llm_engine import EngineConfig, LLMEngine
-from serve_eval.server.run import build_speculative
+from draftsmith.serve_eval.engine.llm_engine import EngineConfig, LLMEngine
+from draftsmith.serve_eval.server.run import build_speculative
 from server_helpers import ENGINE_KWARGS, engine_call, kv_is_clean, serve
 
 MAX_EXAMPLES = 40          # per operation and mode

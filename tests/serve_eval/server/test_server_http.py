@@ -8,9 +8,9 @@ import threading
 import httpx
 import pytest
 
-from serve_eval.engine.sampling_params import SamplingParams
-from serve_eval.server.engine_loop import Aborted, EngineLoop
-from serve_eval.server.prom import parse_text
+from draftsmith.serve_eval.engine.sampling_params import SamplingParams
+from draftsmith.serve_eval.server.engine_loop import Aborted, EngineLoop
+from draftsmith.serve_eval.server.prom import parse_text
 from server_helpers import (ENGINE_KWARGS, SlowEngine, engine_call, kv_is_clean, make_engine, serve,
                             wait_until)
 
@@ -413,7 +413,7 @@ def test_prometheus_exposition_round_trips():
     from hypothesis import given, settings
     from hypothesis import strategies as st
 
-    from serve_eval.server.prom import Registry
+    from draftsmith.serve_eval.server.prom import Registry
 
     @settings(max_examples=50, deadline=None)
     @given(values=st.lists(st.floats(0, 20, allow_nan=False), max_size=40),
@@ -440,9 +440,9 @@ def test_spec_counters_are_exposed_per_domain_and_position():
     """Engine spec stats (serve_eval.speculative.metrics.SpecStats per domain) become vLLM-named
     counters: drafts = rounds, draft tokens = proposed, accepted, and accepted per 0-based
     position, each labelled by domain."""
-    from serve_eval.engine.outputs import EngineStats
-    from serve_eval.server.metrics import ServerMetrics
-    from serve_eval.speculative.metrics import SpecEngineStats, SpecStats
+    from draftsmith.serve_eval.engine.outputs import EngineStats
+    from draftsmith.serve_eval.server.metrics import ServerMetrics
+    from draftsmith.serve_eval.speculative.metrics import SpecEngineStats, SpecStats
 
     code, chat = SpecStats(), SpecStats()
     code.record_round(4, 3)
@@ -472,8 +472,8 @@ def test_spec_counters_are_exposed_per_domain_and_position():
 def test_speculative_server_matches_plain_greedy_and_counts_per_domain(ckpt, reference):
     """With n-gram speculation on, greedy outputs over HTTP still equal plain LLM.generate
     (exact verification), and the spec-decode counters move under the request's domain."""
-    from serve_eval.speculative.config import SpecConfig
-    from serve_eval.engine.llm_engine import EngineConfig, LLMEngine
+    from draftsmith.serve_eval.speculative.config import SpecConfig
+    from draftsmith.serve_eval.engine.llm_engine import EngineConfig, LLMEngine
 
     prompt = "one two three one two three one two three one two"
     want = reference.generate([prompt], SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)[0]

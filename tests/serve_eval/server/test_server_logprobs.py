@@ -5,7 +5,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from serve_eval.engine.sampling_params import SamplingParams
+from draftsmith.serve_eval.engine.sampling_params import SamplingParams
 from server_helpers import make_engine, serve
 from test_server_http import sse_events
 

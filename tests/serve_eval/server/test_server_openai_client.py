@@ -4,7 +4,7 @@ from __future__ import annotations
 import openai
 import pytest
 
-from serve_eval.engine.sampling_params import SamplingParams
+from draftsmith.serve_eval.engine.sampling_params import SamplingParams
 from server_helpers import make_engine, serve
 
 API_KEY = "test-key"

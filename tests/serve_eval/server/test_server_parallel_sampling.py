@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import httpx
 
-from serve_eval.engine.sampling_params import SamplingParams
-from serve_eval.server.prom import parse_text
+from draftsmith.serve_eval.engine.sampling_params import SamplingParams
+from draftsmith.serve_eval.server.prom import parse_text
 from server_helpers import SlowEngine, engine_call, kv_is_clean, make_engine, serve, wait_until
 from test_server_http import sse_events
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from serve_eval.speculative.batch_gate import BatchGate, BatchGateConfig
+from draftsmith.serve_eval.speculative.batch_gate import BatchGate, BatchGateConfig
 
 
 def run(gate: BatchGate, batch_size: int, steps: int, spec_ms_per_token: float, plain_ms_per_token: float) -> float:
@@ -98,8 +98,8 @@ def test_the_engine_applies_the_gate_and_greedy_output_is_unchanged(tmp_path):
     """Inside the engine: a table that allows no speculation at batch <= 8 runs no round for 4 requests,
     one allowing K <= 2 runs rounds of at most 2 draft tokens, and the greedy outputs equal plain
     decoding's either way."""
-    from serve_eval.engine import EngineConfig, LLMEngine, SamplingParams
-    from serve_eval.speculative.config import SpecConfig
+    from draftsmith.serve_eval.engine import EngineConfig, LLMEngine, SamplingParams
+    from draftsmith.serve_eval.speculative.config import SpecConfig
     from spec_helpers import greedy_reference, make_llama, run_engine, workload
 
     target = make_llama(tmp_path / "target")

@@ -11,11 +11,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from drafts.io import load_draft
-from kernels.layers.checkpoint import load_target_embed_and_head
-from serve_eval.engine import EngineConfig, LLMEngine, SamplingParams
-from serve_eval.speculative.config import SpecConfig
-from serve_eval.speculative.policy import SpecPolicyConfig
+from draftsmith.drafts.io import load_draft
+from draftsmith.kernels.layers.checkpoint import load_target_embed_and_head
+from draftsmith.serve_eval.engine import EngineConfig, LLMEngine, SamplingParams
+from draftsmith.serve_eval.speculative.config import SpecConfig
+from draftsmith.serve_eval.speculative.policy import SpecPolicyConfig
 from spec_helpers import VOCAB, feature_draft, make_llama, run_engine
 
 # small cache blocks and prefill chunks: a prompt spans many draft blocks and arrives in several feature feeds

@@ -9,22 +9,22 @@ import pytest
 import torch
 from torch import nn
 
-from drafts.common import DenseKVCache
-from drafts.eagle import EagleDraft
-from drafts.eagle3 import Eagle3Draft, build_reduced_vocab
-from drafts.identity import target_fingerprint
-from drafts.io import save_draft
-from kernels.layers.checkpoint import load_target_embed_and_head
-from kernels.sampling import logits_to_probs, sample
-from serve_eval.engine.model_executor import ModelExecutor
-from serve_eval.speculative.config import SpecConfig
-from serve_eval.speculative.proposers.base import TargetFeatures
-from serve_eval.speculative.proposers.eagle import EagleProposer
-from serve_eval.speculative.proposers.eagle3 import Eagle3Proposer
-from serve_eval.speculative.tree_dynamic import DynamicTreeBuilder
+from draftsmith.drafts.common import DenseKVCache
+from draftsmith.drafts.eagle import EagleDraft
+from draftsmith.drafts.eagle3 import Eagle3Draft, build_reduced_vocab
+from draftsmith.drafts.identity import target_fingerprint
+from draftsmith.drafts.io import save_draft
+from draftsmith.kernels.layers.checkpoint import load_target_embed_and_head
+from draftsmith.kernels.sampling import logits_to_probs, sample
+from draftsmith.serve_eval.engine.model_executor import ModelExecutor
+from draftsmith.serve_eval.speculative.config import SpecConfig
+from draftsmith.serve_eval.speculative.proposers.base import TargetFeatures
+from draftsmith.serve_eval.speculative.proposers.eagle import EagleProposer
+from draftsmith.serve_eval.speculative.proposers.eagle3 import Eagle3Proposer
+from draftsmith.serve_eval.speculative.tree_dynamic import DynamicTreeBuilder
 from spec_helpers import Seq, params
 from tiny_models import save_tiny_model
-from serve_eval.speculative.verify import VerifyResult
+from draftsmith.serve_eval.speculative.verify import VerifyResult
 
 VOCAB, HIDDEN = 96, 32
 

@@ -9,11 +9,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from serve_eval.speculative.proposers import eagle_tree
-from serve_eval.speculative.proposers.tree_attention import TreeStepLayout
-from serve_eval.speculative.tree_budget import TreeBudget, VerifyCostCurve
-from serve_eval.speculative.tree_dynamic import DynamicTreeBuilder
-from serve_eval.speculative.verify import VerifyResult
+from draftsmith.serve_eval.speculative.proposers import eagle_tree
+from draftsmith.serve_eval.speculative.proposers.tree_attention import TreeStepLayout
+from draftsmith.serve_eval.speculative.tree_budget import TreeBudget, VerifyCostCurve
+from draftsmith.serve_eval.speculative.tree_dynamic import DynamicTreeBuilder
+from draftsmith.serve_eval.speculative.verify import VerifyResult
 from spec_helpers import Seq, params
 from test_eagle_proposer import PROPOSERS, TARGET, VOCAB, feature_table, feats, make_draft
 

@@ -8,16 +8,16 @@ import pytest
 import torch
 from torch import nn
 
-from kernels.layers.checkpoint import load_target_embed_and_head
-from drafts.identity import target_fingerprint
-from drafts.io import save_draft
-from drafts.medusa import MedusaDraft
-from kernels.sampling import logits_to_probs, sample
-from serve_eval.engine.model_executor import ModelExecutor
-from serve_eval.speculative.config import SpecConfig
-from serve_eval.speculative.proposers.base import TargetFeatures
-from serve_eval.speculative.proposers.medusa import MedusaProposer
-from serve_eval.speculative.tree import TreeShape
+from draftsmith.kernels.layers.checkpoint import load_target_embed_and_head
+from draftsmith.drafts.identity import target_fingerprint
+from draftsmith.drafts.io import save_draft
+from draftsmith.drafts.medusa import MedusaDraft
+from draftsmith.kernels.sampling import logits_to_probs, sample
+from draftsmith.serve_eval.engine.model_executor import ModelExecutor
+from draftsmith.serve_eval.speculative.config import SpecConfig
+from draftsmith.serve_eval.speculative.proposers.base import TargetFeatures
+from draftsmith.serve_eval.speculative.proposers.medusa import MedusaProposer
+from draftsmith.serve_eval.speculative.tree import TreeShape
 from spec_helpers import Seq, params
 from tiny_models import save_tiny_model
 

@@ -1,4 +1,4 @@
-"""serve_eval.speculative.proposers.ngram: prompt lookup, plus the Proposal / Proposer protocol basics."""
+"""draftsmith.serve_eval.speculative.proposers.ngram: prompt lookup, plus the Proposal / Proposer protocol basics."""
 
 from __future__ import annotations
 
@@ -10,11 +10,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kernels.sampling import logits_to_probs
-from serve_eval.speculative.proposers.base import Proposal, Proposer, empty_proposal, sampling_arrays
-from serve_eval.speculative.proposers.ngram import NgramProposer, lookup_continuation
-from serve_eval.speculative.tree import DraftTree
-from serve_eval.speculative.verify import verify_chain
+from draftsmith.kernels.sampling import logits_to_probs
+from draftsmith.serve_eval.speculative.proposers.base import Proposal, Proposer, empty_proposal, sampling_arrays
+from draftsmith.serve_eval.speculative.proposers.ngram import NgramProposer, lookup_continuation
+from draftsmith.serve_eval.speculative.tree import DraftTree
+from draftsmith.serve_eval.speculative.verify import verify_chain
 
 
 @dataclass

@@ -1,11 +1,11 @@
-"""serve_eval.speculative.policy: per-domain K, fallback on low alpha with probing, adaptive K; scripted alphas."""
+"""draftsmith.serve_eval.speculative.policy: per-domain K, fallback on low alpha with probing, adaptive K; scripted alphas."""
 
 from __future__ import annotations
 
 import pytest
 
-from serve_eval.speculative.metrics import expected_speedup
-from serve_eval.speculative.policy import SpecPolicy, SpecPolicyConfig, best_k
+from draftsmith.serve_eval.speculative.metrics import expected_speedup
+from draftsmith.serve_eval.speculative.policy import SpecPolicy, SpecPolicyConfig, best_k
 
 
 def config(**overrides) -> SpecPolicyConfig:

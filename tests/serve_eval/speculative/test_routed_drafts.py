@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import httpx
 
-from serve_eval.engine import EngineConfig, LLMEngine, SamplingParams
-from serve_eval.eval.recommend import DomainChoice, Recommendations, Thresholds, write_recommendations
-from serve_eval.speculative.config import SpecConfig
+from draftsmith.serve_eval.engine import EngineConfig, LLMEngine, SamplingParams
+from draftsmith.serve_eval.eval.recommend import DomainChoice, Recommendations, Thresholds, write_recommendations
+from draftsmith.serve_eval.speculative.config import SpecConfig
 from spec_helpers import feature_draft, greedy_reference, make_llama, run_engine, workload
 
 
@@ -43,13 +43,13 @@ def test_each_domain_speculates_with_its_recommended_draft_and_output_is_exact(t
 def test_a_routed_config_falls_back_below_each_domain_s_break_even(tmp_path):
     """The policy of a routed engine takes each domain's bar from its choices (the lowest where two
     temperatures speculate), the default's for unseen domains, and a bar the caller names wins."""
-    from serve_eval.speculative.policy import SpecPolicyConfig
+    from draftsmith.serve_eval.speculative.policy import SpecPolicyConfig
 
     on = lambda K, T, bar: DomainChoice(True, "ngram", K, T, fallback_below_alpha=bar)  # noqa: E731
     recs = Recommendations(Thresholds(), [on(2, 0.0, 0.3)], {"chat": [on(3, 0.0, 0.25), on(2, 1.0, 0.1)],
                                                              "prose": [DomainChoice(False, "no-spec", 0, 0.0)]})
     path = str(write_recommendations(recs, tmp_path / "recommendations.yaml"))
-    from serve_eval.speculative.policy import SpecPolicy
+    from draftsmith.serve_eval.speculative.policy import SpecPolicy
 
     routed = SpecPolicy(SpecConfig("routed", routes=path).policy)
     assert routed.config.min_alpha_by_domain == {"chat": 0.1}
@@ -73,8 +73,8 @@ def test_a_sampled_request_follows_the_temperature_choice(tmp_path):
 
 
 def test_the_server_serves_from_a_recommendations_file_and_shows_the_choice(tmp_path):
-    from serve_eval.server.run import ServeConfig, build_app
-    from serve_eval.server.testing import ServerThread, build_tiny_checkpoint
+    from draftsmith.serve_eval.server.run import ServeConfig, build_app
+    from draftsmith.serve_eval.server.testing import ServerThread, build_tiny_checkpoint
 
     target = build_tiny_checkpoint(tmp_path / "target", max_position=128)
     eagle = feature_draft("eagle", target, tmp_path / "eagle")

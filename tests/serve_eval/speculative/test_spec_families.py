@@ -7,8 +7,8 @@ import shutil
 
 import pytest
 
-from serve_eval.engine import EngineConfig, LLMEngine, SamplingParams
-from serve_eval.speculative.config import SpecConfig
+from draftsmith.serve_eval.engine import EngineConfig, LLMEngine, SamplingParams
+from draftsmith.serve_eval.speculative.config import SpecConfig
 from spec_helpers import feature_draft, greedy_reference, make_llama, proposer_available, run_engine, workload
 from test_executor import SHAPE, VOCAB
 
@@ -43,7 +43,7 @@ def setup(request, tmp_path_factory, family_checkpoint):
         if proposer_available(method):
             models[method] = feature_draft(method, target, root / method)
     if proposer_available("block"):
-        from kernels.layers.checkpoint import load_target_embed_and_head
+        from draftsmith.kernels.layers.checkpoint import load_target_embed_and_head
 
         models["block"] = feature_draft("block", target, root / "block", block_opts={"block_size": 5},
                                         init=lambda d: d.init_from_target(*load_target_embed_and_head(target)))

@@ -8,9 +8,9 @@ import shutil
 
 import pytest
 
-from serve_eval.engine import EngineConfig, LLMEngine, SamplingParams
-from serve_eval.speculative.config import SpecConfig
-from serve_eval.speculative.strategy import SpeculativeStrategy
+from draftsmith.serve_eval.engine import EngineConfig, LLMEngine, SamplingParams
+from draftsmith.serve_eval.speculative.config import SpecConfig
+from draftsmith.serve_eval.speculative.strategy import SpeculativeStrategy
 from spec_helpers import (OracleProposer, feature_draft, greedy_reference, make_llama, proposer_available,
                                 run_engine, workload)
 
@@ -31,7 +31,7 @@ def models(tmp_path_factory):
         if proposer_available(kind):
             out[kind] = feature_draft(kind, target, root / kind)
     if proposer_available("block"):  # the target's embedding and head: its blocks are not pure noise
-        from kernels.layers.checkpoint import load_target_embed_and_head
+        from draftsmith.kernels.layers.checkpoint import load_target_embed_and_head
 
         out["block"] = feature_draft("block", target, root / "block", block_opts={"block_size": 5},
                                      init=lambda d: d.init_from_target(*load_target_embed_and_head(target)))

@@ -1,4 +1,4 @@
-"""serve_eval.speculative.metrics: the definitions in its module docstring on scripted rounds, values computed by hand."""
+"""draftsmith.serve_eval.speculative.metrics: the definitions in its module docstring on scripted rounds, values computed by hand."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from serve_eval.speculative.metrics import (
+from draftsmith.serve_eval.speculative.metrics import (
     SpecMetrics,
     SpecStats,
     latency_summary,

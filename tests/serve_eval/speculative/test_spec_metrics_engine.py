@@ -9,12 +9,12 @@ import math
 import pytest
 import torch
 
-from serve_eval.engine import EngineConfig, LLMEngine, SamplingParams
-from serve_eval.speculative.config import SpecConfig
-from serve_eval.speculative.policy import SpecPolicyConfig
-from serve_eval.speculative.proposers.base import Proposal, Proposer
-from serve_eval.speculative.strategy import SpeculativeStrategy
-from serve_eval.speculative.tree import DraftTree
+from draftsmith.serve_eval.engine import EngineConfig, LLMEngine, SamplingParams
+from draftsmith.serve_eval.speculative.config import SpecConfig
+from draftsmith.serve_eval.speculative.policy import SpecPolicyConfig
+from draftsmith.serve_eval.speculative.proposers.base import Proposal, Proposer
+from draftsmith.serve_eval.speculative.strategy import SpeculativeStrategy
+from draftsmith.serve_eval.speculative.tree import DraftTree
 from spec_helpers import VOCAB, greedy_reference, make_llama, run_engine
 
 ENGINE = dict(block_size=4, max_model_len=120, num_gpu_blocks=200)

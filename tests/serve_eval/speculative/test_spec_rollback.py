@@ -7,11 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.attention import AttentionMetadata
-from serve_eval.engine import EngineConfig, LLMEngine, SamplingParams, SequenceStatus
-from serve_eval.engine.model_executor import ModelExecutor
-from serve_eval.speculative.config import SpecConfig
-from serve_eval.speculative.strategy import SpeculativeStrategy
+from draftsmith.kernels.attention import AttentionMetadata
+from draftsmith.serve_eval.engine import EngineConfig, LLMEngine, SamplingParams, SequenceStatus
+from draftsmith.serve_eval.engine.model_executor import ModelExecutor
+from draftsmith.serve_eval.speculative.config import SpecConfig
+from draftsmith.serve_eval.speculative.strategy import SpeculativeStrategy
 from spec_helpers import OracleProposer, greedy_reference, make_llama, noisy_copy, run_engine, workload
 
 ENGINE = dict(block_size=4, max_model_len=96, prefill_chunk_size=16, max_num_batched_tokens=96,

@@ -42,10 +42,10 @@ import numpy as np
 import pytest
 import torch
 
-from kernels.sampling import logits_to_probs
-from serve_eval.engine import EngineConfig, LLMEngine, SamplingParams
-from serve_eval.speculative.config import SpecConfig
-from serve_eval.speculative.policy import SpecPolicyConfig
+from draftsmith.kernels.sampling import logits_to_probs
+from draftsmith.serve_eval.engine import EngineConfig, LLMEngine, SamplingParams
+from draftsmith.serve_eval.speculative.config import SpecConfig
+from draftsmith.serve_eval.speculative.policy import SpecPolicyConfig
 from spec_helpers import feature_draft, make_llama, noisy_copy
 from stats_helpers import chi_square_fit, total_variation, worst_case_perturbation
 
@@ -77,7 +77,7 @@ def models(tmp_path_factory):
     target = make_llama(root / "target", vocab=V, hidden=16, layers=1, seed=0, init=0.6)
     draft = noisy_copy(target, root / "draft", noise=0.06, seed=3)
     medusa = feature_draft("medusa", target, root / "medusa", seed=7)
-    from kernels.layers.checkpoint import load_target_embed_and_head
+    from draftsmith.kernels.layers.checkpoint import load_target_embed_and_head
 
     block = feature_draft("block", target, root / "block", seed=5, block_opts={"block_size": K + 1},
                           init=lambda d: d.init_from_target(*load_target_embed_and_head(target)))

@@ -1,4 +1,4 @@
-"""serve_eval.speculative.tree: draft tree structure, static shapes, dynamic (EAGLE-2-style) construction."""
+"""draftsmith.serve_eval.speculative.tree: draft tree structure, static shapes, dynamic (EAGLE-2-style) construction."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from serve_eval.speculative.tree import DraftTree, TreeShape, check_node_budget
-from serve_eval.speculative.tree_dynamic import DynamicTreeBuilder
+from draftsmith.serve_eval.speculative.tree import DraftTree, TreeShape, check_node_budget
+from draftsmith.serve_eval.speculative.tree_dynamic import DynamicTreeBuilder
 
 
 def test_from_paths_orders_by_depth_and_links_parents():

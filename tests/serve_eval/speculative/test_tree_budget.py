@@ -1,4 +1,4 @@
-"""serve_eval.speculative.tree_budget: the tree shape chooser on scripted costs and acceptances, the online
+"""draftsmith.serve_eval.speculative.tree_budget: the tree shape chooser on scripted costs and acceptances, the online
 calibration, the verify cost curve, and the budgeted dynamic builder (in the engine: probed and fed)."""
 
 from __future__ import annotations
@@ -10,12 +10,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from serve_eval.engine import EngineConfig, LLMEngine, SamplingParams
-from serve_eval.speculative.config import SpecConfig
-from serve_eval.speculative.tree import DraftTree
-from serve_eval.speculative.tree_budget import (AcceptanceCalibration, TreeBudget, TreeBudgetConfig, VerifyCostCurve,
+from draftsmith.serve_eval.engine import EngineConfig, LLMEngine, SamplingParams
+from draftsmith.serve_eval.speculative.config import SpecConfig
+from draftsmith.serve_eval.speculative.tree import DraftTree
+from draftsmith.serve_eval.speculative.tree_budget import (AcceptanceCalibration, TreeBudget, TreeBudgetConfig, VerifyCostCurve,
                                                 best_node_count, probe_token_counts)
-from serve_eval.speculative.tree_dynamic import DynamicTreeBuilder
+from draftsmith.serve_eval.speculative.tree_dynamic import DynamicTreeBuilder
 from spec_helpers import feature_draft, greedy_reference, make_llama, proposer_available, run_engine, workload
 
 

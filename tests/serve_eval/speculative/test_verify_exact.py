@@ -27,9 +27,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kernels.sampling import logits_to_probs, sample
-from serve_eval.speculative.tree import DraftTree, TreeShape
-from serve_eval.speculative.verify import (
+from draftsmith.kernels.sampling import logits_to_probs, sample
+from draftsmith.serve_eval.speculative.tree import DraftTree, TreeShape
+from draftsmith.serve_eval.speculative.verify import (
     BatchVerifyOutput,
     verify_batch,
     verify_chain,

@@ -7,10 +7,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kernels.sampling import logits_to_probs
-from serve_eval.speculative.tree import DraftTree, tree_ancestors, tree_depths
-from serve_eval.speculative.tree_dynamic import DynamicTreeBuilder
-from serve_eval.speculative.verify import verify_batch, verify_reference
+from draftsmith.kernels.sampling import logits_to_probs
+from draftsmith.serve_eval.speculative.tree import DraftTree, tree_ancestors, tree_depths
+from draftsmith.serve_eval.speculative.tree_dynamic import DynamicTreeBuilder
+from draftsmith.serve_eval.speculative.verify import verify_batch, verify_reference
 
 VOCAB = 6  # small, so random drafts often hit the target's argmax and paths get deep
 
@@ -147,7 +147,7 @@ def test_round_verify_equals_general_path_on_logits(drafts_spec, seed):
     mixing greedy and sampled sequences, chains and trees of different sizes."""
     from types import SimpleNamespace
 
-    from serve_eval.speculative.round_verify import SpecDraft, verify_round
+    from draftsmith.serve_eval.speculative.round_verify import SpecDraft, verify_round
 
     gen = torch.Generator().manual_seed(seed)
     drafts, seqs, root_rows, row = {}, [], {}, 0

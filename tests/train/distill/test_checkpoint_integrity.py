@@ -17,8 +17,8 @@ import pytest
 import torch
 from distill_fixtures import toy_records, train_toy
 
-from train.distill import checkpoint as ckpt
-from train.distill.manifest import MANIFEST_FILE
+from draftsmith.train.distill import checkpoint as ckpt
+from draftsmith.train.distill.manifest import MANIFEST_FILE
 
 
 def _truncate(path: Path) -> None:

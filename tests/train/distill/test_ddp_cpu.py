@@ -11,8 +11,8 @@ import torch
 import yaml
 from distill_fixtures import free_port
 
-from train.distill.data import ShardedResumableSampler
-from train.distill.launch import LauncherConfig, accelerate_config, relaunch_command
+from draftsmith.train.distill.data import ShardedResumableSampler
+from draftsmith.train.distill.launch import LauncherConfig, accelerate_config, relaunch_command
 
 REPO = Path(__file__).resolve().parents[3]
 ENV = {**os.environ, "DRAFTSMITH_NO_PROGRESS": "1", "OMP_NUM_THREADS": "1"}

@@ -23,9 +23,9 @@ def world(tmp_path_factory):
 
 
 def job(world, fn="distill", **extra):
-    from train.config import compose
-    from train.distill.run import run
-    from train.distill.dataset.job import run as generate
+    from draftsmith.train.config import compose
+    from draftsmith.train.distill.run import run
+    from draftsmith.train.distill.dataset.job import run as generate
 
     tmp, target, corpus = world
     cfg = compose(overrides(tmp, target, corpus, **{**FAST, **extra}))
@@ -37,8 +37,8 @@ def test_tokenizer_mismatch_names_the_token(world, tmp_path):
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    from drafts.io import save_draft
-    from drafts.standalone import StandaloneDraft
+    from draftsmith.drafts.io import save_draft
+    from draftsmith.drafts.standalone import StandaloneDraft
 
     draft_dir = tmp_path / "foreign"
     save_draft(StandaloneDraft.from_target_config(world[1]), draft_dir)
@@ -95,8 +95,8 @@ def test_hidden_cache_over_disk_cap_refused_before_start(world):
 
 def test_init_from_other_kind(world, tmp_path):
     """init_from pointing at a draft of another kind names both kinds."""
-    from drafts.io import save_draft
-    from drafts.medusa import MedusaDraft
+    from draftsmith.drafts.io import save_draft
+    from draftsmith.drafts.medusa import MedusaDraft
 
     medusa_dir = save_draft(MedusaDraft.from_target_config(world[1]), tmp_path / "medusa")
     with pytest.raises(ValueError, match="holds a 'medusa' draft, this job trains 'eagle'"):

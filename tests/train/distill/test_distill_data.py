@@ -6,9 +6,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from serve_eval.speculative.metrics import simulated_tau
-from train.distill.data import ShardedResumableSampler, collate_token_sequences, eval_shard_batches
-from train.distill.trainer_config import lr_factor
+from draftsmith.serve_eval.speculative.metrics import simulated_tau
+from draftsmith.train.distill.data import ShardedResumableSampler, collate_token_sequences, eval_shard_batches
+from draftsmith.train.distill.trainer_config import lr_factor
 
 
 def test_collate_pads_and_masks() -> None:

@@ -4,7 +4,7 @@ installed): the CLI relaunches itself under torchrun, each rank trains on its ow
 replicas end bitwise equal (sharded launchers: the export gathers the shards), and the exported draft is
 those weights and loads.
 
-Every job is a real subprocess started the way a user starts it (`python -m train.cli distill ...`). The
+Every job is a real subprocess started the way a user starts it (`python -m draftsmith.train.cli distill ...`). The
 tiny target and its distillation data are built once, in this process; the eight jobs then run at the
 same time (each waits on its own torchrun), which keeps the file within its time budget on 2 cores. The
 first job prepares target and data itself like a user's would (a cache hit); the others are handed this
@@ -47,8 +47,8 @@ PREFIX = {"medusa": "heads."}  # how the objective's module names the draft's pa
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
     """Tiny target, corpus and its distillation data; then every job of JOBS, run concurrently."""
-    from train.config import compose
-    from train.distill.run import PREPARED_ENV, prepare
+    from draftsmith.train.config import compose
+    from draftsmith.train.distill.run import PREPARED_ENV, prepare
 
     torch.set_num_threads(1)
     tmp = tmp_path_factory.mktemp("ddp_kinds")
@@ -60,7 +60,7 @@ def world(tmp_path_factory):
         if launcher.startswith("deepspeed") and not HAS_DEEPSPEED:
             continue
         env = ENV if index == 0 else {**ENV, PREPARED_ENV: json.dumps(prepared.__dict__)}
-        command = [sys.executable, "-m", "train.cli", "distill", f"draft={kind}", f"launcher={launcher}",
+        command = [sys.executable, "-m", "draftsmith.train.cli", "distill", f"draft={kind}", f"launcher={launcher}",
                    f"launcher.main_process_port={free_port()}", *base]
         log = (tmp / f"{kind}-{launcher}.log").open("w")
         jobs[kind, launcher] = (subprocess.Popen(command, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT), log)
@@ -109,7 +109,7 @@ def test_distill_two_ranks(world, kind, launcher):
     drew disjoint examples that together cover the epoch, and ended with identical trainable weights;
     rank 0 logged the training; the exported draft holds exactly those weights, loads as its kind against
     the target and gives finite logits."""
-    from drafts.io import load_draft
+    from draftsmith.drafts.io import load_draft
 
     tmp, target, _, _ = world
     out, run_dir, _ = _job(world, kind, launcher)

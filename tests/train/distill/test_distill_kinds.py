@@ -25,8 +25,8 @@ def world(tmp_path_factory):
 
 def distill(world, **extra):
     """Run the distill job in-process; returns (draft dir, eval records of metrics.jsonl)."""
-    from train.config import compose
-    from train.distill.run import run
+    from draftsmith.train.config import compose
+    from draftsmith.train.distill.run import run
 
     key = tuple(sorted(extra.items()))
     if key in _RUNS:  # the same job twice in one module: reuse it (they are deterministic)
@@ -54,7 +54,7 @@ def distill(world, **extra):
 ])
 def test_kind_trains_and_held_out_loss_drops(world, kind, extra):
     """A few optimizer steps lower the held-out loss, and the exported dir loads back as that kind."""
-    from drafts.io import load_draft
+    from draftsmith.drafts.io import load_draft
 
     out, evals = distill(world, draft=kind, **extra)
     assert evals[-1]["eval/loss"] < evals[0]["eval/loss"]
@@ -94,7 +94,7 @@ def test_init_from_warm_starts(world):
 
 def test_topk_to_logprobs_keeps_topk_and_normalises():
     """Stored top-k log-probs become a full distribution: top-k entries kept, the rest share the remaining mass."""
-    from train.distill.objectives.standalone import topk_to_logprobs
+    from draftsmith.train.distill.objectives.standalone import topk_to_logprobs
 
     ids = torch.tensor([[2, 0]])
     logprobs = torch.log(torch.tensor([[0.5, 0.3]]))

@@ -1,4 +1,4 @@
-"""train.distill.dataset (draftsmith generate): answers are the target's own greedy continuations through the engine; stored hidden
+"""draftsmith.train.distill.dataset (draftsmith generate): answers are the target's own greedy continuations through the engine; stored hidden
 states / top-k are one teacher-forced forward of the target; shards resume; the manifest names the target."""
 import json
 import os
@@ -19,8 +19,8 @@ def world(tmp_path_factory):
 
 
 def generate(world, **extra):
-    from train.config import compose
-    from train.distill.dataset.job import run
+    from draftsmith.train.config import compose
+    from draftsmith.train.distill.dataset.job import run
 
     tmp, target, corpus = world
     base = {"draft": "eagle3", "draft.mode": "offline", "draft.data.topk_logits": "4", "draft.data.max_new_tokens": "6",
@@ -35,13 +35,13 @@ def test_answers_are_target_greedy_and_extras_match_a_forward(world, capsys):
     """Each answer equals HF greedy decoding of the target; hidden/aux/top-k equal a fresh forward (bf16)."""
     from transformers import AutoModelForCausalLM
 
-    from train.distill.gendata import DistillDataset, Manifest
-    from train.distill.objectives.teacher import Teacher
+    from draftsmith.train.distill.gendata import DistillDataset, Manifest
+    from draftsmith.train.distill.objectives.teacher import Teacher
 
     out = generate(world)
     assert "estimated at up to" in capsys.readouterr().out  # size estimate printed before starting
     manifest = Manifest.read(out)
-    from drafts.identity import target_fingerprint
+    from draftsmith.drafts.identity import target_fingerprint
 
     assert manifest.target_fingerprint == target_fingerprint(world[1]) and manifest.complete
     assert manifest.sampling["temperature"] == 0.0 and manifest.extras.aux_layers == [2, 2, 1]
@@ -82,7 +82,7 @@ def test_resume_skips_complete_shards(world):
 
 def test_sampled_answers_do_not_depend_on_sharding(world):
     """Per-prompt seeds: temperature sampling gives the same answers whatever the shard size."""
-    from train.distill.gendata import DistillDataset
+    from draftsmith.train.distill.gendata import DistillDataset
 
     runs = [DistillDataset(generate(world, **{"draft": "standalone", "draft.data.temperature": "1.0",
                                               "draft.data.topk_logits": "0", "draft.data.shard_size": size}))

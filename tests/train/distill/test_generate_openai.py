@@ -10,11 +10,11 @@ import time
 
 import pytest
 
-from drafts.identity import target_fingerprint
-from drafts.schemas import DraftDataConfig
-from train.distill.gendata import Manifest, StoredExtras, shard_complete
-from train.external_gen import EndpointConfig, EndpointError, OpenAIGenerator
-from train.distill.dataset.build import generate_dataset
+from draftsmith.drafts.identity import target_fingerprint
+from draftsmith.drafts.schemas import DraftDataConfig
+from draftsmith.train.distill.gendata import Manifest, StoredExtras, shard_complete
+from draftsmith.train.external_gen import EndpointConfig, EndpointError, OpenAIGenerator
+from draftsmith.train.distill.dataset.build import generate_dataset
 from server_helpers import make_engine, serve, tiny_checkpoint
 
 NONE = StoredExtras(final_hidden=False, aux_layers=[], topk=0)
@@ -37,7 +37,7 @@ def rows(cache_dir):
 
     ds = datasets.load_from_disk(str(cache_dir / "dataset")) if (cache_dir / "dataset").is_dir() else None
     if ds is None:
-        from train.distill.gendata import shard_paths
+        from draftsmith.train.distill.gendata import shard_paths
 
         ds = datasets.concatenate_datasets([datasets.Dataset.from_parquet(str(shard_paths(cache_dir, i)[0]))
                                             for i in range(3)])
@@ -109,7 +109,7 @@ SERVER_MAX_LOGPROBS = 20  # serve_eval.server.protocol's cap on top_logprobs
 def _stored_topk(cache_dir, example_id):
     from safetensors import safe_open
 
-    from train.distill.gendata import shard_paths
+    from draftsmith.train.distill.gendata import shard_paths
 
     shard = example_id // data().shard_size
     with safe_open(str(shard_paths(cache_dir, shard)[1]), "pt") as tensors:
@@ -123,7 +123,7 @@ def test_endpoint_topk_logprobs_are_stored_as_the_targets(ckpt, tmp_path):
     Prints the loopback throughput of this run (noisy: a shared 2-core machine)."""
     import torch
 
-    from train.distill.objectives.teacher import Teacher
+    from draftsmith.train.distill.objectives.teacher import Teacher
 
     out = tmp_path / "topk"
     with serve(make_engine(ckpt)) as srv:

@@ -2,8 +2,8 @@
 
 import pytest
 
-from kernels import precision
-from train.distill.launch import resolve_mixed_precision
+from draftsmith.kernels import precision
+from draftsmith.train.distill.launch import resolve_mixed_precision
 
 
 @pytest.mark.parametrize("fast, expected", [(True, "bf16"), (False, "no")])
@@ -21,7 +21,7 @@ def test_explicit_settings_pass_through_unprobed(monkeypatch):
 
 
 def test_training_threads_are_the_process_share_of_the_cores(monkeypatch):
-    from train.distill import launch
+    from draftsmith.train.distill import launch
 
     monkeypatch.setattr(launch, "available_cores", lambda: 8)
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)

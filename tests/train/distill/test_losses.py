@@ -11,7 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from train import losses
+from draftsmith.train import losses
 
 P = [0.8, 0.2]
 Q = [0.5, 0.5]

@@ -12,8 +12,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from train.distill import checkpoint as ckpt
-from train.distill.launch import LauncherConfig, relaunch_command
+from draftsmith.train.distill import checkpoint as ckpt
+from draftsmith.train.distill.launch import LauncherConfig, relaunch_command
 
 REPO = Path(__file__).resolve().parents[3]
 TOY = REPO / "tests" / "distill_toy.py"

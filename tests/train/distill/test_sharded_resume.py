@@ -20,8 +20,8 @@ import torch
 from distill_fixtures import free_port
 from distill_toy import ToyDraft
 
-from train.distill import checkpoint as ckpt
-from train.distill.launch import LauncherConfig, relaunch_command
+from draftsmith.train.distill import checkpoint as ckpt
+from draftsmith.train.distill.launch import LauncherConfig, relaunch_command
 
 REPO = Path(__file__).resolve().parents[3]
 ENV = {**os.environ, "DRAFTSMITH_NO_PROGRESS": "1", "OMP_NUM_THREADS": "1"}
@@ -133,7 +133,7 @@ def test_killed_sharded_run_resumes_exactly_and_exports(runs, launcher):
 def test_zero3_plugin_gathers_weights_for_export_and_fsdp2_strategies_are_checked():
     """The ZeRO-3 plugin asks DeepSpeed to gather full weights on save (export needs them; ZeRO-2 holds
     full parameters anyway); FSDP2 has no NO_SHARD/HYBRID_SHARD, which validate names."""
-    from train.distill.launch import _deepspeed_plugin
+    from draftsmith.train.distill.launch import _deepspeed_plugin
 
     with pytest.raises(ValueError, match="launcher.fsdp_sharding_strategy"):
         LauncherConfig(strategy="fsdp", num_processes=2, fsdp_sharding_strategy="NO_SHARD").validate()

@@ -1,5 +1,5 @@
 """Online EAGLE-1, EAGLE-3, Medusa and the standalone draft's on-policy token KD with the frozen target sharded across 2 gloo ranks (FSDP2 `fully_shard`,
-`launcher.shard_target`), run really distributed: `python -m train.cli distill ... launcher=fsdp_target` relaunches
+`launcher.shard_target`), run really distributed: `python -m draftsmith.train.cli distill ... launcher=fsdp_target` relaunches
 itself under torchrun, as a user's job would.
 
 Checked per job: a world of 2, each rank holding about half of the target's weights; disjoint training examples
@@ -53,8 +53,8 @@ def _torchrun(module: str, *args: str) -> list[str]:
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
     """The tiny target and its data, then every job of JOBS and one teacher probe per family, all at once."""
-    from train.config import compose
-    from train.distill.run import PREPARED_ENV, prepare
+    from draftsmith.train.config import compose
+    from draftsmith.train.distill.run import PREPARED_ENV, prepare
 
     torch.set_num_threads(1)
     tmp = tmp_path_factory.mktemp("sharded_target")
@@ -64,7 +64,7 @@ def world(tmp_path_factory):
     env = {**ENV, PREPARED_ENV: json.dumps(prepared.__dict__)}
     started = {}
     for kind, launcher, extra in JOBS:
-        command = [sys.executable, "-m", "train.cli", "distill", f"draft={kind}", f"launcher={launcher}",
+        command = [sys.executable, "-m", "draftsmith.train.cli", "distill", f"draft={kind}", f"launcher={launcher}",
                    f"launcher.main_process_port={free_port()}", *extra, *base]
         started[kind, launcher] = (command, tmp / f"{kind}-{launcher}.log")
     for family in FAMILIES:
@@ -95,7 +95,7 @@ def test_sharded_teacher_forward_equals_the_unsharded_one(world, family):
 
 @pytest.mark.parametrize("kind,launcher,extra", JOBS)
 def test_online_draft_trains_against_a_sharded_target(world, kind, launcher, extra):
-    from drafts.io import load_draft
+    from draftsmith.drafts.io import load_draft
 
     tmp, target, prepared, _ = world
     log = _finished(world, (kind, launcher))
@@ -130,9 +130,9 @@ def test_bad_input_is_one_line():
     """shard_target on one process, on a target that trains (Medusa-2), or with no process group: one line each."""
     from types import SimpleNamespace
 
-    from train.distill.launch import LauncherConfig
-    from train.distill.objectives.teacher import Teacher
-    from train.distill.run import frozen_target
+    from draftsmith.train.distill.launch import LauncherConfig
+    from draftsmith.train.distill.objectives.teacher import Teacher
+    from draftsmith.train.distill.run import frozen_target
 
     with pytest.raises(ValueError, match="launcher.shard_target: sharding the target needs more than one process"):
         LauncherConfig(shard_target=True).validate()

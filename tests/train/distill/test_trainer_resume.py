@@ -8,7 +8,7 @@ import pytest
 import torch
 from distill_fixtures import toy_records, train_toy
 
-from train.distill import checkpoint as ckpt
+from draftsmith.train.distill import checkpoint as ckpt
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +69,7 @@ def test_rng_state_round_trip_needs_no_pickle(tmp_path: Path) -> None:
 
     import numpy as np
 
-    from train.distill.state_io import load_state_tree, save_state_tree
+    from draftsmith.train.distill.state_io import load_state_tree, save_state_tree
 
     state = ckpt.capture_rng_state()
     expected = (random.random(), float(np.random.rand()), float(torch.rand(1)))

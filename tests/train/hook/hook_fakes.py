@@ -12,14 +12,14 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from serve_eval.eval.report import Report, ResultRow, SkippedEntry
-from serve_eval.eval.report import TargetInfo as ReportTarget
-from serve_eval.eval.report_files import write_report
-from train.hook.cli import run_hook
-from train.hook.collaborators import Collaborators
-from train.hook.state import HookOptions
-from train.registry.records import RegisteredTarget
-from train.registry.store import Registry
+from draftsmith.serve_eval.eval.report import Report, ResultRow, SkippedEntry
+from draftsmith.serve_eval.eval.report import TargetInfo as ReportTarget
+from draftsmith.serve_eval.eval.report_files import write_report
+from draftsmith.train.hook.cli import run_hook
+from draftsmith.train.hook.collaborators import Collaborators
+from draftsmith.train.hook.state import HookOptions
+from draftsmith.train.registry.records import RegisteredTarget
+from draftsmith.train.registry.store import Registry
 
 DOMAINS = ["chat", "code", "math", "prose"]
 OLD = {"chat": 0.70, "code": 0.75, "math": 0.68, "prose": 0.72}

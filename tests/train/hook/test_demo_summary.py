@@ -8,8 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from demo_target_update_summary import over_seeds, render, render_over_seeds, share_interval, summarize, time_ratios
-from serve_eval.eval.report import Report, ResultRow, TargetInfo
-from serve_eval.eval.report_files import write_report
+from draftsmith.serve_eval.eval.report import Report, ResultRow, TargetInfo
+from draftsmith.serve_eval.eval.report_files import write_report
 
 
 def report(path, alphas: dict[str, tuple[float, list[float]]]):

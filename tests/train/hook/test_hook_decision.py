@@ -16,13 +16,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from serve_eval.eval.report_files import write_report
-from train.hook import decision as rules
-from train.hook.cli import main, run_hook
-from train.hook.collaborators import Collaborators
-from train.hook.state import HookOptions
-from train.registry.records import RegisteredTarget
-from train.registry.store import Registry
+from draftsmith.serve_eval.eval.report_files import write_report
+from draftsmith.train.hook import decision as rules
+from draftsmith.train.hook.cli import main, run_hook
+from draftsmith.train.hook.collaborators import Collaborators
+from draftsmith.train.hook.state import HookOptions
+from draftsmith.train.registry.records import RegisteredTarget
+from draftsmith.train.registry.store import Registry
 
 from hook_fakes import (DOMAINS, NEW_CODE_DROP, OLD, CurveDistiller, FakeDistiller, FakeEvaluator, FakeLoader,  # noqa: E402
                         FakeRegenerator, hook, make_draft, make_target, row)
@@ -234,10 +234,10 @@ def test_cli_key_values_and_exit_codes(world, capsys):
 def test_real_collaborators_say_when_their_module_is_missing(world):
     """Wired by name: a collaborator module that is not in the checkout fails the run with exit 2 and says which."""
     world.install(NEW_CODE_DROP)
-    collab = Collaborators.real({"evaluator": "serve_eval.eval.no_such_harness:evaluate"})
+    collab = Collaborators.real({"evaluator": "draftsmith.serve_eval.eval.no_such_harness:evaluate"})
     collab.loader = FakeLoader()
     code, record, _ = run_hook(HookOptions(world.new, world.registry.root), collab)
-    assert code == 2 and "module serve_eval.eval.no_such_harness is not installed" in record["errors"][0]
+    assert code == 2 and "module draftsmith.serve_eval.eval.no_such_harness is not installed" in record["errors"][0]
 
 
 def test_unchanged_target_needs_nothing(world):
@@ -263,12 +263,12 @@ def named_distill(*, kind, target_dir, data, init_from, out_dir, parent_run, ove
 
 
 def test_dispatcher_wires_jobs_by_name_and_exits_with_the_hook_code(world):
-    """`python -m train.cli hook ...` in a fresh process: collaborators by name, pass-through overrides, exit 3."""
+    """`python -m draftsmith.train.cli hook ...` in a fresh process: collaborators by name, pass-through overrides, exit 3."""
     world.install(NEW_CODE_DROP)
     candidate = world.tmp / "candidate.json"
     candidate.write_text(json.dumps({"new": {"chat": 0.70, "code": 0.74, "math": 0.68, "prose": 0.60}}))
     mod = "test_hook_decision"
-    argv = [sys.executable, "-m", "train.cli", "hook", "target-updated", f"target.path={world.new}",
+    argv = [sys.executable, "-m", "draftsmith.train.cli", "hook", "target-updated", f"target.path={world.new}",
             f"baseline={world.old}", f"registry={world.registry.root}", f"hook.evaluator={mod}:named_evaluate",
             f"hook.regenerator={mod}:named_regenerate", f"hook.distiller={mod}:named_distill",
             f"hook.loader={mod}:FakeLoader", f"fake.candidate={candidate}"]
@@ -282,9 +282,9 @@ def test_dispatcher_wires_jobs_by_name_and_exits_with_the_hook_code(world):
 def test_real_load_check_catches_a_shape_change(tmp_path):
     """DraftIOLoader (the default) accepts a medusa draft on a same-shaped target of another fingerprint and
     refuses it, naming hidden_size, when the new target's hidden size changed."""
-    from drafts.io import save_draft
-    from drafts.medusa import MedusaConfig, MedusaDraft
-    from train.hook.collaborators import DraftIOLoader
+    from draftsmith.drafts.io import save_draft
+    from draftsmith.drafts.medusa import MedusaConfig, MedusaDraft
+    from draftsmith.train.hook.collaborators import DraftIOLoader
 
     draft = save_draft(MedusaDraft(MedusaConfig(hidden_size=64, vocab_size=128, num_heads=2)), tmp_path / "medusa",
                        target_fingerprint="0" * 16)
@@ -299,7 +299,7 @@ def test_real_load_check_catches_a_shape_change(tmp_path):
 def test_a_serving_drift_event_redistills_that_slice_on_the_same_target(world, capsys):
     """`hook drift EVENT`: the server's event names the target and the slice; the target is unchanged,
     yet the served draft is re-distilled on that domain (plus replay), warm-started, and promoted."""
-    from serve_eval.server.drift import DriftEvent
+    from draftsmith.serve_eval.server.drift import DriftEvent
 
     steady = {"chat": 0.70, "code": 0.75, "math": 0.675, "prose": 0.72}
     draft = make_draft(world.tmp / "served-draft", {"new": steady})

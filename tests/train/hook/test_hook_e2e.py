@@ -22,7 +22,7 @@ os.environ.setdefault("DRAFTSMITH_NO_PROGRESS", "1")
 @pytest.fixture(scope="module")
 def demo(tmp_path_factory):
     from demo_target_update import DemoConfig, run_demo
-    from train.finetune import FinetuneConfig
+    from draftsmith.train.finetune import FinetuneConfig
 
     torch.set_num_threads(1)
     tmp = tmp_path_factory.mktemp("hook_e2e")
@@ -41,7 +41,7 @@ def demo(tmp_path_factory):
 
 def test_target_update_gives_a_new_fingerprint_with_lineage(demo):
     """The fine-tuned target is a new checkpoint (other fingerprint, same vocabulary) that names its base."""
-    from drafts.identity import target_fingerprint
+    from draftsmith.drafts.identity import target_fingerprint
 
     tmp, target, summary = demo
     new_dir = Path(summary["new_target"])
@@ -76,7 +76,7 @@ def test_registry_follows_the_record(demo):
     """Old target: the demo's promoted draft. New target: the candidate is promoted iff the record says so,
     else the old draft is carried over as the promoted one; the candidate was warm-started (its metrics
     name the old draft's run lineage field) and trained for the hook's step budget."""
-    from train.registry.store import Registry
+    from draftsmith.train.registry.store import Registry
 
     tmp, _, summary = demo
     registry = Registry(tmp / "artifacts")
@@ -125,8 +125,8 @@ def test_demo_table_carries_the_record_figures(demo):
 def test_the_candidates_lineage_is_logged_offline_and_reads_back(demo):
     """W&B offline (the demo's default): the hook's candidate carries target -> data -> draft -> report in
     the registry, and the offline run files under the artifacts' wandb dir hold the same chain."""
-    from train.registry.lineage import logged_chain
-    from train.registry.store import Registry
+    from draftsmith.train.registry.lineage import logged_chain
+    from draftsmith.train.registry.store import Registry
 
     tmp, _, summary = demo
     draft = json.loads(Path(summary["decision_record"]).read_text())["drafts"][0]
@@ -144,8 +144,8 @@ def test_the_candidates_lineage_is_logged_offline_and_reads_back(demo):
 def test_planned_records_keep_the_full_jobs_prompts_per_share():
     """A regressed domain (share 1) gets exactly the prompts a from-scratch job would use; a replayed one
     (share 0.25) a prefix of them; a domain outside the plan none; a share outside [0, 1] is refused."""
-    from train.distill.dataset.settings import interleave_domains
-    from train.hook.jobs import planned_records
+    from draftsmith.train.distill.dataset.settings import interleave_domains
+    from draftsmith.train.hook.jobs import planned_records
 
     records = [{"domain": d, "prompt": f"{d}{i}", "reference": ""} for d in ("code", "math", "chat") for i in range(10)]
     full = interleave_domains(records, 24)  # 8 per domain
@@ -161,7 +161,7 @@ def test_planned_records_keep_the_full_jobs_prompts_per_share():
 
 def test_finetune_bad_input_names_the_field(tmp_path):
     """An unknown domain names the corpus's domains; writing over the base target is refused."""
-    from train.finetune import FinetuneConfig, domain_texts, finetune
+    from draftsmith.train.finetune import FinetuneConfig, domain_texts, finetune
 
     with pytest.raises(ValueError, match="domain 'legal'.*code, math"):
         domain_texts([{"domain": "code", "prompt": "a", "reference": "b"},

@@ -6,12 +6,12 @@ from __future__ import annotations
 import pytest
 
 from hook_fakes import NEW_CODE_DROP, CurveDistiller, FakeEvaluator, FakeLoader, FakeRegenerator
-from train.hook import decision as rules
-from train.hook.cli import run_hook
-from train.hook.collaborators import Collaborators
-from train.hook.state import HookOptions
-from train.logs import WandbSettings
-from train.registry.lineage import WandbLineage, logged_chain
+from draftsmith.train.hook import decision as rules
+from draftsmith.train.hook.cli import run_hook
+from draftsmith.train.hook.collaborators import Collaborators
+from draftsmith.train.hook.state import HookOptions
+from draftsmith.train.logs import WandbSettings
+from draftsmith.train.registry.lineage import WandbLineage, logged_chain
 
 pytest.importorskip("wandb")
 

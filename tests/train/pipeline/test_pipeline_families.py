@@ -13,7 +13,7 @@ REPO = Path(__file__).resolve().parents[3]
 
 
 def tiny_qwen3_moe(out: Path) -> Path:
-    from serve_eval.server.testing import build_tiny_tokenizer
+    from draftsmith.serve_eval.server.testing import build_tiny_tokenizer
 
     tok = build_tiny_tokenizer()
     decisive = Init(qk_norm_range=None, lm_head_std=0.5)  # decisive routing and next-token choices
@@ -25,7 +25,7 @@ def tiny_qwen3_moe(out: Path) -> Path:
 def test_smoke_pipeline_with_a_qwen3_moe_target(tmp_path):
     target = tiny_qwen3_moe(tmp_path / "target")
     env = {**os.environ, "DRAFTSMITH_NO_PROGRESS": "1", "OMP_WAIT_POLICY": "PASSIVE"}
-    proc = subprocess.run([sys.executable, "-m", "train.cli", "pipeline", "pipeline=smoke", f"target.path={target}",
+    proc = subprocess.run([sys.executable, "-m", "draftsmith.train.cli", "pipeline", "pipeline=smoke", f"target.path={target}",
                            f"artifacts_root={tmp_path / 'artifacts'}"], cwd=REPO, env=env, capture_output=True,
                           text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]

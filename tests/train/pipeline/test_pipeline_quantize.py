@@ -10,14 +10,14 @@ from types import SimpleNamespace
 
 import pytest
 
-from drafts.artifacts import Artifacts
-from drafts.quant import QuantRecord
-from train.config import compose
-from train.logs import init_wandb
-from train.pipeline.context import PipelineContext
-from train.pipeline.evaluate import eval_node
-from train.pipeline.quantize import planned_variants
-from train.pipeline.run import STAGES, run_stages
+from draftsmith.drafts.artifacts import Artifacts
+from draftsmith.drafts.quant import QuantRecord
+from draftsmith.train.config import compose
+from draftsmith.train.logs import init_wandb
+from draftsmith.train.pipeline.context import PipelineContext
+from draftsmith.train.pipeline.evaluate import eval_node
+from draftsmith.train.pipeline.quantize import planned_variants
+from draftsmith.train.pipeline.run import STAGES, run_stages
 
 
 def context(tmp_path: Path, *overrides: str) -> PipelineContext:
@@ -27,9 +27,9 @@ def context(tmp_path: Path, *overrides: str) -> PipelineContext:
 
 @pytest.fixture(scope="module")
 def standalone_draft(tmp_path_factory):
-    from drafts.io import save_draft
-    from drafts.standalone import StandaloneDraft
-    from serve_eval.server.testing import build_tiny_checkpoint
+    from draftsmith.drafts.io import save_draft
+    from draftsmith.drafts.standalone import StandaloneDraft
+    from draftsmith.serve_eval.server.testing import build_tiny_checkpoint
 
     root = tmp_path_factory.mktemp("pipeline-quant")
     target = build_tiny_checkpoint(root / "target", num_layers=2, hidden_size=64)
@@ -62,7 +62,7 @@ def test_a_bad_variant_setting_is_one_line_naming_the_field(entry, message):
 
 
 def test_a_bad_variant_setting_fails_at_job_start():
-    from train.pipeline.run import check_stage_configs
+    from draftsmith.train.pipeline.run import check_stage_configs
 
     cfg = compose(["pipeline=smoke", "pipeline.quantize=[{draft: standalone, bits: 3}]"])
     with pytest.raises(ValueError, match=r"pipeline.quantize\[0\]: quant.bits: 3"):

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from train.config import compose
-from train.pipeline.distill import draft_config, job_config, planned_kinds, union_extras
-from train.pipeline.evaluate import render_table, summary_rows
+from draftsmith.train.config import compose
+from draftsmith.train.pipeline.distill import draft_config, job_config, planned_kinds, union_extras
+from draftsmith.train.pipeline.evaluate import render_table, summary_rows
 
 REPO = Path(__file__).resolve().parents[3]
 KINDS = ["standalone", "medusa", "eagle", "eagle3"]
@@ -22,7 +22,7 @@ DOMAINS = ["chat", "code", "math", "prose"]
 
 def run_pipeline(*args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "DRAFTSMITH_NO_PROGRESS": "1", "OMP_WAIT_POLICY": "PASSIVE"}
-    return subprocess.run([sys.executable, "-m", "train.cli", "pipeline", "pipeline=smoke", *args], cwd=REPO, env=env,
+    return subprocess.run([sys.executable, "-m", "draftsmith.train.cli", "pipeline", "pipeline=smoke", *args], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=600)
 
 
@@ -105,9 +105,9 @@ def serve_from_the_pipelines_recommendations(report_path: Path, report: dict) ->
     proposed for by the recommended draft (in /metrics), or by none where speculation is off."""
     import httpx
 
-    from serve_eval.eval.recommend import load_recommendations
-    from serve_eval.server.run import ServeConfig, build_app
-    from serve_eval.server.testing import ServerThread
+    from draftsmith.serve_eval.eval.recommend import load_recommendations
+    from draftsmith.serve_eval.server.run import ServeConfig, build_app
+    from draftsmith.serve_eval.server.testing import ServerThread
 
     routes = report_path.parent / "recommendations.yaml"
     recs = load_recommendations(routes)
@@ -153,7 +153,7 @@ def test_kind_configs_compose_from_their_entries():
 
 def test_union_extras_covers_every_kind():
     """The one dataset stores what every kind needs: final hidden if any, EAGLE-3's aux layers, the largest top-k."""
-    from train.distill.gendata import StoredExtras
+    from draftsmith.train.distill.gendata import StoredExtras
 
     union = union_extras([StoredExtras(), StoredExtras(final_hidden=True), StoredExtras(True, [2, 4, 5]),
                           StoredExtras(topk=8)])
@@ -165,7 +165,7 @@ def test_union_extras_covers_every_kind():
 
 def test_summary_keeps_best_k_per_method_and_temperature():
     """The summary has one row per (domain, method, T), the K with the highest speed-up, no-spec first."""
-    from serve_eval.eval.report import ResultRow
+    from draftsmith.serve_eval.eval.report import ResultRow
 
     def row(method, K, speedup, alpha=None, T=0.0):
         return ResultRow(domain="code", method=method, K=K, temperature=T, alpha=alpha, tau=None, a_k=[],

@@ -12,13 +12,13 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from drafts.schemas import DraftDataConfig, Eagle3Schema, StandaloneSchema
-from train.config import compose
-from train.distill.gendata import Manifest, StoredExtras, find_covering
-from drafts.schemas import answer_temperature
-from train.distill.dataset.settings import cache_key, content_key
-from train.pipeline.run import check_stage_configs
-from train.recipes import check_recipe, recipe_warnings, reduced_vocab_size
+from draftsmith.drafts.schemas import DraftDataConfig, Eagle3Schema, StandaloneSchema
+from draftsmith.train.config import compose
+from draftsmith.train.distill.gendata import Manifest, StoredExtras, find_covering
+from draftsmith.drafts.schemas import answer_temperature
+from draftsmith.train.distill.dataset.settings import cache_key, content_key
+from draftsmith.train.pipeline.run import check_stage_configs
+from draftsmith.train.recipes import check_recipe, recipe_warnings, reduced_vocab_size
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -65,7 +65,7 @@ def test_pipeline_checks_recipes_before_any_stage_and_keeps_warnings():
 
 def test_bad_recipe_stops_the_cli_before_the_corpus(tmp_path):
     env = {**os.environ, "DRAFTSMITH_NO_PROGRESS": "1"}
-    proc = subprocess.run([sys.executable, "-m", "train.cli", "pipeline", "pipeline=smoke", f"artifacts_root={tmp_path}",
+    proc = subprocess.run([sys.executable, "-m", "draftsmith.train.cli", "pipeline", "pipeline=smoke", f"artifacts_root={tmp_path}",
                            "wandb.mode=disabled", "pipeline.data.sampled_fraction=1.5"],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0
@@ -125,8 +125,8 @@ def test_reduced_vocab_is_sized_by_coverage():
 def test_trainer_wall_clock_cap_stops_saves_and_logs(tmp_path, caplog):
     sys.path.insert(0, str(REPO / "tests"))
     from distill_toy import ToyDraft, ToyObjective, toy_dataset
-    from train.distill.trainer import Trainer
-    from train.distill.trainer_config import TrainerConfig
+    from draftsmith.train.distill.trainer import Trainer
+    from draftsmith.train.distill.trainer_config import TrainerConfig
 
     config = TrainerConfig(output_dir=str(tmp_path), max_steps=100_000, batch_size=4, lr=1e-2, max_minutes=0.002)
     trainer = Trainer(config, ToyObjective(), {"draft": ToyDraft()}, toy_dataset(16, seed=1), toy_dataset(4, seed=2),

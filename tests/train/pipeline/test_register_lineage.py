@@ -13,17 +13,17 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from drafts.artifacts import Artifacts
+from draftsmith.drafts.artifacts import Artifacts
 from test_registry import make_draft
-from train.config import compose
-from train.logs import init_wandb
-from train.pipeline.context import PipelineContext
-from train.pipeline.evaluate import stage_register
-from train.registry.cli import main as registry_main
-from train.registry.lineage import logged_chain
-from train.registry.records import RegisteredTarget
-from train.registry.store import Registry
-from train.target import TargetResult
+from draftsmith.train.config import compose
+from draftsmith.train.logs import init_wandb
+from draftsmith.train.pipeline.context import PipelineContext
+from draftsmith.train.pipeline.evaluate import stage_register
+from draftsmith.train.registry.cli import main as registry_main
+from draftsmith.train.registry.lineage import logged_chain
+from draftsmith.train.registry.records import RegisteredTarget
+from draftsmith.train.registry.store import Registry
+from draftsmith.train.target import TargetResult
 
 pytest.importorskip("wandb")
 
@@ -100,7 +100,7 @@ def test_a_wandb_failure_costs_the_lineage_not_the_registration(tmp_path, monkey
         def log_pipeline_run(self, *args, **kwargs):
             raise RuntimeError("wandb-core exited\nwith status 1")
 
-    monkeypatch.setattr("train.registry.lineage.lineage_for", lambda settings, wandb_dir: BrokenLineage())
+    monkeypatch.setattr("draftsmith.train.registry.lineage.lineage_for", lambda settings, wandb_dir: BrokenLineage())
     ctx = register_context(tmp_path)
     fields = stage_register(ctx)
     assert fields["lineage"] == "failed"

@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from drafts.artifacts import Artifacts
-from train.config import compose
-from train.logs import init_wandb
-from train.pipeline.context import MissingStageResult, PipelineContext, StageResults, need
-from train.pipeline.run import STAGES, run, run_stages
+from draftsmith.drafts.artifacts import Artifacts
+from draftsmith.train.config import compose
+from draftsmith.train.logs import init_wandb
+from draftsmith.train.pipeline.context import MissingStageResult, PipelineContext, StageResults, need
+from draftsmith.train.pipeline.run import STAGES, run, run_stages
 
 
 def smoke_context(tmp_path: Path) -> PipelineContext:

@@ -8,12 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from train.logs import WandbSettings
-from train.registry.cli import main
-from train.registry.lineage import USES_KEY, NoLineage, WandbLineage, lineage_for, logged_chain
-from train.registry.records import ArtifactRef, RegisteredTarget
-from train.registry.store import Registry
-from train.registry.wandb_runs import logged_artifacts, records, run_files
+from draftsmith.train.logs import WandbSettings
+from draftsmith.train.registry.cli import main
+from draftsmith.train.registry.lineage import USES_KEY, NoLineage, WandbLineage, lineage_for, logged_chain
+from draftsmith.train.registry.records import ArtifactRef, RegisteredTarget
+from draftsmith.train.registry.store import Registry
+from draftsmith.train.registry.wandb_runs import logged_artifacts, records, run_files
 from test_registry import make_draft
 
 pytest.importorskip("wandb")

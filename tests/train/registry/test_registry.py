@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from train.registry import cli as registry_cli
-from train.registry.cli import main
-from train.registry.records import RegisteredTarget
-from train.registry.store import Registry, RegistryLockedError
+from draftsmith.train.registry import cli as registry_cli
+from draftsmith.train.registry.cli import main
+from draftsmith.train.registry.records import RegisteredTarget
+from draftsmith.train.registry.store import Registry, RegistryLockedError
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -47,7 +47,7 @@ def spawn_lock_holder(root: Path, tmp: Path) -> tuple[subprocess.Popen, Path, Pa
     code = textwrap.dedent(f"""
         import time
         from pathlib import Path
-        from train.registry.store import Registry
+        from draftsmith.train.registry.store import Registry
         with Registry({str(root)!r}).locked():
             Path({str(locked)!r}).touch()
             while not Path({str(release)!r}).exists():
@@ -157,8 +157,8 @@ def test_concurrent_writers_lose_no_update(tmp_path):
     code = textwrap.dedent("""
         import json, sys
         from pathlib import Path
-        from train.registry.records import RegisteredTarget
-        from train.registry.store import Registry
+        from draftsmith.train.registry.records import RegisteredTarget
+        from draftsmith.train.registry.store import Registry
         root, tag = sys.argv[1], sys.argv[2]
         target = RegisteredTarget("a" * 16, "/targets/old")
         registry = Registry(root)

@@ -1,0 +1,88 @@
+"""Quantized variants of a draft in one eval run: which draft each is a variant of, and the side-by-side table.
+
+A variant is a quantized draft dir (drafts.quant: quantization.json) evaluated as its own method row,
+labelled ``<source label>@<quantization>`` (e.g. ``standalone@int4-g64``). It is matched to the draft it
+was quantized from by the source path its quantization.json records. The int kernels take bf16
+activations (kernels.quant; any other dtype dequantizes at load), so a variant runs its draft at bf16,
+and so does the draft it is compared with: the rows then differ by the weights only.
+
+The comparison, per (domain, temperature, K) and source draft: alpha and tau beside the source's, the
+alpha points the variant costs, draft ms per round and its ratio to the source's (the draft step
+speed-up), c, the end-to-end speed-up with its interval, and the draft's memory.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from draftsmith.serve_eval.eval.report import ResultRow
+from draftsmith.serve_eval.eval.sources import DraftSource
+
+VARIANT_DRAFT_DTYPE = "bfloat16"   # what torch's CPU int8/int4 weight kernels multiply with
+
+
+def variant_label(source_label: str, quantization: str) -> str:
+    return f"{source_label}@{quantization}"
+
+
+def mark_variants(sources: list[DraftSource]) -> list[str]:
+    """Fill quantization / variant_of / draft_dtype of quantized drafts and of their sources, in place;
+    returns notes (a variant whose source is not in this run is still measured, without a comparison)."""
+    from draftsmith.drafts.quant import QuantRecord
+
+    by_path = {s.path.resolve(): s for s in sources if s.path.exists()}
+    notes = []
+    for source in sources:
+        record = QuantRecord.read(source.path) if source.path.is_dir() else None
+        if record is None:
+            continue
+        source.quantization, source.draft_dtype = record.config.label, VARIANT_DRAFT_DTYPE
+        base = by_path.get(Path(record.source).resolve()) if record.source else None
+        if base is None:
+            notes.append(f"{source.method}: a {record.config.label} draft whose source {record.source} is not in "
+                         "this run; measured without a side-by-side row")
+            continue
+        source.variant_of, base.draft_dtype = base.method, VARIANT_DRAFT_DTYPE
+    if any(s.variant_of for s in sources):
+        notes.append(f"quantized variants and their source drafts run the draft at {VARIANT_DRAFT_DTYPE} "
+                     "(the int kernels' activation dtype), so their rows differ by the weights only")
+    return notes
+
+
+@dataclass
+class VariantComparison:
+    """One variant beside its source draft at one (domain, temperature, K)."""
+
+    domain: str
+    temperature: float
+    K: int
+    source: ResultRow
+    variant: ResultRow
+
+    @property
+    def alpha_cost(self) -> float | None:
+        """Alpha points the variant loses against its source (negative: it gained)."""
+        a, b = self.source.alpha, self.variant.alpha
+        return None if a is None or b is None else a - b
+
+    @property
+    def draft_step_speedup(self) -> float | None:
+        """Source draft ms per round / the variant's: how much faster the quantized draft proposes."""
+        a, b = self.source.draft_ms_per_round, self.variant.draft_ms_per_round
+        return None if a is None or not b else a / b
+
+    @property
+    def memory_ratio(self) -> float | None:
+        a, b = self.source.draft_bytes, self.variant.draft_bytes
+        return None if not a or b is None else b / a
+
+
+def variant_comparisons(rows: list[ResultRow]) -> list[VariantComparison]:
+    """Every variant row that has its source's row at the same (domain, temperature, K)."""
+    cells = {(r.domain, r.method, r.K, r.temperature): r for r in rows}
+    out = []
+    for r in rows:
+        source = cells.get((r.domain, r.variant_of, r.K, r.temperature)) if r.variant_of else None
+        if source is not None:
+            out.append(VariantComparison(r.domain, r.temperature, r.K, source, r))
+    return sorted(out, key=lambda c: (c.domain, c.temperature, c.source.method, c.K, c.variant.method))

@@ -1,0 +1,333 @@
+"""EAGLE-1 and EAGLE-3 proposers: a one-layer draft autoregressive over the target's features.
+
+Pairing (EAGLE's): draft input i = (target feature at position i, token x_{i+1}); its output is the predicted
+feature at position i + 1, whose logits propose x_{i+2}. The engine feeds the target's features of ACCEPTED
+rows (add_features, consecutive positions); when it proposes for a sequence of length L (root at L - 1) the
+tokens x_{i+1} of every fed position i <= L - 2 are known.
+
+Per propose call, for all sequences at once:
+1. ingest: one flattened forward over every (feature, next token) pair fed since the last call; these are
+   the TRUE entries of the draft KV cache ("committed");
+2. unroll: feed the draft's own output (EAGLE-1: predicted feature; EAGLE-3: pre-norm hidden) back with the
+   drafted token, one step per further draft position. These entries are speculative: they are dropped on
+   the next on_accepted / propose, and the accepted positions come back as true features and are ingested.
+   chain: T = 0 -> argmax point masses; T > 0 -> tokens sampled from logits_to_probs rows (draft_probs).
+   tree (EAGLE-2): DynamicTreeBuilder expands the top_k most valuable frontier nodes per depth (value: the
+   calibrated acceptance of serve_eval.speculative.tree_budget under tree_budget='cost'); each depth runs
+   the draft only on its new frontier nodes, which attend to the committed entries plus their tree
+   ancestors' entries (serve_eval.speculative.proposers.eagle_tree). Tree nodes are point masses. Confidence is the plain softmax of the draft logits (EAGLE-2's),
+   independent of the request's temperature, so T = 0 trees still branch.
+
+The draft KV cache is PAGED (its own KVCacheManager over its own block pool, kernels.attention for the
+math): it batches sequences of different lengths in one forward with the same kernels the target uses
+(Triton / flash on CUDA), and rollback is KVCacheManager.rollback, whose bookkeeping is already tested.
+A cache index is `position - base_pos`, base_pos being the first fed position (a prefix-cache hit means the
+target never computed features for the cached prefix; the draft then simply starts after it).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from draftsmith.kernels.attention import (
+    AttentionMetadata,
+)
+from draftsmith.kernels.sampling import logits_to_probs
+from draftsmith.serve_eval.engine.kv_cache_manager import cdiv
+from draftsmith.serve_eval.speculative.proposers.base import (
+    Proposal,
+    Proposer,
+    SequenceView,
+    TargetFeatures,
+    check_num_tokens,
+    empty_proposal,
+    sampling_arrays,
+)
+from draftsmith.serve_eval.speculative.proposers.draft_cache import DEFAULT_DRAFT_BLOCKS, DraftKVCache, _CacheRecord
+from draftsmith.serve_eval.speculative.proposers.features import (
+    check_features,
+    draw_rows,
+    engine_build_args,
+    feed_features,
+    load_feature_draft,
+    serving_form,
+)
+from draftsmith.serve_eval.speculative.proposers.registry import register_proposer
+from draftsmith.serve_eval.speculative.proposers.eagle_tree import IncrementalTreeDrafter, TreeShapeLimits
+from draftsmith.serve_eval.speculative.tree_budget import TreeBudget
+from draftsmith.serve_eval.speculative.tree_dynamic import DynamicTreeBuilder
+from draftsmith.serve_eval.speculative.verify import VerifyResult
+
+@dataclass
+class _RequestState:
+    record: _CacheRecord = field(default_factory=_CacheRecord)
+    base_pos: int | None = None  # position of draft cache index 0 (the first fed feature)
+    num_committed: int = 0  # cache entries holding true (feature, next token) pairs
+    pending: list[Tensor] = field(default_factory=list)  # fed rows not yet ingested, in position order
+    num_pending: int = 0
+
+    @property
+    def next_pos(self) -> int:  # the position the next fed row must have
+        return (self.base_pos or 0) + self.num_committed + self.num_pending
+
+    def fork(self, cache: DraftKVCache) -> "_RequestState":
+        """A forked sample's own copy (parallel sampling): the committed entries pair prompt features with
+        prompt tokens, which the samples share; the rows still pending pair with each sample's own tokens."""
+        child = _RequestState(base_pos=self.base_pos, num_committed=self.num_committed,
+                              pending=list(self.pending), num_pending=self.num_pending)
+        if not cache.copy_entries(self.record, child.record, self.num_committed):
+            raise RuntimeError("draft KV cache is full: cannot fork a sample's draft state")
+        return child
+
+
+@dataclass
+class _Query:
+    """One sequence's slice of a draft forward: tokens at cache entries [num_entries - q, num_entries)."""
+
+    state: _RequestState
+    token_ids: list[int]
+    hidden_in: Tensor  # [q, d]
+    positions: list[int]
+
+
+@register_proposer("eagle")
+class EagleProposer(Proposer):
+    """EAGLE-1: features are the target's final-norm hidden states; logits = lm_head(predicted feature)."""
+
+    kind = "eagle"
+    needs_hidden = True
+    supports_tree = True
+    tree_modes = ("dynamic",)
+    aux_layers: tuple[int, ...] = ()
+
+    def __init__(self, spec_config: Any, target_executor: Any, device: str | torch.device = "cpu",
+                 dtype: torch.dtype = torch.float32, target_model_dir: str | Path | None = None) -> None:
+        mode = getattr(spec_config, "tree", "none")
+        if mode not in ("none", "dynamic"):
+            raise ValueError(f"EAGLE proposes chains or EAGLE-2 dynamic trees (tree='dynamic'), got tree={mode!r}")
+        loaded = load_feature_draft(spec_config, target_executor, device, dtype, (self.kind,), target_model_dir)
+        tree = None
+        if mode == "dynamic":
+            tree = (spec_config.tree_top_k, spec_config.dynamic_depth, spec_config.max_draft_nodes)
+        self._setup(loaded.model, num_blocks=spec_config.draft_num_blocks,
+                    attn_backend=getattr(target_executor, "attn_backend", "auto"), tree=tree,
+                    tree_budget=spec_config.make_tree_budget())
+
+    @classmethod
+    def from_spec_config(cls, spec_config: Any, engine: Any) -> "EagleProposer":
+        """The registry's constructor (serve_eval.speculative.config): the engine's target, device and dtype."""
+        return cls(*engine_build_args(spec_config, engine))
+
+    @classmethod
+    def from_draft(cls, draft: torch.nn.Module, **opts: Any) -> "EagleProposer":
+        """Wrap an in-memory draft module (no target checks; tests). opts: see _setup."""
+        proposer = cls.__new__(cls)
+        proposer._setup(copy.deepcopy(draft), **opts)  # the caller keeps its (training-form) module
+        return proposer
+
+    def _setup(self, draft: torch.nn.Module, num_blocks: int | None = None, block_size: int = 16,
+               attn_backend: str = "auto", tree: tuple[int, int, int] | None = None,
+               tree_budget: TreeBudget | None = None) -> None:
+        """num_blocks None: sized by attach(engine) (or DEFAULT_DRAFT_BLOCKS without an engine).
+        tree: (top_k, depth, max_nodes) of the EAGLE-2 dynamic tree, or None for chains; tree_budget: the
+        cost model that sizes those trees (None: exactly max_nodes by raw confidence)."""
+        if getattr(draft, "kind", None) != self.kind:
+            raise ValueError(f"{type(self).__name__} needs a {self.kind!r} draft, got {getattr(draft, 'kind', None)!r}")
+        self.draft = serving_form(draft, copy_first=False)  # the engine's fused, packed layers (kernels.layers)
+        weight = draft.fc.weight
+        self.device, self.dtype = weight.device, weight.dtype
+        self.block_size, self.attn_backend = block_size, attn_backend
+        self.cache: DraftKVCache | None = None
+        if num_blocks is not None:
+            self._allocate(num_blocks)
+        self.tree = tree
+        self.tree_budget = tree_budget if tree is not None else None
+        if tree is not None:
+            DynamicTreeBuilder(*tree)  # validates the options now, not at the first request
+        self._states: dict[str, _RequestState] = {}
+
+    def attach(self, engine: Any) -> None:
+        """Size the draft pool like the engine's: every target KV token may need a draft entry, plus
+        each running sequence's lookahead and one partly filled block."""
+        if self.cache is not None:
+            return
+        tokens = engine.kv.num_gpu_blocks * engine.config.block_size
+        lookahead = getattr(getattr(engine, "strategy", None), "max_lookahead_tokens", 64)
+        per_seq = cdiv(lookahead, self.block_size) + 1
+        self._allocate(cdiv(tokens, self.block_size) + engine.config.max_num_seqs * per_seq)
+
+    def _allocate(self, num_blocks: int) -> None:
+        layer = self.draft.config.decoder
+        self.cache = DraftKVCache(num_blocks, self.block_size, layer.num_key_value_heads, layer.head_dim,
+                                  self.dtype, self.device, self.attn_backend)
+
+    def _ensure_cache(self) -> DraftKVCache:
+        if self.cache is None:
+            self._allocate(DEFAULT_DRAFT_BLOCKS)
+        return self.cache
+
+    # -- kind-specific pieces (EAGLE-3 overrides) ---------------------------------------------
+    @property
+    def feature_width(self) -> int:
+        return self.draft.config.hidden_size
+
+    def _feature_rows(self, feats: TargetFeatures) -> Tensor | None:
+        return feats.hidden
+
+    def _ingest_input(self, rows: Tensor) -> Tensor:  # fed rows [n, width] -> draft hidden input [n, d]
+        return rows
+
+    def _logits(self, hidden_out: Tensor) -> Tensor:  # -> target-vocab logits [n, V] float32
+        return self.draft.compute_logits(hidden_out).float()
+
+    # -- features and verification outcome ----------------------------------------------------
+    def add_features(self, request_id: str, feats: TargetFeatures) -> None:
+        self._ensure_cache()
+        state = self._states.setdefault(request_id, _RequestState())
+        started = state.base_pos is not None
+        check_features(feats, state.next_pos if started else None, request_id, self.feature_width,
+                       "hidden" if self.kind == "eagle" else "aux")
+        rows = self._feature_rows(feats)
+        if not rows.shape[0]:
+            return
+        if not started:
+            state.base_pos = feats.start_pos
+        state.pending.append(rows.detach().to(self.device, self.dtype, copy=True))
+        state.num_pending += rows.shape[0]
+
+    def on_accepted(self, request_id: str, result: VerifyResult) -> None:
+        """Drop the speculative unroll entries; the accepted positions return as true features."""
+        state = self._states.get(request_id)
+        if state is not None:
+            self.cache.resize(state.record, state.num_committed)
+
+    def reset(self, request_id: str) -> None:
+        state = self._states.pop(request_id, None)
+        if state is not None:
+            self.cache.free(state.record)
+
+    def fork(self, parent_id: str, child_id: str) -> None:
+        parent = self._states.get(parent_id)
+        if parent is not None:
+            self._states[child_id] = parent.fork(self._ensure_cache())
+
+    def num_cached_entries(self, request_id: str) -> tuple[int, int]:
+        """(committed entries, entries backed by blocks) of a request's draft cache (tests, stats)."""
+        state = self._states[request_id]
+        return state.num_committed, state.record.num_computed_tokens
+
+    def check_integrity(self) -> None:
+        if self.cache is not None:
+            self.cache.manager.check_integrity()
+
+    # -- proposing -----------------------------------------------------------------------------
+    @torch.inference_mode()
+    def propose(self, seqs: Sequence[SequenceView], num_tokens: Sequence[int],
+                features: Sequence[object] | None = None) -> list[Proposal]:
+        check_num_tokens(num_tokens, len(seqs))
+        feed_features(self, seqs, features)
+        out = [empty_proposal(self.device) for _ in seqs]
+        ready, queries = [], []
+        for b, seq in enumerate(seqs):
+            query = self._ingest_query(seq)
+            if query is not None:
+                ready.append(b)
+                queries.append(query)
+        if not ready:
+            return out
+        hidden = self._forward(queries)
+        ends = torch.tensor([len(q.token_ids) for q in queries]).cumsum(0) - 1
+        root_feats = hidden[ends.to(hidden.device)]  # [R, d]: predicted feature at each root position
+        for q in queries:
+            q.state.num_committed += len(q.token_ids)
+        ready_seqs = [seqs[b] for b in ready]
+        root_positions = [len(s.token_ids) - 1 for s in ready_seqs]
+        if self.tree is not None:
+            results = self._trees([q.state for q in queries], root_positions, root_feats)
+        else:
+            results = self._chains(ready_seqs, [num_tokens[b] for b in ready], [q.state for q in queries],
+                                   root_positions, root_feats)
+        for b, proposal in zip(ready, results):
+            out[b] = proposal
+        return out
+
+    def _ingest_query(self, seq: SequenceView) -> _Query | None:
+        """The fed (feature, next token) pairs up to the root, or None when this sequence cannot be drafted for."""
+        state = self._states.get(seq.request_id)
+        if state is None or state.base_pos is None:
+            return None
+        self.cache.resize(state.record, state.num_committed)  # speculative entries of an unverified proposal
+        root = len(seq.token_ids) - 1
+        first = state.base_pos + state.num_committed
+        num_new = min(root - first, state.num_pending)
+        if num_new <= 0 or first + num_new != root:  # features missing up to the root: no draft this step
+            return None
+        if not self.cache.resize(state.record, state.num_committed + num_new):
+            return None  # draft pool full: skip speculation for this sequence this step
+        rows = torch.cat(state.pending) if len(state.pending) > 1 else state.pending[0]
+        state.pending = [rows[num_new:]] if rows.shape[0] > num_new else []
+        state.num_pending -= num_new
+        positions = list(range(first, root))
+        return _Query(state, [seq.token_ids[p + 1] for p in positions], rows[:num_new], positions)
+
+    def _forward(self, queries: list[_Query], ingest: bool = True) -> Tensor:
+        """One flattened draft forward; each query's tokens are its cache's last entries. -> hidden out [T, d]."""
+        lens = [len(q.token_ids) for q in queries]
+        meta = AttentionMetadata.build(
+            lens, [q.state.record.num_computed_tokens for q in queries],
+            [self.cache.block_table(q.state.record) for q in queries], self.cache.block_size, self.device)
+        hidden_in = torch.cat([q.hidden_in for q in queries])
+        if ingest:
+            hidden_in = self._ingest_input(hidden_in)
+        input_ids = torch.tensor([t for q in queries for t in q.token_ids], dtype=torch.int64, device=self.device)
+        positions = torch.tensor([p for q in queries for p in q.positions], dtype=torch.int64, device=self.device)
+        return self.draft(input_ids, hidden_in, positions, self.cache.attn_fn(meta, self.draft.config.decoder.head_dim))
+
+    # -- chains --------------------------------------------------------------------------------
+    def _chains(self, seqs, num_tokens, states, root_positions, feats: Tensor) -> list[Proposal]:
+        temperature, top_k, top_p = sampling_arrays(seqs, self.device)
+        greedy = [s.params.temperature == 0 for s in seqs]
+        tokens: list[list[int]] = [[] for _ in seqs]
+        rows: list[list[Tensor]] = [[] for _ in seqs]
+        active = list(range(len(seqs)))
+        step_feats = feats
+        for step in range(max(num_tokens)):
+            logits = self._logits(step_feats)
+            if all(greedy[i] for i in active):
+                # T = 0 drafts are point masses: logits_to_probs would give one-hot rows at this same argmax.
+                drawn, probs = logits.argmax(dim=-1), None
+            else:
+                idx = torch.tensor(active, device=self.device)
+                probs = logits_to_probs(logits, temperature[idx], top_k[idx], top_p[idx])
+                drawn = draw_rows(probs, [seqs[i].generator for i in active], [greedy[i] for i in active])
+            drawn_ids = drawn.tolist()
+            for j, i in enumerate(active):
+                tokens[i].append(drawn_ids[j])
+                if probs is not None:
+                    rows[i].append(probs[j])
+            # grow the chain of sequences that want more tokens: input (own output, drafted token) at root + step
+            keep = [j for j, i in enumerate(active) if len(tokens[i]) < num_tokens[i]
+                    and self.cache.resize(states[i].record, states[i].record.num_computed_tokens + 1)]
+            if not keep:
+                break
+            queries = [_Query(states[active[j]], [drawn_ids[j]], step_feats[j:j + 1], [root_positions[active[j]] + step])
+                       for j in keep]
+            step_feats = self._forward(queries, ingest=False)
+            active = [active[j] for j in keep]
+        return [Proposal(torch.tensor(t, dtype=torch.int64, device=self.device),
+                         None if greedy[i] else torch.stack(rows[i])) for i, t in enumerate(tokens)]
+
+    # -- EAGLE-2 dynamic trees (serve_eval.speculative.proposers.eagle_tree) ---------------------
+    def _trees(self, states, root_positions, root_feats: Tensor) -> list[Proposal]:
+        drafter = IncrementalTreeDrafter(self.draft, self._logits, self.cache, self.draft.config.decoder.head_dim,
+                                         TreeShapeLimits(*self.tree), self.tree_budget)
+        trees = drafter.grow([s.record for s in states], [s.num_committed for s in states], root_positions,
+                             root_feats)
+        return [Proposal(t.tokens, None, t) for t in trees]

@@ -1,8 +1,0 @@
-"""`python -m train.distill.dataset ...` (the same job as `draftsmith generate`)."""
-import os
-
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # torch is not loaded yet; see train.cli
-
-from train.distill.dataset.job import main  # noqa: E402
-
-main()
