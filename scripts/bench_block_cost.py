@@ -4,10 +4,12 @@ The unit ("one draft-layer forward") is an EAGLE-3 proposal at K = 1: one forwar
 over the newly fed row, plus its LM head. Each proposer runs steady-state rounds the way the engine drives it:
 one new target row fed per round (one accepted token), propose K, verification drops the speculative entries.
 Weights are untrained (cost does not depend on their values), shaped from the target's config; serving form,
-fp32, one intra-op thread (the engine's choice for small models). Prints ms per round, that ratio, and the
-number of draft forwards per round (counted by a forward hook).
+fp32, one intra-op thread (the engine's choice for small models) on the CPU; on a GPU (--device cuda) each
+round is timed between two synchronizations. Prints ms per round, that ratio, and the number of draft
+forwards per round (counted by a forward hook).
 
     scripts/bench_block_cost.py --target artifacts/target-cache/<key> --ks 4 8 --block-layers 1 2
+    scripts/bench_block_cost.py --target /ckpt/llama --device cuda --dtype bfloat16
 """
 from __future__ import annotations
 
@@ -35,8 +37,8 @@ from draftsmith.serve_eval.speculative.verify import VerifyResult  # noqa: E402
 class Runner:
     """One sequence driven through steady-state rounds of one proposer (one new target row per round)."""
 
-    def __init__(self, proposer, width: int, k: int, prompt_len: int) -> None:
-        self.proposer, self.width, self.k = proposer, width, k
+    def __init__(self, proposer, width: int, k: int, prompt_len: int, sync=lambda: None) -> None:
+        self.proposer, self.width, self.k, self.sync = proposer, width, k, sync
         self.forwards, self.times = 0, []
         proposer.draft.register_forward_hook(lambda *_: setattr(self, "forwards", self.forwards + 1))
         self.seq = SimpleNamespace(request_id="r", token_ids=list(range(1, prompt_len + 1)),
@@ -44,8 +46,10 @@ class Runner:
         proposer.add_features("r", TargetFeatures(0, torch.zeros(prompt_len - 1, 1), torch.randn(prompt_len - 1, width)))
 
     def round(self) -> None:
+        self.sync()
         start = time.perf_counter()
         self.proposer.propose([self.seq], [self.k])
+        self.sync()
         self.times.append((time.perf_counter() - start) * 1e3)
         self.proposer.on_accepted("r", VerifyResult([5], 0, []))
         pos = len(self.seq.token_ids) - 1
@@ -65,25 +69,34 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=100)
     parser.add_argument("--warmup", type=int, default=10)
+    parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    parser.add_argument("--dtype", default="float32", help="float32 or bfloat16")
     args = parser.parse_args()
     torch.set_num_threads(1)
+    torch.set_grad_enabled(False)
     torch.manual_seed(0)
+    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
     cfg = hf_config_dict(args.target)
     width = 3 * int(cfg["hidden_size"])
-    eagle3 = Eagle3Draft.from_target_config(args.target)
-    runners = {("eagle3", 1): Runner(Eagle3Proposer.from_draft(eagle3), width, 1, args.prompt_len)}
+    eagle3 = Eagle3Draft.from_target_config(args.target).to(device, dtype)
+
+    def runner(proposer, k: int) -> Runner:
+        return Runner(proposer, width, k, args.prompt_len, sync)
+
+    runners = {("eagle3", 1): runner(Eagle3Proposer.from_draft(eagle3), 1)}
     for k in args.ks:
-        runners["eagle3", k] = Runner(Eagle3Proposer.from_draft(eagle3), width, k, args.prompt_len)
+        runners["eagle3", k] = runner(Eagle3Proposer.from_draft(eagle3), k)
         for layers in args.block_layers:
             block = BlockDraft.from_target_config(args.target, num_layers=layers, block_size=max(args.ks) + 1)
-            runners[f"block {layers}-layer", k] = Runner(BlockProposer.from_draft(block), width, k, args.prompt_len)
+            runners[f"block {layers}-layer", k] = runner(BlockProposer.from_draft(block.to(device, dtype)), k)
     order = list(runners.values())
     for step in range(args.warmup + args.rounds):  # interleaved, rotated: load noise falls on every method alike
         for runner in rotation(order, step):
             runner.round()
     unit, _ = runners["eagle3", 1].result(args.warmup)
     print(f"unit: one EAGLE-3 draft step (1 layer + head, K=1) = {unit:.3f} ms  (target {args.target}, "
-          f"prompt {args.prompt_len}, {args.rounds} interleaved rounds)")
+          f"prompt {args.prompt_len}, {args.rounds} interleaved rounds, {args.dtype} on {args.device})")
     print(f"{'draft':<16} {'K':>2} {'ms/round':>9} {'x unit':>7} {'forwards/round':>15}")
     for (name, k), runner in runners.items():
         ms, forwards = runner.result(args.warmup)

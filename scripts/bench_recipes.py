@@ -280,8 +280,9 @@ def main() -> None:
     ctx = base_context(args)
     if args.k <= 0:
         from draftsmith.train.pipeline.cost import largest_eval_k
+        from draftsmith.train.pipeline.evaluate import check_eval_settings
 
-        args.k = largest_eval_k(ctx)
+        args.k = largest_eval_k(check_eval_settings(ctx.cfg))
     kinds = [k for k in args.kinds.split(",") if k]
     keep = {x for x in args.recipes.split(",") if x}
     chosen = [r for r in recipes(int(ctx.results.target.shape["vocab_size"]))

@@ -36,7 +36,7 @@ from draftsmith.serve_eval.eval.step_cost import COMPONENTS, weights_read  # noq
 
 # eagle-tree: the dynamic tree sized by the cost model (tree_budget="cost", <= 16 nodes); eagle-tree-fixed: EAGLE-2's
 # raw-confidence tree of exactly 16 nodes (top-k 4), the shape the cost model replaced.
-METHODS = ("nospec", "standalone", "medusa", "eagle", "eagle3", "eagle-tree", "eagle-tree-fixed")
+METHODS = ("nospec", "standalone", "medusa", "eagle", "eagle3", "block", "eagle-tree", "eagle-tree-fixed")
 TREES = {"eagle-tree": {"tree": "dynamic", "tree_top_k": 4, "max_draft_nodes": 16, "tree_budget": "cost"},
          "eagle-tree-fixed": {"tree": "dynamic", "tree_top_k": 4, "max_draft_nodes": 16, "tree_budget": "fixed"}}
 
@@ -70,7 +70,7 @@ def random_draft(kind: str, target: Path, root: Path) -> Path:
 
         draft = StandaloneDraft(StandaloneConfig.from_target_config(target, num_layers=1))
     else:
-        cls = {"medusa": "MedusaDraft", "eagle": "EagleDraft", "eagle3": "Eagle3Draft"}[kind]
+        cls = {"medusa": "MedusaDraft", "eagle": "EagleDraft", "eagle3": "Eagle3Draft", "block": "BlockDraft"}[kind]
         draft = getattr(importlib.import_module(f"draftsmith.drafts.{kind}"), cls).from_target_config(target)
     save_draft(draft, root / f"draft_{kind}", kind, target_fingerprint(target))
     return root / f"draft_{kind}"
@@ -87,7 +87,7 @@ def trained_drafts(artifacts: Path, target: Path) -> dict[str, Path]:
 # -- engines and timers: serve_eval.eval.step_cost (the pipeline's cost stage measures with the same code) --
 def build_engine(method: str, target: Path, drafts: dict[str, Path], args) -> LLMEngine:
     return step_cost.build_engine(method, target, drafts, args.k, args.dtype, kind=kind_of(method),
-                                  tree=TREES.get(method))
+                                  tree=TREES.get(method), device=args.device)
 
 
 # -- report -------------------------------------------------------------------------------------
@@ -109,7 +109,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--steps", type=int, default=24, help="decode steps per repetition")
     ap.add_argument("--repeats", type=int, default=5, help="interleaved repetitions (median + spread)")
     ap.add_argument("--threads", default="1,auto", help="comma list: thread counts or 'auto' (engine's choice)")
-    ap.add_argument("--dtype", default="auto", help="float32, bfloat16, or auto: bf16 where this CPU runs it faster than fp32")
+    ap.add_argument("--dtype", default="auto", help="float32, bfloat16, or auto: bf16 where this device runs it faster than fp32")
+    ap.add_argument("--device", default="cpu", help="cpu or cuda (timers synchronize around each component on a GPU)")
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--target", default=None, help="trained target dir (drafts found under --artifacts)")
     ap.add_argument("--artifacts", default=str(ROOT / "artifacts"))
@@ -122,7 +123,7 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
-    args.dtype = dtype_name(args.dtype)
+    args.dtype = dtype_name(args.dtype, args.device)
     torch.set_grad_enabled(False)
     methods = [m for m in args.methods.split(",") if m]
     unknown = set(methods) - set(METHODS)
@@ -150,7 +151,7 @@ def main() -> None:
     prompt = [(7 * i + 3) % (int(shape.vocab_size) - 2) + 1 for i in range(args.prompt_len)]
     print(f"target {'random weights, embedded shape' if not args.target else target} ({shape.num_hidden_layers} "
           f"layers, hidden {shape.hidden_size}, vocab {shape.vocab_size}, {target_params / 1e6:.2f}M params), "
-          f"{args.dtype}, batch 1, "
+          f"{args.dtype} on {args.device}, batch 1, "
           f"T=0, K={args.k}, {args.steps} steps x {args.repeats} repetitions, engine-chosen threads {chosen}")
     for kind, src in sorted(sources.items()):
         print(f"  draft {kind}: {src}")

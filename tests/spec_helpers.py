@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import importlib
+import os
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,6 +16,9 @@ from draftsmith.serve_eval.speculative.tree import DraftTree
 from tiny_models import save_tiny_model
 
 VOCAB = 128
+# The device the engine-level exactness tests run on: cpu in CI; DRAFTSMITH_TEST_DEVICE=cuda runs the same
+# tests on a GPU (scripts/check_gpu.sh).
+TEST_DEVICE = os.environ.get("DRAFTSMITH_TEST_DEVICE", "cpu")
 
 
 def make_llama(path: Path, vocab: int = VOCAB, hidden: int = 64, layers: int = 2, seed: int = 0,

@@ -121,6 +121,11 @@ class ModelExecutor:
         self._compiled_run = torch.compile(self._run, dynamic=True)
 
     # ------------------------------------------------------------------ KV cache
+    def synchronize(self) -> None:
+        """Wait for the device's queued kernels (CUDA runs them asynchronously); timers call it around a forward."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
     def kv_bytes_per_block(self, block_size: int) -> int:
         """Bytes of K and V of all layers for one block."""
         element = torch.empty(0, dtype=self.dtype).element_size()

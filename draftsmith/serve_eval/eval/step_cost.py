@@ -37,12 +37,12 @@ class MethodCost:
 
 
 def build_engine(method: str, target: Path, drafts: dict[str, Path], k: int, dtype: str = "bfloat16",
-                 kind: str | None = None, tree: dict | None = None) -> LLMEngine:
+                 kind: str | None = None, tree: dict | None = None, device: str = "cpu") -> LLMEngine:
     """An engine for ``method`` (PLAIN: no speculation); ``kind`` defaults to the method's name."""
     from draftsmith.serve_eval.speculative.config import SpecConfig
     from draftsmith.serve_eval.speculative.policy import SpecPolicyConfig
 
-    cfg = EngineConfig(str(target), dtype=dtype, kv_cache_memory_gb=0.25)
+    cfg = EngineConfig(str(target), dtype=dtype, kv_cache_memory_gb=0.25, device=device)
     if method == PLAIN:
         return LLMEngine(cfg)
     kind = kind or method
@@ -52,26 +52,30 @@ def build_engine(method: str, target: Path, drafts: dict[str, Path], k: int, dty
 
 
 class Timers:
-    """Accumulated seconds per component, filled by wrappers around the engine's own methods."""
+    """Accumulated seconds per component, filled by wrappers around the engine's own methods. On a GPU
+    each wrapper synchronizes before and after its call, so queued kernels count where they were launched."""
 
-    def __init__(self) -> None:
+    def __init__(self, sync: Callable[[], None] = lambda: None) -> None:
         self.seconds: dict[str, float] = defaultdict(float)
+        self.sync = sync
 
     def wrap(self, obj, name: str, component: str) -> None:
         inner = getattr(obj, name)
 
         def timed(*a, **kw):
+            self.sync()
             t0 = time.perf_counter()
             try:
                 return inner(*a, **kw)
             finally:
+                self.sync()
                 self.seconds[component] += time.perf_counter() - t0
 
         setattr(obj, name, timed)
 
 
 def instrument(engine: LLMEngine) -> Timers:
-    timers = Timers()
+    timers = Timers(engine.executor.synchronize)
     timers.wrap(engine.executor, "forward", "forward")
     strategy = engine.strategy
     if hasattr(strategy, "proposer"):
@@ -90,10 +94,12 @@ def one_repetition(engine: LLMEngine, timers: Timers, prompt: list[int], steps: 
     engine.add_request(rid, prompt, params)
     engine.step()  # prefill
     engine.step()  # first decode (the proposer's features arrive)
+    timers.sync()
     timers.seconds.clear()
     t0 = time.perf_counter()
     for _ in range(steps):
         engine.step()
+    timers.sync()
     total = time.perf_counter() - t0
     engine.abort(rid)
     engine.step()  # let the strategy release the aborted request
@@ -140,12 +146,12 @@ def weights_read(model_dir: Path) -> int:
 
 
 def measure_costs(target: Path, drafts: dict[str, Path], k: int, steps: int = 8, repeats: int = 3,
-                  dtype: str = "float32", prompt_len: int = 64) -> list[MethodCost]:
+                  dtype: str = "float32", prompt_len: int = 64, device: str = "cpu") -> list[MethodCost]:
     """Plain decoding and each draft (kind -> dir) on ``target``: per-component ms and c, one interleaved run."""
     import torch
 
     methods = [PLAIN, *drafts]
-    engines = {m: build_engine(m, target, drafts, k, dtype) for m in methods}
+    engines = {m: build_engine(m, target, drafts, k, dtype, device=device) for m in methods}
     timers = {m: instrument(e) for m, e in engines.items()}
     vocab = int(engines[PLAIN].executor.vocab_size)
     prompt = [(7 * i + 3) % (vocab - 2) + 1 for i in range(prompt_len)]

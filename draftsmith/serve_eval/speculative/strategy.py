@@ -315,19 +315,21 @@ class SpeculativeStrategy:
         """Copy the accepted path's KV (node slots) into the slots right after the root."""
         if not outcome.accepted:  # chains only: every accepted node already sits in its depth's slot
             return
-        cu_t = torch.tensor(cu, dtype=torch.int64)
+        device = slot_mapping.device  # where verification left the accepted nodes (the target's device)
+        cu_t = torch.tensor(cu, dtype=torch.int64, device=device)
         src, dst = [], []
         for seq_index, nodes in outcome.accepted:  # nodes [B, D], -1 padded
-            depth = torch.arange(nodes.shape[1])
+            nodes = nodes.to(device)
+            depth = torch.arange(nodes.shape[1], device=device)
             # The path node at depth index d has id >= d (ids are topological); equal means it already sits
             # in its slot, and padding (-1) never moves.
             move = nodes > depth
-            first_slot = cu_t[seq_index][:, None] + 1  # [B, 1]: the slot right after each root
+            first_slot = cu_t[seq_index.to(device)][:, None] + 1  # [B, 1]: the slot right after each root
             src.append((first_slot + nodes)[move])
             dst.append((first_slot + depth).expand_as(nodes)[move])
         src_t, dst_t = torch.cat(src), torch.cat(dst)
         if src_t.numel():
-            slots = slot_mapping[torch.cat([src_t, dst_t]).to(slot_mapping.device)]
+            slots = slot_mapping[torch.cat([src_t, dst_t])]
             engine.executor.copy_slots(slots[:src_t.numel()], slots[src_t.numel():])
 
     def _feed_features(self, out, fwd, cu: list[int], drafts, results) -> None:

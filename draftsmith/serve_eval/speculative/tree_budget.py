@@ -223,7 +223,6 @@ def probe_verify_costs(executor, block_size: int, num_blocks: int, token_counts:
     if len(counts) < 2:
         return None
     device = executor.device
-    sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else None
 
     def time_forward(n: int) -> float:
         table = list(range(-(-(context + n) // block_size)))
@@ -232,6 +231,6 @@ def probe_verify_costs(executor, block_size: int, num_blocks: int, token_counts:
         positions = torch.arange(context, context + n, device=device)
         rows = torch.arange(n, device=device)
         with torch.inference_mode():
-            return timed(lambda: executor.forward(ids, positions, meta, rows), sync)
+            return timed(lambda: executor.forward(ids, positions, meta, rows), executor.synchronize)
 
     return VerifyCostCurve.probe(time_forward, counts, repeats)

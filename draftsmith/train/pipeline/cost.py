@@ -18,12 +18,10 @@ from draftsmith.drafts.files import read_json, stable_hash, write_json
 from draftsmith.train.pipeline.context import CostResult, PipelineContext, need
 
 
-def largest_eval_k(ctx: PipelineContext) -> int:
-    from draftsmith.train.pipeline.evaluate import check_eval_settings
-
+def largest_eval_k(settings: Any) -> int:
     # The common K list's largest: every kind can draft it (a method's own larger K, e.g. a block draft's,
     # is costed per row by the eval itself).
-    return max(check_eval_settings(ctx.cfg).num_speculative_tokens, default=4) or 4
+    return max(settings.num_speculative_tokens, default=4) or 4
 
 
 def stage_cost(ctx: PipelineContext) -> dict[str, Any]:
@@ -31,13 +29,19 @@ def stage_cost(ctx: PipelineContext) -> dict[str, Any]:
     target, drafts = need(ctx.results.target, "target"), dict(ctx.results.drafts)
     if not drafts:
         raise ValueError("pipeline.stages: 'cost' needs at least one distill_<kind> stage before it")
-    k, steps, repeats = largest_eval_k(ctx), ctx.cfg.pipeline.cost_steps, ctx.cfg.pipeline.cost_repeats
+    from draftsmith.train.pipeline.evaluate import check_eval_settings
+
+    settings = check_eval_settings(ctx.cfg)
+    # c is measured where and how the eval serves (its engine's device and dtype), at the eval's largest K.
+    k, engine = largest_eval_k(settings), settings.engine
+    steps, repeats = ctx.cfg.pipeline.cost_steps, ctx.cfg.pipeline.cost_repeats
     key = stable_hash({"target": target.fingerprint, "drafts": {n: str(p) for n, p in drafts.items()},
-                       "k": k, "steps": steps, "repeats": repeats})
+                       "k": k, "steps": steps, "repeats": repeats, "device": engine.device, "dtype": engine.dtype})
     out = ctx.artifacts.reports_dir(target.fingerprint) / f"cost-{key}.json"
     cached = out.is_file() and not ctx.forced("cost")
     if not cached:
-        costs = measure_costs(Path(target.model_dir), drafts, k, steps=steps, repeats=repeats)
+        costs = measure_costs(Path(target.model_dir), drafts, k, steps=steps, repeats=repeats, dtype=engine.dtype,
+                              device=engine.device)
         target_weights = weights_read(Path(target.model_dir))
         write_json(out, {"k": k, "steps": steps, "repeats": repeats, "target_weights": target_weights,
                          "methods": [asdict(c) for c in costs],

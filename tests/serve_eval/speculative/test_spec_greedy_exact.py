@@ -1,7 +1,8 @@
 """Greedy exactness of speculative decoding inside the engine: for every proposer (n-gram, standalone,
 scripted chain/tree oracles, and Medusa / EAGLE / EAGLE-3 / block with untrained drafts when their proposers
 are installed), batch 1 and 8, with preemption (recompute and swap, tiny block budget) and prefix
-caching on, the output equals non-speculative greedy decoding token for token (fp32)."""
+caching on, the output equals non-speculative greedy decoding token for token (fp32). On the CPU in CI;
+DRAFTSMITH_TEST_DEVICE=cuda runs them on a GPU."""
 from __future__ import annotations
 
 import shutil
@@ -11,10 +12,10 @@ import pytest
 from draftsmith.serve_eval.engine import EngineConfig, LLMEngine, SamplingParams
 from draftsmith.serve_eval.speculative.config import SpecConfig
 from draftsmith.serve_eval.speculative.strategy import SpeculativeStrategy
-from spec_helpers import (OracleProposer, feature_draft, greedy_reference, make_llama, proposer_available,
-                                run_engine, workload)
+from spec_helpers import (TEST_DEVICE, OracleProposer, feature_draft, greedy_reference, make_llama,
+                          proposer_available, run_engine, workload)
 
-ENGINE = dict(block_size=4, max_model_len=96, prefill_chunk_size=16, max_num_batched_tokens=96)
+ENGINE = dict(block_size=4, max_model_len=96, prefill_chunk_size=16, max_num_batched_tokens=96, device=TEST_DEVICE)
 SMALL_POOL = dict(num_gpu_blocks=30, swap_threshold_tokens=40, num_cpu_blocks=64)
 BIG_POOL = dict(num_gpu_blocks=400)
 

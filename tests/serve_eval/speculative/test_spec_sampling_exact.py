@@ -46,7 +46,7 @@ from draftsmith.kernels.sampling import logits_to_probs
 from draftsmith.serve_eval.engine import EngineConfig, LLMEngine, SamplingParams
 from draftsmith.serve_eval.speculative.config import SpecConfig
 from draftsmith.serve_eval.speculative.policy import SpecPolicyConfig
-from spec_helpers import feature_draft, make_llama, noisy_copy
+from spec_helpers import TEST_DEVICE, feature_draft, make_llama, noisy_copy
 from stats_helpers import chi_square_fit, total_variation, worst_case_perturbation
 
 V = 8
@@ -158,7 +158,7 @@ def run_mode(models, mode: str) -> tuple[dict[str, np.ndarray], dict]:
                           tree_branching=TREE_BRANCHING, max_draft_nodes=TREE_NODES, policy=policy)
     cfg = EngineConfig(str(target), block_size=BLOCK_SIZE, max_model_len=BLOCK_SIZE, num_gpu_blocks=WAVE + 16,
                        num_cpu_blocks=16, max_num_seqs=WAVE, max_num_batched_tokens=16 * WAVE,
-                       enable_prefix_caching=False)
+                       enable_prefix_caching=False, device=TEST_DEVICE)
     engine = LLMEngine(cfg, speculative=spec)
     if mode == "chain":
         misreport_draft_rows(engine.strategy.proposer, BAD + "/", BAD_POWER)

@@ -1,0 +1,59 @@
+"""serve_eval.eval.step_cost (the pipeline's cost stage and scripts/bench_spec_round.py) and
+scripts/bench_block_cost.py: components that add up, the device's synchronization around every timed call,
+and the block draft's one forward per round whatever K is."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from draftsmith.serve_eval.eval.step_cost import PLAIN, Timers, measure_costs
+from spec_helpers import make_llama
+
+REPO = Path(__file__).resolve().parents[3]
+
+
+def test_timers_synchronize_before_and_after_each_timed_call():
+    """A GPU's kernels run asynchronously: the wrapper waits for the queue on entry and on exit, so the time of
+    the kernels a call launched is charged to that call."""
+    events: list[str] = []
+
+    class Worker:
+        def run(self, x: int) -> int:
+            events.append("run")
+            return x + 1
+
+    worker, timers = Worker(), Timers(sync=lambda: events.append("sync"))
+    timers.wrap(worker, "run", "forward")
+    assert worker.run(1) == 2 and worker.run(2) == 3
+    assert events == ["sync", "run", "sync"] * 2
+    assert timers.seconds["forward"] > 0
+
+
+def test_measure_costs_reports_every_method_with_components_that_add_up(tmp_path):
+    target = make_llama(tmp_path / "target", layers=2)
+    draft = make_llama(tmp_path / "draft", hidden=32, layers=1, seed=1)
+    costs = {c.method: c for c in measure_costs(target, {"standalone": draft}, k=2, steps=3, repeats=1,
+                                                prompt_len=8, device="cpu")}
+    assert set(costs) == {PLAIN, "standalone"}
+    assert costs[PLAIN].c is None and costs[PLAIN].ms["draft"][0] == 0
+    spec = costs["standalone"]
+    assert spec.ms["draft"][0] > 0 and spec.c == pytest.approx(spec.ms["draft"][0] / (2 * costs[PLAIN].ms["step"][0]))
+    for cost in costs.values():
+        parts = sum(cost.ms[c][0] for c in ("draft", "forward", "verify", "rest"))
+        assert parts == pytest.approx(cost.ms["step"][0])
+
+
+def test_bench_block_cost_runs_one_draft_forward_per_round_whatever_k(tmp_path):
+    """EAGLE-3 runs K forwards per round; the block draft one, at K=2 and K=4."""
+    target = make_llama(tmp_path / "target", layers=6)
+    proc = subprocess.run([sys.executable, "scripts/bench_block_cost.py", "--target", str(target), "--ks", "2", "4",
+                           "--block-layers", "1", "--rounds", "3", "--warmup", "1", "--prompt-len", "8"],
+                          cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = {(" ".join(line.split()[:-4]), int(line.split()[-4])): float(line.split()[-1])
+            for line in proc.stdout.splitlines() if line.startswith(("eagle3 ", "block "))}
+    assert rows == {("eagle3", 1): 1.0, ("eagle3", 2): 2.0, ("eagle3", 4): 4.0,
+                    ("block 1-layer", 2): 1.0, ("block 1-layer", 4): 1.0}
