@@ -21,7 +21,7 @@ export WANDB_MODE=${WANDB_MODE:-offline}
 
 stamp() { date -u +%Y-%m-%dT%H:%M:%SZ; }
 
-current=$("$PYTHON" -c 'import sys; from drafts.identity import target_fingerprint; print(target_fingerprint(sys.argv[1]))' "$TARGET_DIR") || {
+current=$("$PYTHON" -c 'import sys; from draftsmith.drafts.identity import target_fingerprint; print(target_fingerprint(sys.argv[1]))' "$TARGET_DIR") || {
   echo "$(stamp) cannot fingerprint $TARGET_DIR (mid-copy?); will retry next tick"; exit 2; }
 remember() { mkdir -p "$(dirname "$STATE_FILE")" && echo "$current" > "$STATE_FILE.tmp" && mv "$STATE_FILE.tmp" "$STATE_FILE"; }
 last=$(cat "$STATE_FILE" 2>/dev/null || true)
