@@ -229,6 +229,20 @@ def test_triton_matches_torch_under_interpreter():
     assert len(diffs) == 5 and max(diffs) < 1e-4, diffs
 
 
+def test_triton_launch_plan_is_built_once_per_forward_and_tiles_as_the_general_path():
+    """Every layer of a forward reuses the first layer's plan; the one-tile-per-sequence shortcut (queries of
+    at most one tile: decode, verify rounds) gives the same tiles as the general tiling."""
+    pytest.importorskip("triton")
+    from draftsmith.kernels.attention.triton_paged import _query_tiles, launch_plan
+
+    for specs in ([(1, 5), (1, 9)], [(5, 12), (16, 20), (1, 1)], [(20, 37), (2, 5)], [(1, 3)] * 7):
+        _, _, _, meta, _ = make_case(specs)
+        plan = launch_plan(meta)
+        assert launch_plan(meta) is plan
+        tile_seq, tile_qstart = _query_tiles(meta.cu_seqlens_q, plan.block_m)
+        assert torch.equal(plan.tile_seq, tile_seq) and torch.equal(plan.tile_qstart, tile_qstart), specs
+
+
 CUDA_CASES = [
     dict(specs=[(5, 12), (1, 9), (7, 7), (1, 1), (3, 20)], num_heads=4, num_kv_heads=2, head_dim=16, block_size=4),
     dict(specs=[(1, 3), (1, 40), (1, 17)], num_heads=4, num_kv_heads=1, head_dim=8, block_size=16),

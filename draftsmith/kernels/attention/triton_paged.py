@@ -11,6 +11,8 @@ Importing this module does not need a GPU.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -113,6 +115,36 @@ def _paged_attention_kernel(
              out.to(out_ptr.dtype.element_ty), mask=m_valid[:, None] & d_valid[None, :])
 
 
+@dataclass(frozen=True)
+class TritonPlan:
+    """What every layer's launch of one forward shares: the query tiling and the tree mask as int8.
+
+    Built on the first layer's call and kept in ``meta.backend_plan``. Building it per layer cost a device
+    synchronization per layer on a GPU (the tiling's output size depends on the query lengths), which kept
+    the CPU from queueing the next layers' kernels ahead of the GPU."""
+
+    block_m: int
+    tile_seq: Tensor     # int32 [tiles]: the sequence of each tile
+    tile_qstart: Tensor  # int32 [tiles]: the tile's first query row within its sequence
+    tree: Tensor | None  # int8 [T, max_seqlen_q], or None (causal)
+
+
+def launch_plan(meta: AttentionMetadata) -> TritonPlan:
+    """This forward's plan (built once per metadata)."""
+    if isinstance(meta.backend_plan, TritonPlan):
+        return meta.backend_plan
+    block_m = 16 if meta.max_seqlen_q <= 16 else 64
+    if meta.max_seqlen_q <= block_m:  # one tile per sequence (decode, verify rounds): known without the device
+        device = meta.cu_seqlens_q.device
+        tile_seq = torch.arange(meta.num_seqs, dtype=torch.int32, device=device)
+        tile_qstart = torch.zeros(meta.num_seqs, dtype=torch.int32, device=device)
+    else:
+        tile_seq, tile_qstart = _query_tiles(meta.cu_seqlens_q, block_m)
+    tree = None if meta.tree_mask is None else meta.tree_mask.to(torch.int8).contiguous()
+    meta.backend_plan = plan = TritonPlan(block_m, tile_seq, tile_qstart, tree)
+    return plan
+
+
 def _query_tiles(cu_seqlens_q: Tensor, block_m: int) -> tuple[Tensor, Tensor]:
     """Split every sequence's new tokens into tiles of block_m: (tile -> seq, tile -> local q start)."""
     q_lens = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).long()
@@ -138,11 +170,11 @@ def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: Attention
     out = torch.empty_like(q)
     if num_tokens == 0:
         return out
-    block_m = 16 if meta.max_seqlen_q <= 16 else 64
+    plan = launch_plan(meta)
+    block_m, tile_seq, tile_qstart = plan.block_m, plan.tile_seq, plan.tile_qstart
     block_n = 32 if q.device.type == "cpu" else 64
-    tile_seq, tile_qstart = _query_tiles(meta.cu_seqlens_q, block_m)
-    has_tree = meta.tree_mask is not None
-    tree = meta.tree_mask.to(torch.int8).contiguous() if has_tree else tile_seq  # dummy pointer when unused
+    has_tree = plan.tree is not None
+    tree = plan.tree if has_tree else tile_seq  # dummy pointer when unused
     grid = (tile_seq.shape[0], num_heads)
     _paged_attention_kernel[grid](
         q, k_cache, v_cache, out,
