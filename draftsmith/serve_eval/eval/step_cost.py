@@ -37,12 +37,14 @@ class MethodCost:
 
 
 def build_engine(method: str, target: Path, drafts: dict[str, Path], k: int, dtype: str = "bfloat16",
-                 kind: str | None = None, tree: dict | None = None, device: str = "cpu") -> LLMEngine:
+                 kind: str | None = None, tree: dict | None = None, device: str = "cpu", attn_backend: str = "auto",
+                 block_size: int = 16) -> LLMEngine:
     """An engine for ``method`` (PLAIN: no speculation); ``kind`` defaults to the method's name."""
     from draftsmith.serve_eval.speculative.config import SpecConfig
     from draftsmith.serve_eval.speculative.policy import SpecPolicyConfig
 
-    cfg = EngineConfig(str(target), dtype=dtype, kv_cache_memory_gb=0.25, device=device)
+    cfg = EngineConfig(str(target), dtype=dtype, kv_cache_memory_gb=0.25, device=device, attn_backend=attn_backend,
+                       block_size=block_size)
     if method == PLAIN:
         return LLMEngine(cfg)
     kind = kind or method
@@ -146,12 +148,15 @@ def weights_read(model_dir: Path) -> int:
 
 
 def measure_costs(target: Path, drafts: dict[str, Path], k: int, steps: int = 8, repeats: int = 3,
-                  dtype: str = "float32", prompt_len: int = 64, device: str = "cpu") -> list[MethodCost]:
-    """Plain decoding and each draft (kind -> dir) on ``target``: per-component ms and c, one interleaved run."""
+                  dtype: str = "float32", prompt_len: int = 64, device: str = "cpu", attn_backend: str = "auto",
+                  block_size: int = 16) -> list[MethodCost]:
+    """Plain decoding and each draft (kind -> dir) on ``target``: per-component ms and c, one interleaved run,
+    on the engine settings given (the pipeline passes its eval's: c is measured where the eval serves)."""
     import torch
 
     methods = [PLAIN, *drafts]
-    engines = {m: build_engine(m, target, drafts, k, dtype, device=device) for m in methods}
+    engines = {m: build_engine(m, target, drafts, k, dtype, device=device, attn_backend=attn_backend,
+                               block_size=block_size) for m in methods}
     timers = {m: instrument(e) for m, e in engines.items()}
     vocab = int(engines[PLAIN].executor.vocab_size)
     prompt = [(7 * i + 3) % (vocab - 2) + 1 for i in range(prompt_len)]

@@ -4,8 +4,9 @@ c = draft ms per round / (K x plain decode step ms), K = the largest K the eval 
 (serve_eval.eval.step_cost, the code scripts/bench_spec_round.py prints with). It decides how much
 speculation can pay: with acceptance alpha and K drafts the speed-up is at most
 (1 - alpha^(K+1)) / ((1 - alpha) (1 + K c)). The stage also reports each draft's weight share (draft
-parameters read per token / target's). Cached by (target, draft dirs, K, steps, repetitions) under the
-target's reports dir; ``pipeline.force=[cost]`` measures again.
+parameters read per token / target's). It runs on the eval's engine settings (device, dtype, attention backend,
+block size), so c is measured where the eval serves. Cached by (target, draft dirs, K, steps, repetitions, those
+settings) under the target's reports dir; ``pipeline.force=[cost]`` measures again.
 """
 
 from __future__ import annotations
@@ -32,18 +33,19 @@ def stage_cost(ctx: PipelineContext) -> dict[str, Any]:
     from draftsmith.train.pipeline.evaluate import check_eval_settings
 
     settings = check_eval_settings(ctx.cfg)
-    # c is measured where and how the eval serves (its engine's device and dtype), at the eval's largest K.
+    # c is measured where and how the eval serves (its engine settings), at the eval's largest K.
     k, engine = largest_eval_k(settings), settings.engine
+    where = {"device": engine.device, "dtype": engine.dtype, "attn_backend": engine.attn_backend,
+             "block_size": engine.block_size}
     steps, repeats = ctx.cfg.pipeline.cost_steps, ctx.cfg.pipeline.cost_repeats
     key = stable_hash({"target": target.fingerprint, "drafts": {n: str(p) for n, p in drafts.items()},
-                       "k": k, "steps": steps, "repeats": repeats, "device": engine.device, "dtype": engine.dtype})
+                       "k": k, "steps": steps, "repeats": repeats, **where})
     out = ctx.artifacts.reports_dir(target.fingerprint) / f"cost-{key}.json"
     cached = out.is_file() and not ctx.forced("cost")
     if not cached:
-        costs = measure_costs(Path(target.model_dir), drafts, k, steps=steps, repeats=repeats, dtype=engine.dtype,
-                              device=engine.device)
+        costs = measure_costs(Path(target.model_dir), drafts, k, steps=steps, repeats=repeats, **where)
         target_weights = weights_read(Path(target.model_dir))
-        write_json(out, {"k": k, "steps": steps, "repeats": repeats, "target_weights": target_weights,
+        write_json(out, {"k": k, "steps": steps, "repeats": repeats, "engine": where, "target_weights": target_weights,
                          "methods": [asdict(c) for c in costs],
                          "weight_share": {n: weights_read(p) / target_weights for n, p in drafts.items()}})
     record = read_json(out)
@@ -57,7 +59,9 @@ def cost_lines(record: dict[str, Any] | None) -> list[str]:
     if not record:
         return []
     plain = next((m for m in record["methods"] if m["c"] is None), None)
-    lines = [f"draft cost ratio c (draft ms per round / (K={record['k']} x plain step ms), our engine, batch 1, "
+    engine = record.get("engine")  # absent from records written before it was stored
+    where = f" ({engine['dtype']} on {engine['device']})" if engine else ""
+    lines = [f"draft cost ratio c (draft ms per round / (K={record['k']} x plain step ms), our engine{where}, batch 1, "
              f"T=0, median of {record['repeats']} x {record['steps']} steps"
              + (f"; plain step {plain['ms']['step'][0]:.2f} ms" if plain else "") + "):"]
     for m in record["methods"]:

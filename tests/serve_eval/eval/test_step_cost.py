@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from draftsmith.serve_eval.eval.step_cost import PLAIN, Timers, measure_costs
+from draftsmith.serve_eval.eval.step_cost import PLAIN, Timers, build_engine, measure_costs
 from spec_helpers import make_llama
 
 REPO = Path(__file__).resolve().parents[3]
@@ -44,6 +44,16 @@ def test_measure_costs_reports_every_method_with_components_that_add_up(tmp_path
     for cost in costs.values():
         parts = sum(cost.ms[c][0] for c in ("draft", "forward", "verify", "rest"))
         assert parts == pytest.approx(cost.ms["step"][0])
+
+
+def test_engines_take_the_settings_the_eval_serves_with(tmp_path):
+    """The pipeline's cost stage passes its eval's engine settings: c is measured on that backend and block size."""
+    target = make_llama(tmp_path / "target", layers=1)
+    draft = make_llama(tmp_path / "draft", hidden=32, layers=1, seed=1)
+    for method in (PLAIN, "standalone"):
+        engine = build_engine(method, target, {"standalone": draft}, 2, "float32", device="cpu", attn_backend="torch",
+                              block_size=8)
+        assert (engine.config.block_size, engine.config.attn_backend, engine.config.device) == (8, "torch", "cpu")
 
 
 def test_bench_block_cost_runs_one_draft_forward_per_round_whatever_k(tmp_path):
