@@ -13,13 +13,16 @@ from __future__ import annotations
 
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from draftsmith.drafts.files import read_json, stable_hash, write_json
 from draftsmith.train.pipeline.context import CostResult, PipelineContext, need
 
+if TYPE_CHECKING:
+    from draftsmith.serve_eval.schemas import EvalConfig
 
-def largest_eval_k(settings: Any) -> int:
+
+def largest_eval_k(settings: EvalConfig) -> int:
     # The common K list's largest: every kind can draft it (a method's own larger K, e.g. a block draft's,
     # is costed per row by the eval itself).
     return max(settings.num_speculative_tokens, default=4) or 4
