@@ -216,7 +216,17 @@ def hydra_app(task: Callable[[DictConfig], Any], config_name: str = "config") ->
                 raise
             raise SystemExit(f"draftsmith: error: {err}") from None
 
-    return hydra.main(version_base=None, config_path=str(CONF_DIR), config_name=config_name)(checked_task)
+    app = hydra.main(version_base=None, config_path=str(CONF_DIR), config_name=config_name)(checked_task)
+
+    @functools.wraps(app)
+    def main(*args: Any, **kwargs: Any) -> Any:
+        # Checked at run time, not import: importing a job module must not need the configs.
+        if not (CONF_DIR / f"{config_name}.yaml").is_file():
+            raise SystemExit(f"draftsmith: error: no {config_name}.yaml in {CONF_DIR}: the configs are the conf/ "
+                             "folder of a draftsmith checkout; an installed copy sets DRAFTSMITH_CONF to it")
+        return app(*args, **kwargs)
+
+    return main
 
 
 def compose(overrides: list[str] | None = None, config_name: str = "config") -> DictConfig:

@@ -58,6 +58,16 @@ def test_cli_rejects_bad_override_before_any_stage():
     assert "Key 'hidden' not in 'TargetConfig'" in proc.stderr and "stage=" not in proc.stdout + proc.stderr
 
 
+def test_missing_configs_say_where_they_were_looked_for_and_how_to_point_at_them(tmp_path):
+    """An installed copy without the checkout's conf/: one line naming the folder and DRAFTSMITH_CONF."""
+    env = {**os.environ, "DRAFTSMITH_CONF": str(tmp_path / "no-conf")}
+    proc = subprocess.run([sys.executable, "-m", "draftsmith.train.cli", "pipeline"], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=240)
+    assert proc.returncode != 0
+    assert f"no config.yaml in {tmp_path / 'no-conf'}" in proc.stderr and "DRAFTSMITH_CONF" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
 def test_open_group_entry_without_schema_is_refused():
     """An entry in an open group that selected no schema (untyped dict) is refused, naming the group."""
     cfg = compose()
