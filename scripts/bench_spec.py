@@ -106,11 +106,9 @@ def untrained_draft(kind: str, target: Path, fp: str, root: Path) -> Path:
                           max_position_embeddings=t["max_position_embeddings"])
         LlamaForCausalLM(cfg).save_pretrained(out)
         return out
-    import importlib
+    from draftsmith.drafts.kinds import draft_kind
 
-    cls = {"medusa": "MedusaDraft", "eagle": "EagleDraft", "eagle3": "Eagle3Draft"}[kind]
-    module = importlib.import_module(f"draftsmith.drafts.{kind}")
-    save_draft(getattr(module, cls).from_target_config(target), out, kind, fp)
+    save_draft(draft_kind(kind).module.from_target_config(target), out, kind, fp)
     return out
 
 

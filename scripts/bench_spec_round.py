@@ -59,19 +59,13 @@ def random_target(root: Path, args) -> Path:
 
 def random_draft(kind: str, target: Path, root: Path) -> Path:
     """An untrained draft of `kind` for target (standalone: 1 layer of the target's width)."""
-    import importlib
-
     from draftsmith.drafts.identity import target_fingerprint
     from draftsmith.drafts.io import save_draft
+    from draftsmith.drafts.kinds import draft_kind
 
     torch.manual_seed(1)
-    if kind == "standalone":
-        from draftsmith.drafts.standalone import StandaloneConfig, StandaloneDraft
-
-        draft = StandaloneDraft(StandaloneConfig.from_target_config(target, num_layers=1))
-    else:
-        cls = {"medusa": "MedusaDraft", "eagle": "EagleDraft", "eagle3": "Eagle3Draft", "block": "BlockDraft"}[kind]
-        draft = getattr(importlib.import_module(f"draftsmith.drafts.{kind}"), cls).from_target_config(target)
+    opts = {"num_layers": 1} if kind == "standalone" else {}
+    draft = draft_kind(kind).module.from_target_config(target, **opts)
     save_draft(draft, root / f"draft_{kind}", kind, target_fingerprint(target))
     return root / f"draft_{kind}"
 

@@ -1,7 +1,6 @@
 """Shared fixtures for the speculative-engine tests: tiny models, drafts, scripted proposers, runners."""
 from __future__ import annotations
 
-import importlib
 import os
 import random
 from dataclasses import dataclass
@@ -36,9 +35,9 @@ def feature_draft(kind: str, target_dir: Path, out_dir: Path, seed: int = 0, ini
     from draftsmith.drafts.identity import target_fingerprint
     from draftsmith.drafts.io import save_draft
 
-    module = importlib.import_module(f"draftsmith.drafts.{kind}")
-    cls = {"medusa": module.__dict__.get("MedusaDraft"), "eagle": module.__dict__.get("EagleDraft"),
-           "eagle3": module.__dict__.get("Eagle3Draft"), "block": module.__dict__.get("BlockDraft")}[kind]
+    from draftsmith.drafts.kinds import draft_kind
+
+    cls = draft_kind(kind).module
     torch.manual_seed(seed)
     opts = dict(block_opts or {}) if kind == "block" else {}
     if kind in ("eagle3", "block"):  # default [2, L//2, L-3] needs L >= 5; tiny targets name distinct layers
