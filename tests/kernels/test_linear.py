@@ -62,3 +62,24 @@ def test_out_rows_emit_exactly_those_rows(serving):
         full = layer(hidden, cos, sin, attn)
         for rows in (slice(1, 5), torch.tensor([0, 3, 8])):
             torch.testing.assert_close(layer(hidden, cos, sin, attn, out_rows=rows), full[rows], atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("shape", [(1, 256), (5, 256), (64, 96), (3, 4, 16)])
+def test_serving_norm_is_bit_identical_to_hf_and_to_the_training_norm(shape):
+    """The fp32 serving RMSNorm spells the math out with fewer dispatches; it must not move a single bit
+    (greedy exactness compares its outputs with the training form's and HF's)."""
+    from draftsmith.kernels.layers.norm import RMSNorm
+
+    torch.manual_seed(2)
+    norm = RMSNorm(shape[-1], eps=1e-5)
+    norm.weight.data = torch.randn(shape[-1])
+    x = torch.randn(shape) * 4
+    hf = norm.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5))  # LlamaRMSNorm, fp32
+    with torch.no_grad():
+        served = norm.serving()(x)
+        trained = norm(x)
+    assert torch.equal(served, hf) and torch.equal(served, trained)
+    # bf16 activations (autocast) take torch's upcasting rms_norm, as training does
+    xb = x.bfloat16()
+    with torch.no_grad():
+        assert torch.equal(norm.serving()(xb), norm(xb))

@@ -87,10 +87,14 @@ class DecodePlan:
 
     key: tuple  # (block_size, num_kv_heads, num_heads): another layout (e.g. a draft's) rebuilds
     buckets: list[_Bucket]
-    # Attention masks of the multi-token sequences (chunked prefill, verify rows, trees) by batch
-    # index, built on the first layer and reused by the others (None = plain causal, SDPA is_causal).
+    # Additive attention masks (0 / -inf, in q's dtype) of the multi-token sequences (chunked prefill, verify
+    # rows, trees) by batch index, built on the first layer and reused by the others (None = plain causal, SDPA
+    # is_causal). Additive, because SDPA turns a boolean mask into this very tensor on every call.
     extend_masks: dict[int, Tensor | None] = field(default_factory=dict)
     batched_seqs: frozenset[int] = frozenset()  # batch indices the buckets serve (mixed batches)
+    # The metadata's seq_lens and cu_seqlens_q as Python lists, read once per forward, not once per layer.
+    seq_lens: list[int] = field(default_factory=list)
+    cu_seqlens_q: list[int] = field(default_factory=list)
 
 
 def _bucket_bounds(sorted_lens: list[int]) -> list[tuple[int, int]]:
@@ -229,10 +233,10 @@ def _cached_plan(meta: AttentionMetadata, k_cache: Tensor, num_heads: int) -> De
     seq_lens = meta.seq_lens.tolist()
     if meta.is_pure_decode:
         plan = build_decode_plan(seq_lens, meta.block_tables, None, None, *key)
-    elif meta.tree_mask is not None:
-        plan = DecodePlan(key, [])
     else:
-        plan = _mixed_plan(seq_lens, meta.cu_seqlens_q.tolist(), meta.block_tables, key)
+        cu = meta.cu_seqlens_q.tolist()
+        plan = DecodePlan(key, []) if meta.tree_mask is not None else _mixed_plan(seq_lens, cu, meta.block_tables, key)
+        plan.seq_lens, plan.cu_seqlens_q = seq_lens, cu
     meta.backend_plan = plan
     return plan
 
@@ -254,12 +258,14 @@ def _mixed_plan(seq_lens: list[int], cu: list[int], block_tables: Tensor, key: t
     return DecodePlan(key, buckets, batched_seqs=frozenset(i for ids in by_len.values() for i in ids))
 
 
-def _extend_mask(q_len: int, ctx_len: int, tree_rows: Tensor | None, device: torch.device) -> Tensor | None:
-    """The mask of one multi-token sequence; None when it is plain causal with no prefix (SDPA's
-    is_causal then skips the masked half)."""
+def _extend_mask(q_len: int, ctx_len: int, tree_rows: Tensor | None, dtype: torch.dtype,
+                 device: torch.device) -> Tensor | None:
+    """The additive mask (0 where query_mask allows, -inf elsewhere) of one multi-token sequence; None when it
+    is plain causal with no prefix (SDPA's is_causal then skips the masked half)."""
     if tree_rows is None and q_len == ctx_len:
         return None
-    return query_mask(q_len, ctx_len, tree_rows, device)
+    allowed = query_mask(q_len, ctx_len, tree_rows, device)
+    return torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(allowed.logical_not_(), float("-inf"))
 
 
 def _one_sequence(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Tensor, ctx_len: int,
@@ -295,14 +301,14 @@ def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: Attention
     out = torch.empty_like(q)
     if plan.buckets:
         _run_decode_plan(q, out, k_cache, v_cache, plan, scale)
-    cu = meta.cu_seqlens_q.tolist()
-    for i, ctx_len in enumerate(meta.seq_lens.tolist()):
+    cu = plan.cu_seqlens_q
+    for i, ctx_len in enumerate(plan.seq_lens):
         start, end = cu[i], cu[i + 1]
         if end == start or i in plan.batched_seqs:  # empty, or served by the plan
             continue
         if i not in plan.extend_masks:
             tree_rows = meta.tree_mask[start:end] if meta.tree_mask is not None else None
-            plan.extend_masks[i] = _extend_mask(end - start, ctx_len, tree_rows, q.device)
+            plan.extend_masks[i] = _extend_mask(end - start, ctx_len, tree_rows, q.dtype, q.device)
         out[start:end] = _one_sequence(q[start:end], k_cache, v_cache, meta.block_tables[i], ctx_len,
                                        plan.extend_masks[i], scale)
     return out

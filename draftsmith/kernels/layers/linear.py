@@ -6,6 +6,10 @@ transposed, [in, out] row-major, and calls ``addmm(b, x, W^T)`` with no transpos
 from DRAM, as a 20-layer target's do every step, MKL's sgemm runs that layout 1.2-1.4x faster than
 ``F.linear``'s [out, in] at every row count from 1 to 64 (one target's worth of matmuls at 1 thread: 5.5 vs
 7.6 ms at 1 row, 10.9 vs 13.8 at 5, 33.9 vs 37.8 at 64). CUDA keeps cuBLAS.
+
+A verify round's few rows (2 to ``SMALL_GEMM_MAX_ROWS``) take kernels.small_gemm instead where it builds (fp32,
+AVX2): MKL re-packs the weight on every such call, so 5 rows cost 2-4x one row; the packed kernel reads it
+once. It costs a second copy of each fp32 CPU weight (DRAFTSMITH_SMALL_GEMM=0 turns it off).
 """
 
 from __future__ import annotations
@@ -15,6 +19,12 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from draftsmith.kernels import small_gemm
+
+# Rows up to which the packed small-row kernel beats MKL here (one target's matmuls, 1 thread, ms, MKL vs it:
+# 5 rows 17.4 vs 13.8, 9 rows ~equal, 64 rows 1.6x slower); 1 row stays with MKL's GEMV (its head is faster).
+SMALL_GEMM_MAX_ROWS = 8
 
 
 def should_pack(dtype: torch.dtype, device: torch.device) -> bool:
@@ -41,6 +51,8 @@ class Linear:
         self.weight_t = weight.t().contiguous() if not pack and stores_transposed(weight.dtype, weight.device) else None
         # [out, in]: a view of weight_t where there is one; kept for anything that needs the dense matrix
         self.weight = weight if self.weight_t is None else self.weight_t.t()
+        # the few-row kernel beside weight_t (fp32 on CPU); torch.compile traces torch.mm instead (__call__)
+        self.small = small_gemm.PackedWeight(weight, self.bias) if self.weight_t is not None and small_gemm.available() else None
 
     @classmethod
     def fuse(cls, linears: Sequence[nn.Linear], pack: bool | None = None, alias: bool = True) -> "Linear":
@@ -88,6 +100,9 @@ class Linear:
             return self(x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], self.out_features)
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [None], "")
+        if (self.small is not None and 1 < x.shape[0] <= SMALL_GEMM_MAX_ROWS and x.dtype == torch.float32
+                and not torch.compiler.is_compiling()):
+            return self.small(x)
         if self.bias is None:
             return torch.mm(x, self.weight_t)
         return torch.addmm(self.bias, x, self.weight_t)

@@ -1,0 +1,91 @@
+"""The packed few-row fp32 GEMM (kernels.small_gemm): it matches a float64 reference, a row's result does not
+depend on the rows beside it, the serving Linear routes 2..SMALL_GEMM_MAX_ROWS rows to it, and where it cannot
+build, everything falls back to torch."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from draftsmith.kernels import small_gemm
+from draftsmith.kernels.layers.linear import SMALL_GEMM_MAX_ROWS, Linear
+
+needs_kernel = pytest.mark.skipif(not small_gemm.available(), reason="no C compiler or no AVX2/FMA on this CPU")
+
+
+@needs_kernel
+@pytest.mark.parametrize("out_features,in_features", [(64, 32), (45, 17), (1, 8), (4096, 256), (100, 704)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_matches_a_float64_reference(out_features, in_features, bias):
+    torch.manual_seed(out_features + in_features)
+    weight = torch.randn(out_features, in_features)
+    b = torch.randn(out_features) if bias else None
+    packed = small_gemm.PackedWeight(weight, b)
+    for rows in (1, 2, 3, 4, 5, 7, 9, 33):
+        x = torch.randn(rows, in_features)
+        ref = F.linear(x.double(), weight.double(), None if b is None else b.double())
+        got = packed(x)
+        assert got.shape == (rows, out_features) and got.dtype == torch.float32
+        torch.testing.assert_close(got.double(), ref, atol=1e-4 * in_features ** 0.5, rtol=1e-4)
+
+
+@needs_kernel
+def test_a_rows_result_does_not_depend_on_its_batch():
+    """Decode (1 row) and verify (K+1 rows) see the same logits bit for bit: every output is one FMA chain
+    over k in the same order whatever the row count or grouping."""
+    torch.manual_seed(0)
+    packed = small_gemm.PackedWeight(torch.randn(70, 48), torch.randn(70))
+    x = torch.randn(9, 48)
+    alone = torch.cat([packed(x[i:i + 1]) for i in range(9)])
+    for rows in range(1, 10):
+        assert torch.equal(packed(x[:rows]), alone[:rows]), rows
+    assert torch.equal(packed(x[::2]), alone[::2])  # strided rows (a view) read the same values
+
+
+@needs_kernel
+def test_serving_linear_routes_few_rows_to_the_kernel(monkeypatch):
+    torch.manual_seed(1)
+    mods = [nn.Linear(32, 24, bias=True), nn.Linear(32, 40, bias=True)]
+    fused = Linear.fuse(mods)
+    assert fused.small is not None
+    calls = []
+    inner = fused.small.__call__
+    monkeypatch.setattr(type(fused.small), "__call__", lambda self, x: calls.append(x.shape[0]) or inner(x))
+    for rows in (1, 2, SMALL_GEMM_MAX_ROWS, SMALL_GEMM_MAX_ROWS + 1, 64):
+        x = torch.randn(rows, 32)
+        torch.testing.assert_close(fused(x), F.linear(x, fused.weight, fused.bias), atol=1e-5, rtol=1e-5)
+    assert calls == [2, SMALL_GEMM_MAX_ROWS]  # 1 row stays with MKL's GEMV, many rows with its GEMM
+
+
+def test_switched_off_or_unbuildable_falls_back_to_torch(monkeypatch):
+    monkeypatch.setenv("DRAFTSMITH_SMALL_GEMM", "0")
+    small_gemm._library.cache_clear()
+    try:
+        assert not small_gemm.available()
+        fused = Linear.fuse([nn.Linear(16, 8)])
+        assert fused.small is None
+        x = torch.randn(5, 16)
+        torch.testing.assert_close(fused(x), F.linear(x, fused.weight, fused.bias), atol=1e-5, rtol=1e-5)
+        with pytest.raises(RuntimeError, match="not available"):
+            small_gemm.PackedWeight(torch.randn(8, 16))
+    finally:
+        small_gemm._library.cache_clear()
+
+
+def test_a_missing_compiler_falls_back_with_the_reason_logged(monkeypatch, caplog):
+    monkeypatch.setenv("CC", "/nonexistent/cc")
+    monkeypatch.setenv("DRAFTSMITH_CACHE", "/tmp/draftsmith-small-gemm-test-cache")
+    small_gemm._library.cache_clear()
+    try:
+        with caplog.at_level("INFO", logger=small_gemm.__name__):
+            assert not small_gemm.available()
+        assert "fp32 CPU matmuls use torch" in caplog.text
+    finally:
+        small_gemm._library.cache_clear()
+
+
+@needs_kernel
+def test_bad_weight_is_refused_naming_it():
+    with pytest.raises(ValueError, match="bfloat16"):
+        small_gemm.PackedWeight(torch.randn(8, 16, dtype=torch.bfloat16))
