@@ -96,7 +96,18 @@ def print_table(label: str, rows: dict[str, dict[str, tuple[float, float]]], rat
         print(f"{method:12}{cells}{c}{ratio}")
 
 
+def embedded_shape() -> dict:
+    """The embedded target's shape (conf/target/embedded.yaml), the random target's defaults."""
+    from omegaconf import OmegaConf
+
+    from draftsmith import CONF_DIR
+
+    conf = OmegaConf.load(Path(CONF_DIR) / "target" / "embedded.yaml")
+    return {k: int(conf[k]) for k in ("num_layers", "hidden_size", "intermediate_size", "vocab_size")}
+
+
 def parse_args() -> argparse.Namespace:
+    shape = embedded_shape()
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--methods", default=",".join(METHODS), help=f"comma list of {METHODS}")
     ap.add_argument("--k", type=int, default=4, help="drafts per round (tree: depth; 16-node budget)")
@@ -108,10 +119,10 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--target", default=None, help="trained target dir (drafts found under --artifacts)")
     ap.add_argument("--artifacts", default=str(ROOT / "artifacts"))
-    ap.add_argument("--layers", type=int, default=8, help="random target: layers (scale down for a quick run)")
-    ap.add_argument("--hidden", type=int, default=256, help="random target: hidden size")
-    ap.add_argument("--intermediate", type=int, default=704, help="random target: MLP width")
-    ap.add_argument("--vocab", type=int, default=4096, help="random target: vocabulary")
+    ap.add_argument("--layers", type=int, default=shape["num_layers"], help="random target: layers (scale down for a quick run)")
+    ap.add_argument("--hidden", type=int, default=shape["hidden_size"], help="random target: hidden size")
+    ap.add_argument("--intermediate", type=int, default=shape["intermediate_size"], help="random target: MLP width")
+    ap.add_argument("--vocab", type=int, default=shape["vocab_size"], help="random target: vocabulary")
     return ap.parse_args()
 
 
