@@ -13,6 +13,7 @@ import ctypes
 import hashlib
 import logging
 import os
+import platform
 import shutil
 import subprocess
 import tempfile
@@ -54,9 +55,9 @@ def _library() -> ctypes.CDLL | None:
         log.info("small-row GEMM kernel off (DRAFTSMITH_SMALL_GEMM=0); fp32 CPU matmuls use torch")
         return None
     compiler = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
-    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512") or compiler is None:
-        log.info("small-row GEMM kernel unavailable (CPU %s, compiler %s); fp32 CPU matmuls use torch",
-                 torch.backends.cpu.get_cpu_capability(), compiler)
+    if platform.machine().lower() not in ("x86_64", "amd64") or compiler is None:
+        log.info("small-row GEMM kernel unavailable (machine %s, compiler %s); fp32 CPU matmuls use torch",
+                 platform.machine(), compiler)
         return None
     try:
         lib = ctypes.CDLL(str(_build(compiler)))
@@ -66,6 +67,7 @@ def _library() -> ctypes.CDLL | None:
                     detail.decode(errors="replace")[:500])
         return None
     if not lib.small_gemm_has_avx2():
+        log.info("small-row GEMM kernel unavailable (this CPU lacks AVX2/FMA); fp32 CPU matmuls use torch")
         return None
     lib.small_gemm_pack.argtypes = [_P, _L, _L, _P]
     lib.small_gemm.argtypes = [_P, _L, _L, _L, _P, _L, _P, _P, _L]
