@@ -27,7 +27,7 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "csrc" / "small_gemm.c"
 PANEL = 32  # output columns per packed panel (the C source's PANEL)
-FLAGS = ["-O3", "-mavx2", "-mfma", "-shared", "-fPIC", "-std=gnu11"]
+FLAGS = ["-O3", "-shared", "-fPIC", "-std=gnu11"]  # AVX2/FMA per function (target attribute in the source)
 _P, _L = ctypes.c_void_p, ctypes.c_long
 
 
@@ -80,7 +80,10 @@ def available() -> bool:
 
 
 class PackedWeight:
-    """W [N, K] fp32 on CPU, packed into [ceil(N/32), K, 32] panels; call with x [M, K] -> [M, N]."""
+    """W [N, K] fp32 on CPU, packed into [ceil(N/32), K, 32] panels; call with x [M, K] -> [M, N].
+
+    A copy made once: a later in-place change to W (or to the module parameters aliasing it) does not reach
+    it, as the serving form it belongs to is final (kernels.layers: inference only, built after loading)."""
 
     def __init__(self, weight: Tensor, bias: Tensor | None = None) -> None:
         lib = _library()
@@ -95,16 +98,18 @@ class PackedWeight:
         self.packed = torch.empty(panels * self.in_features * PANEL, dtype=torch.float32)
         lib.small_gemm_pack(dense.data_ptr(), self.out_features, self.in_features, self.packed.data_ptr())
         self.bias = None if bias is None else bias.detach().float().contiguous()
-        self._call = lib.small_gemm
         self._bias_ptr = None if self.bias is None else self.bias.data_ptr()
 
     def __call__(self, x: Tensor) -> Tensor:
-        """x: [M, K] fp32 CPU with unit stride in K -> [M, N]."""
+        """x: [M, K] fp32 CPU -> [M, N]."""
+        if x.dim() != 2 or x.shape[1] != self.in_features or x.dtype != torch.float32 or x.device.type != "cpu":
+            raise ValueError(f"PackedWeight [{self.out_features}, {self.in_features}] takes fp32 CPU rows "
+                             f"[M, {self.in_features}], got {x.dtype} {tuple(x.shape)} on {x.device}")
         if x.stride(-1) != 1:
             x = x.contiguous()
         rows = x.shape[0]
         out = torch.empty(rows, self.out_features, dtype=torch.float32)
-        if rows:
-            self._call(x.data_ptr(), rows, self.in_features, x.stride(0), self.packed.data_ptr(), self.out_features,
-                       self._bias_ptr, out.data_ptr(), self.out_features)
+        if rows:  # the library is looked up per call, so the object deep-copies (no ctypes pointer held)
+            _library().small_gemm(x.data_ptr(), rows, self.in_features, x.stride(0), self.packed.data_ptr(),
+                                  self.out_features, self._bias_ptr, out.data_ptr(), self.out_features)
         return out

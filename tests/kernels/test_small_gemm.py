@@ -32,8 +32,8 @@ def test_matches_a_float64_reference(out_features, in_features, bias):
 
 @needs_kernel
 def test_a_rows_result_does_not_depend_on_its_batch():
-    """Decode (1 row) and verify (K+1 rows) see the same logits bit for bit: every output is one FMA chain
-    over k in the same order whatever the row count or grouping."""
+    """Within the kernel a row's output is bit for bit the same whatever rows share the call: every output is
+    one FMA chain over k in the same order whatever the row count or grouping."""
     torch.manual_seed(0)
     packed = small_gemm.PackedWeight(torch.randn(70, 48), torch.randn(70))
     x = torch.randn(9, 48)
@@ -56,6 +56,28 @@ def test_serving_linear_routes_few_rows_to_the_kernel(monkeypatch):
         x = torch.randn(rows, 32)
         torch.testing.assert_close(fused(x), F.linear(x, fused.weight, fused.bias), atol=1e-5, rtol=1e-5)
     assert calls == [2, SMALL_GEMM_MAX_ROWS]  # 1 row stays with MKL's GEMV, many rows with its GEMM
+    calls.clear()
+    x = torch.randn(4, 32)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)  # a multi-threaded step keeps MKL's threaded GEMM (the kernel is single-threaded)
+        torch.testing.assert_close(fused(x), F.linear(x, fused.weight, fused.bias), atol=1e-5, rtol=1e-5)
+    finally:
+        torch.set_num_threads(threads)
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # autocast keeps torch's (bf16) matmul
+        assert fused(x).dtype == torch.bfloat16
+    assert calls == []
+
+
+@needs_kernel
+def test_packed_weight_deep_copies_and_refuses_wrong_rows():
+    import copy
+
+    packed = small_gemm.PackedWeight(torch.randn(24, 16), torch.randn(24))
+    x = torch.randn(3, 16)
+    assert torch.equal(copy.deepcopy(packed)(x), packed(x))  # serving forms are deep-copied (proposers)
+    with pytest.raises(ValueError, match=r"\[M, 16\].*\(3, 17\)"):
+        packed(torch.randn(3, 17))
 
 
 def test_switched_off_or_unbuildable_falls_back_to_torch(monkeypatch):

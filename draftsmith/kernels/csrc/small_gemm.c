@@ -9,10 +9,15 @@
  *
  * Each output y[m, n] is one chain of FMAs over k = 0 .. K-1 from zero, then + bias[n]: the same
  * instructions in the same order whatever M is and whichever rows share the call, so a row's result does
- * not depend on its batch (a verify round's logits equal a decode step's bit for bit).
+ * not depend on the rows beside it in a call.
+ *
+ * Only the functions that use AVX2 are compiled for it (target attribute), so small_gemm_has_avx2 runs on
+ * any x86-64 CPU and the caller can fall back.
  */
 #include <immintrin.h>
 #include <string.h>
+
+#define AVX2_FMA __attribute__((target("avx2,fma")))
 
 #define PANEL 32
 
@@ -28,7 +33,7 @@ void small_gemm_pack(const float *w, long n, long k, float *packed) {
 
 #define VECS (PANEL / 8)
 
-static inline void store_row(float *y, long n_valid, const __m256 *acc, const float *bias) {
+AVX2_FMA static inline void store_row(float *y, long n_valid, const __m256 *acc, const float *bias) {
     float tmp[PANEL];
     for (int v = 0; v < VECS; v++) _mm256_storeu_ps(tmp + 8 * v, acc[v]);
     for (long c = 0; c < n_valid; c++) y[c] = bias ? tmp[c] + bias[c] : tmp[c];
@@ -36,7 +41,7 @@ static inline void store_row(float *y, long n_valid, const __m256 *acc, const fl
 
 /* ROWS rows of x against one panel; acc[r][v] holds columns 8v .. 8v+7 of row r. */
 #define PANEL_ROWS(ROWS)                                                                     \
-    static void panel_rows_##ROWS(const float *x, long ldx, const float *panel, long k,        \
+    AVX2_FMA static void panel_rows_##ROWS(const float *x, long ldx, const float *panel, long k,        \
                                   float *y, long ldy, long n_valid, const float *bias) {       \
         __m256 acc[ROWS][VECS];                                                                \
         for (int r = 0; r < ROWS; r++)                                                         \
@@ -61,7 +66,7 @@ int small_gemm_has_avx2(void) {
     return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
 }
 
-void small_gemm(const float *x, long m, long k, long ldx, const float *packed, long n, const float *bias,
+AVX2_FMA void small_gemm(const float *x, long m, long k, long ldx, const float *packed, long n, const float *bias,
                 float *y, long ldy) {
     long panels = (n + PANEL - 1) / PANEL;
     for (long p = 0; p < panels; p++) {

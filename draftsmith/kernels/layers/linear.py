@@ -9,7 +9,9 @@ from DRAM, as a 20-layer target's do every step, MKL's sgemm runs that layout 1.
 
 A verify round's few rows (2 to ``SMALL_GEMM_MAX_ROWS``) take kernels.small_gemm instead where it builds (fp32,
 AVX2): MKL re-packs the weight on every such call, so 5 rows cost 2-4x one row; the packed kernel reads it
-once. It costs a second copy of each fp32 CPU weight (DRAFTSMITH_SMALL_GEMM=0 turns it off).
+once. It runs on one thread, so only steps the engine runs single-threaded use it (kernels.small_gemm; the
+engine's thread rule runs a small model's few-row steps on 1 thread). It costs a second copy of each fp32 CPU
+weight (DRAFTSMITH_SMALL_GEMM=0 turns it off).
 """
 
 from __future__ import annotations
@@ -100,9 +102,9 @@ class Linear:
             return self(x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], self.out_features)
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [None], "")
-        if (self.small is not None and 1 < x.shape[0] <= SMALL_GEMM_MAX_ROWS and x.dtype == torch.float32
-                and not torch.compiler.is_compiling()):
-            return self.small(x)
+        if (self.small is not None and not torch.compiler.is_compiling() and 1 < x.shape[0] <= SMALL_GEMM_MAX_ROWS
+                and x.dtype == torch.float32 and torch.get_num_threads() == 1 and not torch.is_autocast_enabled("cpu")):
+            return self.small(x)  # single-threaded: a step on several threads keeps MKL's threaded GEMM
         if self.bias is None:
             return torch.mm(x, self.weight_t)
         return torch.addmm(self.bias, x, self.weight_t)
