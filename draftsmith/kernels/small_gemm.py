@@ -26,7 +26,6 @@ from torch import Tensor
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "csrc" / "small_gemm.c"
-PANEL = 32  # output columns per packed panel (the C source's PANEL)
 FLAGS = ["-O3", "-shared", "-fPIC", "-std=gnu11"]  # AVX2/FMA per function (target attribute in the source)
 _P, _L = ctypes.c_void_p, ctypes.c_long
 
@@ -69,6 +68,8 @@ def _library() -> ctypes.CDLL | None:
     if not lib.small_gemm_has_avx2():
         log.info("small-row GEMM kernel unavailable (this CPU lacks AVX2/FMA); fp32 CPU matmuls use torch")
         return None
+    lib.small_gemm_packed_floats.argtypes = [_L, _L]
+    lib.small_gemm_packed_floats.restype = _L
     lib.small_gemm_pack.argtypes = [_P, _L, _L, _P]
     lib.small_gemm.argtypes = [_P, _L, _L, _L, _P, _L, _P, _P, _L]
     lib.small_gemm_pack.restype = lib.small_gemm.restype = None
@@ -94,8 +95,8 @@ class PackedWeight:
                              f"on {weight.device}")
         self.out_features, self.in_features = (int(s) for s in weight.shape)
         dense = weight.detach().contiguous()
-        panels = -(-self.out_features // PANEL)
-        self.packed = torch.empty(panels * self.in_features * PANEL, dtype=torch.float32)
+        # the C side sizes its own layout, so the panel width lives in one place
+        self.packed = torch.empty(lib.small_gemm_packed_floats(self.out_features, self.in_features), dtype=torch.float32)
         lib.small_gemm_pack(dense.data_ptr(), self.out_features, self.in_features, self.packed.data_ptr())
         self.bias = None if bias is None else bias.detach().float().contiguous()
         self._bias_ptr = None if self.bias is None else self.bias.data_ptr()

@@ -21,9 +21,11 @@
 
 #define PANEL 32
 
+/* Floats the packed copy of an [n, k] weight takes (the caller allocates it). */
+long small_gemm_packed_floats(long n, long k) { return (n + PANEL - 1) / PANEL * k * PANEL; }
+
 void small_gemm_pack(const float *w, long n, long k, float *packed) {
-    long panels = (n + PANEL - 1) / PANEL;
-    memset(packed, 0, sizeof(float) * panels * k * PANEL);
+    memset(packed, 0, sizeof(float) * small_gemm_packed_floats(n, k));
     for (long col = 0; col < n; col++) {
         float *dst = packed + (col / PANEL) * k * PANEL + col % PANEL;
         const float *src = w + col * k;
