@@ -1,72 +1,27 @@
 """x @ W^T for fp32 on an AVX2 CPU with W packed once at load (csrc/small_gemm.c): one read of W per call
 whatever the row count, and a row's result independent of the rows beside it.
 
-The C source is compiled on first use with the system C compiler into a per-user cache (keyed by the
-source, so an edit rebuilds) and called through ctypes: no torch headers, no ninja. Where there is no
-compiler, no AVX2/FMA or the build fails, ``available()`` is False, the reason is logged once, and callers
-keep torch's matmul.
+Built and loaded with the other C kernels (kernels.native). Where they cannot run here, or
+``DRAFTSMITH_SMALL_GEMM=0``, ``available()`` is False and callers keep torch's matmul.
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import logging
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
 from functools import lru_cache
-from pathlib import Path
 
 import torch
 from torch import Tensor
 
-log = logging.getLogger(__name__)
+from draftsmith.kernels import native
 
-SOURCE = Path(__file__).parent / "csrc" / "small_gemm.c"
-FLAGS = ["-O3", "-shared", "-fPIC", "-std=gnu11"]  # AVX2/FMA per function (target attribute in the source)
 _P, _L = ctypes.c_void_p, ctypes.c_long
-
-
-def cache_dir() -> Path:
-    root = os.environ.get("DRAFTSMITH_CACHE") or os.path.join(os.environ.get("XDG_CACHE_HOME", "~/.cache"), "draftsmith")
-    return Path(root).expanduser()
-
-
-def _build(compiler: str) -> Path:
-    source = SOURCE.read_bytes()
-    key = hashlib.sha256(source + " ".join([compiler, *FLAGS]).encode()).hexdigest()[:16]
-    target = cache_dir() / f"small_gemm-{key}.so"
-    if not target.exists():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:  # several processes may build at once
-            built = Path(tmp) / target.name
-            subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(built)], check=True, capture_output=True)
-            os.replace(built, target)
-    return target
 
 
 @lru_cache(maxsize=1)
 def _library() -> ctypes.CDLL | None:
-    if os.environ.get("DRAFTSMITH_SMALL_GEMM", "1") == "0":
-        log.info("small-row GEMM kernel off (DRAFTSMITH_SMALL_GEMM=0); fp32 CPU matmuls use torch")
-        return None
-    compiler = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
-    if platform.machine().lower() not in ("x86_64", "amd64") or compiler is None:
-        log.info("small-row GEMM kernel unavailable (machine %s, compiler %s); fp32 CPU matmuls use torch",
-                 platform.machine(), compiler)
-        return None
-    try:
-        lib = ctypes.CDLL(str(_build(compiler)))
-    except (OSError, subprocess.CalledProcessError) as err:
-        detail = getattr(err, "stderr", b"") or b""
-        log.warning("small-row GEMM kernel failed to build (%s %s); fp32 CPU matmuls use torch", err,
-                    detail.decode(errors="replace")[:500])
-        return None
-    if not lib.small_gemm_has_avx2():
-        log.info("small-row GEMM kernel unavailable (this CPU lacks AVX2/FMA); fp32 CPU matmuls use torch")
+    lib = native.kernel_library("DRAFTSMITH_SMALL_GEMM", "the small-row GEMM kernel")
+    if lib is None:
         return None
     lib.small_gemm_packed_floats.argtypes = [_L, _L]
     lib.small_gemm_packed_floats.restype = _L

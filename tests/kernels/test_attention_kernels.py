@@ -13,7 +13,14 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from draftsmith.kernels.attention import AttentionMetadata, attention, get_attention_backend, select_backend, write_kv
+from draftsmith.kernels.attention import (
+    AttentionMetadata,
+    attention,
+    get_attention_backend,
+    native_paged,
+    select_backend,
+    write_kv,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -73,15 +80,26 @@ def dense_reference(dense, scale):
 MIXED = [(5, 12), (1, 9), (7, 7), (1, 1), (3, 20)]  # chunked prefill, decode, fresh prefill, first token, chunk
 
 
+@pytest.fixture(params=["torch", "native"])
+def attention_path(request, monkeypatch):
+    """The torch backend's two ways through a fp32 CPU layer: its torch ops, or the C kernel (native_paged)."""
+    if request.param == "torch":
+        monkeypatch.setattr(native_paged, "usable", lambda *a: False)
+        monkeypatch.setattr(native_paged, "can_write", lambda *a: False)
+    elif not native_paged.available():
+        pytest.skip("the native CPU kernels do not build or run here")
+    return request.param
+
+
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 2), (4, 4), (4, 1)])
-def test_torch_paged_matches_dense_on_mixed_batch(num_heads, num_kv_heads):
+def test_torch_paged_matches_dense_on_mixed_batch(attention_path, num_heads, num_kv_heads):
     """Chunked prefill, decode and fresh prefill in one batch, with MHA/GQA/MQA and shuffled blocks."""
     q, kc, vc, meta, dense = make_case(MIXED, num_heads=num_heads, num_kv_heads=num_kv_heads)
     out = attention(q, kc, vc, meta, scale=0.25)
     torch.testing.assert_close(out.double(), dense_reference(dense, 0.25), atol=1e-5, rtol=1e-5)
 
 
-def test_torch_paged_pure_decode_batch_path():
+def test_torch_paged_pure_decode_batch_path(attention_path):
     """The vectorized all-decode path (padded gather + length mask) equals the dense reference."""
     specs = [(1, n) for n in (1, 4, 5, 17, 3, 8)]
     q, kc, vc, meta, dense = make_case(specs, seed=3)
@@ -91,10 +109,12 @@ def test_torch_paged_pure_decode_batch_path():
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
-def test_torch_paged_batches_verify_blocks(dtype, tol):
+def test_torch_paged_batches_verify_blocks(dtype, tol, monkeypatch):
     """Short causal blocks after a prefix (a chain's K+1 verify rows) are served together, bucketed by
     their length with decode rows beside them; a long block (a prefill chunk) still goes through SDPA."""
     from draftsmith.kernels.attention import torch_paged
+
+    monkeypatch.setattr(native_paged, "usable", lambda *a: False)  # the torch ops' plan (fp32 could go native)
 
     long_block = torch_paged.MAX_BATCHED_QUERY_ROWS + 1
     specs = [(5, 12), (5, 40), (1, 9), (5, 6), (3, 20), (long_block, long_block + 4), (5, 5)]
@@ -119,7 +139,7 @@ def _random_tree_mask(q_len, gen):
     return mask
 
 
-def test_torch_paged_tree_mask():
+def test_torch_paged_tree_mask(attention_path):
     """Tree verification: each query sees the context prefix plus exactly its tree ancestors."""
     gen = torch.Generator().manual_seed(7)
     specs = [(6, 15), (1, 4), (4, 9)]
@@ -137,11 +157,84 @@ def test_torch_paged_tree_mask():
     seed=st.integers(0, 1000),
 )
 def test_torch_paged_property(specs, block_size, kv_heads, seed):
-    """Any mix of (new tokens, prefix length) and block size: paged result equals dense attention."""
+    """Any mix of (new tokens, prefix length) and block size: paged result equals dense attention, through the
+    torch ops and through the C kernel alike."""
     specs = [(q_len, q_len + prefix) for q_len, prefix in specs]
     q, kc, vc, meta, dense = make_case(specs, num_kv_heads=kv_heads, block_size=block_size, seed=seed)
-    out = attention(q, kc, vc, meta, scale=0.25)
-    torch.testing.assert_close(out.double(), dense_reference(dense, 0.25), atol=1e-5, rtol=1e-5)
+    expected = dense_reference(dense, 0.25)
+    torch.testing.assert_close(attention(q, kc, vc, meta, scale=0.25).double(), expected, atol=1e-5, rtol=1e-5)
+    if native_paged.available():
+        meta.backend_plan = None
+        native = native_paged.attend(q, kc, vc, meta, 0.25, max_q_len=64)
+        torch.testing.assert_close(native.double(), expected, atol=1e-5, rtol=1e-5)
+
+
+needs_native = pytest.mark.skipif(not native_paged.available(), reason="the native CPU kernels do not build here")
+
+
+@needs_native
+def test_native_serves_short_blocks_and_leaves_prefill_chunks_to_sdpa():
+    """One kernel call serves every sequence with up to MAX_BATCHED_QUERY_ROWS new tokens; a longer prefill
+    chunk goes through SDPA, and the two halves make one exact output."""
+    from draftsmith.kernels.attention import torch_paged
+
+    long_block = torch_paged.MAX_BATCHED_QUERY_ROWS + 3
+    specs = [(5, 12), (long_block, long_block + 6), (1, 9), (long_block, long_block)]
+    q, kc, vc, meta, dense = make_case(specs, seed=4, head_dim=64, num_heads=8, num_kv_heads=2)
+    assert native_paged.usable(q, kc)
+    out = attention(q, kc, vc, meta, scale=0.125)
+    torch.testing.assert_close(out.double(), dense_reference(dense, 0.125), atol=1e-5, rtol=1e-5)
+    assert meta.backend_plan.batched_seqs == {0, 2}  # the kernel's; 1 and 3 went through SDPA
+
+
+@needs_native
+def test_native_reads_strided_views_of_a_projection():
+    """q, k and v arrive as views of one [T, (H + 2 KVH) * D] projection (decoder.attend): the kernel and the
+    KV write follow their strides."""
+    specs = [(3, 10), (1, 6)]
+    q, kc, vc, meta, dense = make_case(specs, seed=8, head_dim=16)
+    ref_kc, ref_vc = kc.clone(), vc.clone()
+    k_new, v_new = torch.randn(4, 2, 16), torch.randn(4, 2, 16)
+    packed = torch.cat([q.reshape(4, -1), k_new.reshape(4, -1), v_new.reshape(4, -1)], dim=1)
+    q_view = packed[:, :64].view(4, 4, 16)
+    k_view, v_view = packed[:, 64:96].view(4, 2, 16), packed[:, 96:].view(4, 2, 16)
+    assert native_paged.can_write(k_view, v_view, kc, vc, meta.slot_mapping)
+    write_kv(k_view, v_view, kc, vc, meta.slot_mapping)
+    flat = ref_kc.view(-1, 2, 16), ref_vc.view(-1, 2, 16)
+    flat[0].index_copy_(0, meta.slot_mapping, k_new)
+    flat[1].index_copy_(0, meta.slot_mapping, v_new)
+    assert torch.equal(kc, ref_kc) and torch.equal(vc, ref_vc)
+    expected = attention(q.contiguous(), kc, vc, meta, 0.25)
+    torch.testing.assert_close(native_paged.attend(q_view, kc, vc, meta, 0.25, 16), expected, atol=0, rtol=0)
+
+
+@needs_native
+def test_native_write_refuses_a_slot_outside_the_cache():
+    kc, vc = torch.zeros(3, 4, 2, 8), torch.zeros(3, 4, 2, 8)
+    with pytest.raises(IndexError, match="12 slots"):
+        write_kv(torch.randn(2, 2, 8), torch.randn(2, 2, 8), kc, vc, torch.tensor([3, 12]))
+    assert kc.abs().sum() == 0  # nothing written
+
+
+def test_native_attention_switched_off_or_not_single_threaded_uses_torch(monkeypatch):
+    q, kc, vc, meta, dense = make_case([(1, 9), (4, 12)], seed=2)
+    if native_paged.available():
+        assert native_paged.usable(q, kc)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        assert not native_paged.usable(q, kc)  # a step spread over threads keeps torch's ops
+    finally:
+        torch.set_num_threads(previous)
+    assert not native_paged.usable(q.bfloat16(), kc.bfloat16())
+    monkeypatch.setenv("DRAFTSMITH_NATIVE_ATTENTION", "0")
+    native_paged._library.cache_clear()
+    try:
+        assert not native_paged.usable(q, kc)
+        out = attention(q, kc, vc, meta, scale=0.25)
+        torch.testing.assert_close(out.double(), dense_reference(dense, 0.25), atol=1e-5, rtol=1e-5)
+    finally:
+        native_paged._library.cache_clear()
 
 
 def test_write_kv_places_rows_in_slots():

@@ -95,16 +95,23 @@ def test_switched_off_or_unbuildable_falls_back_to_torch(monkeypatch):
         small_gemm._library.cache_clear()
 
 
-def test_a_missing_compiler_falls_back_with_the_reason_logged(monkeypatch, caplog):
+def test_a_missing_compiler_falls_back_with_the_reason_logged(monkeypatch, caplog, tmp_path):
+    from draftsmith.kernels import native
+    from draftsmith.kernels.attention import native_paged
+
     monkeypatch.setenv("CC", "/nonexistent/cc")
-    monkeypatch.setenv("DRAFTSMITH_CACHE", "/tmp/draftsmith-small-gemm-test-cache")
-    small_gemm._library.cache_clear()
+    monkeypatch.setenv("DRAFTSMITH_CACHE", str(tmp_path))  # nothing built there: the compiler is needed
+    caches = (native.library, small_gemm._library, native_paged._library)
+    for cache in caches:
+        cache.cache_clear()
     try:
-        with caplog.at_level("INFO", logger=small_gemm.__name__):
-            assert not small_gemm.available()
-        assert "fp32 CPU matmuls use torch" in caplog.text
+        with caplog.at_level("INFO", logger=native.__name__):
+            assert not small_gemm.available() and not native_paged.available()
+        assert "fp32 CPU matmuls and attention use torch" in caplog.text
+        assert caplog.text.count("native CPU kernels") == 1  # checked and logged once for every kernel
     finally:
-        small_gemm._library.cache_clear()
+        for cache in caches:
+            cache.cache_clear()
 
 
 @needs_kernel

@@ -13,6 +13,8 @@ from typing import Callable
 import torch
 from torch import Tensor
 
+from draftsmith.kernels.attention import native_paged  # imports nothing of this package at run time
+
 AttentionFn = Callable[[Tensor, Tensor, Tensor, "AttentionMetadata", float], Tensor]
 
 BACKENDS = ("torch", "triton", "flash")
@@ -143,8 +145,12 @@ def write_kv(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mappin
     """Scatter new K/V rows into their slots.
 
     k, v: [T, num_kv_heads, head_dim]; k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim];
-    slot_mapping: int64 [T]. A flat view of the cache makes this one index_copy per tensor.
+    slot_mapping: int64 [T]. A flat view of the cache makes this one index_copy per tensor; fp32 CPU rows take
+    the C kernel's copy instead (one call, not two dispatched ops).
     """
+    if native_paged.can_write(k, v, k_cache, v_cache, slot_mapping):
+        native_paged.write(k, v, k_cache, v_cache, slot_mapping)
+        return
     num_slots = k_cache.shape[0] * k_cache.shape[1]
     k_cache.view(num_slots, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
     v_cache.view(num_slots, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v.to(v_cache.dtype))

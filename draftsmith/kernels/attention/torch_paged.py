@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from draftsmith.kernels.attention import AttentionMetadata
+from draftsmith.kernels.attention import AttentionMetadata, native_paged
 
 # Bucketing cost model, in "key positions" (one sequence's K and V at one position): every extra bucket costs
 # about this many positions' worth of fixed per-op work (~8 small ops per layer), measured on a 2-core CPU.
@@ -290,21 +290,27 @@ def _one_sequence(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Tens
 def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata, scale: float) -> Tensor:
     """q: [T, H, D]; k_cache/v_cache: [num_blocks, block_size, kvh, D] (new K/V already written).
 
-    Returns [T, H, D] in q's dtype.
+    Returns [T, H, D] in q's dtype. On a single-threaded fp32 CPU step the C kernel (native_paged) serves every
+    sequence with up to MAX_BATCHED_QUERY_ROWS new tokens; longer ones (prefill chunks) go through SDPA.
     """
     if q.shape[1] % k_cache.shape[2] != 0:
         raise ValueError(f"num_heads={q.shape[1]} is not a multiple of num_kv_heads={k_cache.shape[2]}")
-    plan = _cached_plan(meta, k_cache, q.shape[1])
-    if meta.is_pure_decode:
-        return _run_decode_plan(q, None, k_cache, v_cache, plan, scale)
-
-    out = torch.empty_like(q)
-    if plan.buckets:
-        _run_decode_plan(q, out, k_cache, v_cache, plan, scale)
+    if native_paged.usable(q, k_cache):
+        out = native_paged.attend(q, k_cache, v_cache, meta, scale, MAX_BATCHED_QUERY_ROWS)
+        if meta.max_seqlen_q <= MAX_BATCHED_QUERY_ROWS:
+            return out
+        plan = _native_plan(meta, k_cache, q.shape[1])
+    else:
+        plan = _cached_plan(meta, k_cache, q.shape[1])
+        if meta.is_pure_decode:
+            return _run_decode_plan(q, None, k_cache, v_cache, plan, scale)
+        out = torch.empty_like(q)
+        if plan.buckets:
+            _run_decode_plan(q, out, k_cache, v_cache, plan, scale)
     cu = plan.cu_seqlens_q
     for i, ctx_len in enumerate(plan.seq_lens):
         start, end = cu[i], cu[i + 1]
-        if end == start or i in plan.batched_seqs:  # empty, or served by the plan
+        if end == start or i in plan.batched_seqs:  # empty, or served by the plan or the kernel
             continue
         if i not in plan.extend_masks:
             tree_rows = meta.tree_mask[start:end] if meta.tree_mask is not None else None
@@ -312,3 +318,17 @@ def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: Attention
         out[start:end] = _one_sequence(q[start:end], k_cache, v_cache, meta.block_tables[i], ctx_len,
                                        plan.extend_masks[i], scale)
     return out
+
+
+def _native_plan(meta: AttentionMetadata, k_cache: Tensor, num_heads: int) -> DecodePlan:
+    """The SDPA side of a kernel-served forward: the sequences the kernel left (more than MAX_BATCHED_QUERY_ROWS
+    new tokens), with their lengths as lists, built on the first layer."""
+    key = (k_cache.shape[1], k_cache.shape[2], num_heads, "native")
+    plan = meta.backend_plan
+    if isinstance(plan, DecodePlan) and plan.key == key:
+        return plan
+    seq_lens, cu = meta.seq_lens.tolist(), meta.cu_seqlens_q.tolist()
+    short = frozenset(i for i in range(len(seq_lens)) if cu[i + 1] - cu[i] <= MAX_BATCHED_QUERY_ROWS)
+    plan = DecodePlan(key, [], batched_seqs=short, seq_lens=seq_lens, cu_seqlens_q=cu)
+    meta.backend_plan = plan
+    return plan

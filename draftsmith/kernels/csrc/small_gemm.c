@@ -11,8 +11,8 @@
  * instructions in the same order whatever M is and whichever rows share the call, so a row's result does
  * not depend on the rows beside it in a call.
  *
- * Only the functions that use AVX2 are compiled for it (target attribute), so small_gemm_has_avx2 runs on
- * any x86-64 CPU and the caller can fall back.
+ * Only the functions that use AVX2 are compiled for it (target attribute), so the library loads on any x86-64
+ * CPU and kernels/native.py checks for AVX2/FMA (csrc/cpu.c) before anything here runs.
  */
 #include <immintrin.h>
 #include <string.h>
@@ -62,11 +62,6 @@ AVX2_FMA static inline void store_row(float *y, long n_valid, const __m256 *acc,
 PANEL_ROWS(1)
 PANEL_ROWS(2)
 PANEL_ROWS(3)
-
-int small_gemm_has_avx2(void) {
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-}
 
 AVX2_FMA void small_gemm(const float *x, long m, long k, long ldx, const float *packed, long n, const float *bias,
                 float *y, long ldy) {

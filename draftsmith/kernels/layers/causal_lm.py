@@ -6,7 +6,7 @@ Parameter names are HF LlamaForCausalLM's (``model.embed_tokens``, ``model.layer
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -67,6 +67,7 @@ class CausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rotary = RotaryEmbedding(shape.decoder)
         self.serving_head: Linear | None = None  # serving form of lm_head (to_serving_)
+        self.serving_norm: Callable[[Tensor], Tensor] | None = None  # serving form of the final norm
 
     @property
     def num_layers(self) -> int:
@@ -88,7 +89,7 @@ class CausalLM(nn.Module):
             h = layer(h, cos, sin, attn) if ops is None else decoder_block(ops, h, cos, sin, attn)
             if index + 1 in aux_layers and index + 1 < self.num_layers:
                 aux[index + 1] = h
-        hidden = self.model.norm(h)
+        hidden = self.model.norm(h) if self.serving_norm is None else self.serving_norm(h)
         if self.num_layers in aux_layers:
             aux[self.num_layers] = hidden  # HF's last hidden_states entry is the final-norm output
         return hidden, aux
@@ -108,6 +109,7 @@ class CausalLM(nn.Module):
         for layer in self.model.layers:
             layer.to_serving_(pack)
         self.serving_head = Linear.fuse([self.lm_head], pack, alias=not self.tied)
+        self.serving_norm = self.model.norm.serving()
         return self
 
     def repack(self, pack: bool) -> None:

@@ -1,0 +1,98 @@
+"""Paged attention of short query blocks through the C kernel (csrc/paged_attention.c), the CPU's fp32 fast path.
+
+The torch backend calls it for every sequence with at most ``max_q_len`` new tokens (decode rows, verify
+chains and trees, a draft's catch-up) when ``usable``: fp32 CPU tensors, one intra-op thread (the kernel runs
+on one; a step the engine spreads over several threads keeps torch's), no autograd, not while compiling, a
+head size that is a multiple of 8, and the native kernels built here (kernels.native;
+``DRAFTSMITH_NATIVE_ATTENTION=0`` turns this one off). It reads the block table in place, so it needs no
+gather, no padding and no per-forward plan.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from functools import lru_cache
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+
+from draftsmith.kernels import native
+
+if TYPE_CHECKING:  # the package imports this module for write_kv
+    from draftsmith.kernels.attention import AttentionMetadata
+
+_P, _L = ctypes.c_void_p, ctypes.c_long
+
+
+@lru_cache(maxsize=1)
+def _library() -> ctypes.CDLL | None:
+    lib = native.kernel_library("DRAFTSMITH_NATIVE_ATTENTION", "the native paged-attention kernel")
+    if lib is None:
+        return None
+    lib.paged_attention_f32.argtypes = [_P, _L, _L, _P, _P, _P, _L, _P, _P, _L, _P, _L, _L, _L, _L, _L, _L,
+                                        ctypes.c_float, _P]
+    lib.paged_attention_f32.restype = ctypes.c_int
+    lib.paged_kv_write_f32.argtypes = [_P, _L, _L, _P, _L, _L, _P, _L, _L, _L, _L, _P, _P]
+    lib.paged_kv_write_f32.restype = ctypes.c_int
+    return lib
+
+
+def available() -> bool:
+    return _library() is not None
+
+
+def usable(q: Tensor, k_cache: Tensor) -> bool:
+    """Whether attend() serves this layer's call (see the module docstring)."""
+    return (q.dtype == torch.float32 and k_cache.dtype == torch.float32 and q.device.type == "cpu"
+            and q.shape[-1] % 8 == 0 and torch.get_num_threads() == 1 and not torch.compiler.is_compiling()
+            and not (q.requires_grad and torch.is_grad_enabled()) and _library() is not None)
+
+
+def can_write(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor) -> bool:
+    """Whether write() stores these rows (fp32 CPU, unit inner strides, contiguous caches, int64 slots)."""
+    return (k.dtype == v.dtype == k_cache.dtype == v_cache.dtype == torch.float32 and k.device.type == "cpu"
+            and k.stride(-1) == 1 and v.stride(-1) == 1 and k_cache.is_contiguous() and v_cache.is_contiguous()
+            and slot_mapping.dtype == torch.int64 and slot_mapping.is_contiguous()
+            and not torch.compiler.is_compiling() and _library() is not None)
+
+
+def write(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor) -> None:
+    """write_kv's work in one call: k, v [T, KVH, D] into the caches' slots (see can_write)."""
+    num_slots = k_cache.shape[0] * k_cache.shape[1]
+    status = _library().paged_kv_write_f32(
+        k.data_ptr(), k.stride(0), k.stride(1), v.data_ptr(), v.stride(0), v.stride(1), slot_mapping.data_ptr(),
+        k.shape[0], num_slots, k.shape[1], k.shape[2], k_cache.data_ptr(), v_cache.data_ptr())
+    if status != 0:
+        raise IndexError(f"write_kv: a slot of {slot_mapping.tolist()} is outside the cache's {num_slots} slots")
+
+
+def _int32(t: Tensor) -> Tensor:
+    return t if t.dtype == torch.int32 and t.is_contiguous() else t.to(torch.int32).contiguous()
+
+
+def attend(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: "AttentionMetadata", scale: float,
+           max_q_len: int) -> Tensor:
+    """q [T, H, D] (rows of a head contiguous); caches [num_blocks, block_size, KVH, D] with the new K/V written.
+
+    Returns [T, H, D]: the rows of every sequence with at most max_q_len new tokens; the other rows are left
+    unwritten for the caller."""
+    num_tokens, num_heads, head_dim = q.shape
+    _, block_size, kv_heads, _ = k_cache.shape
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("native paged attention needs contiguous K/V caches")
+    out = torch.empty(num_tokens, num_heads, head_dim, dtype=torch.float32)
+    tables, seq_lens, cu = _int32(meta.block_tables), _int32(meta.seq_lens), _int32(meta.cu_seqlens_q)
+    tree = meta.tree_mask
+    if tree is not None and (tree.dtype != torch.bool or not tree.is_contiguous()):
+        tree = tree.to(torch.bool).contiguous()
+    status = _library().paged_attention_f32(
+        q.data_ptr(), q.stride(0), q.stride(1), k_cache.data_ptr(), v_cache.data_ptr(),
+        tables.data_ptr(), tables.shape[1], seq_lens.data_ptr(), cu.data_ptr(), seq_lens.shape[0],
+        None if tree is None else tree.data_ptr(), 0 if tree is None else tree.shape[1],
+        num_heads, kv_heads, head_dim, block_size, max_q_len, scale, out.data_ptr())
+    if status != 0:
+        raise MemoryError("native paged attention could not allocate its score buffer")
+    return out

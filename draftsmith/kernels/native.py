@@ -1,0 +1,81 @@
+"""The C kernels of ``kernels/csrc`` (fp32 on an x86-64 CPU with AVX2 + FMA), built once and loaded through ctypes.
+
+Every source in csrc is compiled on first use with the system C compiler into one shared library in a per-user
+cache (keyed by the sources and flags, so an edit rebuilds; written atomically, as several ranks may build at
+once): no torch headers, no ninja. Only the functions that use AVX2 are compiled for it (a target attribute in
+each source), so the CPU check runs anywhere. Where the machine is not x86-64, there is no compiler, the build
+fails or the CPU lacks AVX2/FMA, ``library()`` is None, the reason is logged once, and every caller keeps its
+torch path. Each kernel also has its own switch (an environment variable set to 0 turns it off).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from functools import lru_cache
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+CSRC = Path(__file__).parent / "csrc"
+FLAGS = ["-O3", "-shared", "-fPIC", "-std=gnu11"]
+LIBS = ["-lm"]
+
+
+def sources() -> list[Path]:
+    return sorted(CSRC.glob("*.c"))
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("DRAFTSMITH_CACHE") or os.path.join(os.environ.get("XDG_CACHE_HOME", "~/.cache"), "draftsmith")
+    return Path(root).expanduser()
+
+
+def _build(compiler: str) -> Path:
+    digest = hashlib.sha256(" ".join([compiler, *FLAGS, *LIBS]).encode())
+    for source in sources():
+        digest.update(source.name.encode() + source.read_bytes())
+    target = cache_dir() / f"draftsmith_native-{digest.hexdigest()[:16]}.so"
+    if not target.exists():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+            built = Path(tmp) / target.name
+            subprocess.run([compiler, *FLAGS, *map(str, sources()), "-o", str(built), *LIBS], check=True,
+                           capture_output=True)
+            os.replace(built, target)
+    return target
+
+
+@lru_cache(maxsize=1)
+def library() -> ctypes.CDLL | None:
+    """The loaded kernels, or None (reason logged) where they cannot run here."""
+    compiler = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+    if platform.machine().lower() not in ("x86_64", "amd64") or compiler is None:
+        log.info("native CPU kernels unavailable (machine %s, compiler %s); fp32 CPU matmuls and attention use torch",
+                 platform.machine(), compiler)
+        return None
+    try:
+        lib = ctypes.CDLL(str(_build(compiler)))
+    except (OSError, subprocess.CalledProcessError) as err:
+        detail = getattr(err, "stderr", b"") or b""
+        log.warning("native CPU kernels failed to build (%s %s); fp32 CPU matmuls and attention use torch", err,
+                    detail.decode(errors="replace")[:500])
+        return None
+    if not lib.draftsmith_has_avx2_fma():
+        log.info("native CPU kernels unavailable (this CPU lacks AVX2/FMA); fp32 CPU matmuls and attention use torch")
+        return None
+    return lib
+
+
+def kernel_library(switch: str, what: str) -> ctypes.CDLL | None:
+    """library(), unless the kernel's own switch (environment variable ``switch`` = 0) turns ``what`` off."""
+    if os.environ.get(switch, "1") == "0":
+        log.info("%s off (%s=0); torch runs it", what, switch)
+        return None
+    return library()
