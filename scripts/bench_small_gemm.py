@@ -4,7 +4,7 @@ For each projection of a target's decoder layer (q/k/v fused, o, gate/up fused, 
 each row count, it times one target's worth of calls (``--layers`` distinct weights per projection, so they
 come from memory as in a real step) both ways, alternating within every repetition, and prints the median
 and spread (max - min) in microseconds per call, then the whole target's matmuls per forward in ms and the
-ratio torch / kernel. The serving Linear routes 2..SMALL_GEMM_MAX_ROWS rows to the kernel.
+ratio torch / kernel. The serving Linear routes 1..SMALL_GEMM_MAX_ROWS rows to the kernel.
 
   python scripts/bench_small_gemm.py                        # the embedded target's shape, 1 thread
   python scripts/bench_small_gemm.py --rows 1,5 --repeats 9 --layers 4
@@ -61,7 +61,7 @@ def main() -> None:
     rows_list = [int(r) for r in args.rows.split(",") if r]
     print(f"fp32, {args.threads} thread(s), {args.layers} layers x hidden {args.hidden}, MLP {args.intermediate}, "
           f"vocab {args.vocab}; us per call, median (spread) over {args.repeats} alternating repetitions; "
-          f"the serving Linear uses the kernel for 2..{SMALL_GEMM_MAX_ROWS} rows")
+          f"the serving Linear uses the kernel for 1..{SMALL_GEMM_MAX_ROWS} rows")
     totals = {r: [0.0, 0.0] for r in rows_list}
     print(f"{'matmul':9}{'rows':>5}{'torch':>18}{'kernel':>18}{'ratio':>8}")
     for name, (out_f, in_f) in projections(args.hidden, args.intermediate, args.vocab).items():

@@ -7,11 +7,13 @@ from DRAM, as a 20-layer target's do every step, MKL's sgemm runs that layout 1.
 ``F.linear``'s [out, in] at every row count from 1 to 64 (one target's worth of matmuls at 1 thread: 5.5 vs
 7.6 ms at 1 row, 10.9 vs 13.8 at 5, 33.9 vs 37.8 at 64). CUDA keeps cuBLAS.
 
-A verify round's few rows (2 to ``SMALL_GEMM_MAX_ROWS``) take kernels.small_gemm instead where it builds (fp32,
-AVX2): MKL re-packs the weight on every such call, so 5 rows cost 2-4x one row; the packed kernel reads it
-once. It runs on one thread, so only steps the engine runs single-threaded use it (kernels.small_gemm; the
-engine's thread rule runs a small model's few-row steps on 1 thread). It costs a second copy of each fp32 CPU
-weight (DRAFTSMITH_SMALL_GEMM=0 turns it off).
+A decode step's or a verify round's few rows (1 to ``SMALL_GEMM_MAX_ROWS``) take kernels.small_gemm instead where
+it builds (fp32, AVX2): MKL re-packs the weight on every call of 2+ rows, so 5 rows cost 2-4x one row; the packed
+kernel reads it once, and computes a row the same way whatever rows share the call, so a token's logits in a
+verify round are bit for bit those of a plain decode step (with the native attention, kernels.attention). It
+runs on one thread, so only steps the engine runs single-threaded use it (the engine's thread rule runs a small
+model's few-row steps on 1 thread). It costs a second copy of each fp32 CPU weight (DRAFTSMITH_SMALL_GEMM=0
+turns it off).
 """
 
 from __future__ import annotations
@@ -24,8 +26,8 @@ from torch import Tensor, nn
 
 from draftsmith.kernels import small_gemm
 
-# Rows up to which the packed small-row kernel beats MKL here (one target's matmuls, 1 thread, ms, MKL vs it:
-# 5 rows 17.4 vs 13.8, 9 rows ~equal, 64 rows 1.6x slower); 1 row stays with MKL's GEMV (its head is faster).
+# Rows up to which the packed small-row kernel beats MKL here (one target's matmuls in sequence, weights from
+# memory, 1 thread, ms, MKL vs it: 1 row 8.9 vs 6.6, 5 rows 22.4 vs 10.4, 8 rows 25.3 vs 17.0; 64 rows 1.6x slower).
 SMALL_GEMM_MAX_ROWS = 8
 
 
@@ -102,7 +104,7 @@ class Linear:
             return self(x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], self.out_features)
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [None], "")
-        if (self.small is not None and not torch.compiler.is_compiling() and 1 < x.shape[0] <= SMALL_GEMM_MAX_ROWS
+        if (self.small is not None and not torch.compiler.is_compiling() and x.shape[0] <= SMALL_GEMM_MAX_ROWS
                 and x.dtype == torch.float32 and torch.get_num_threads() == 1 and not torch.is_autocast_enabled("cpu")):
             return self.small(x)  # single-threaded: a step on several threads keeps MKL's threaded GEMM
         if self.bias is None:

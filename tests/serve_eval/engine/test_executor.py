@@ -291,3 +291,23 @@ def test_dtype_auto_is_bf16_only_where_it_is_faster(monkeypatch, fast, expected)
     assert resolve_dtype("float32") is torch.float32 and dtype_name(torch.bfloat16) == "bfloat16"
     with pytest.raises(ValueError, match="'auto'"):
         resolve_dtype("float8")
+
+
+def test_a_verify_block_gives_the_decode_steps_logits_bit_for_bit():
+    """With the native kernels (fp32, one thread: the packed GEMM and the paged attention compute a row the same
+    way whatever shares the call), K+1 verify rows beside another sequence's rows give exactly the logits of
+    K+1 single-token decode steps: greedy speculation then picks the very tokens plain decoding picks."""
+    from draftsmith.kernels import small_gemm
+    from draftsmith.kernels.attention import native_paged
+
+    if not (small_gemm.available() and native_paged.available()):
+        pytest.skip("the native CPU kernels do not build or run here")
+    model = tiny_model(shape=SHAPE)
+    prompt, drafts, other = list(range(3, 20)), [5, 9, 11, 2, 7], list(range(40, 52))
+    decoding = PagedRunner(ModelExecutor.from_hf_model(model))
+    decoding.step({"s": prompt})
+    decoded = torch.cat([decoding.step({"s": [token]})[0]["s"] for token in drafts])
+    verifying = PagedRunner(ModelExecutor.from_hf_model(model), seed=1)  # other physical blocks
+    verifying.step({"o": other[:4], "s": prompt})
+    verified = verifying.step({"o": other[4:], "s": drafts})[0]["s"]
+    assert torch.equal(verified, decoded)
