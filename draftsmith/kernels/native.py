@@ -21,6 +21,9 @@ import tempfile
 from functools import lru_cache
 from pathlib import Path
 
+import torch
+from torch import Tensor
+
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
@@ -71,6 +74,15 @@ def library() -> ctypes.CDLL | None:
         log.info("native CPU kernels unavailable (this CPU lacks AVX2/FMA); fp32 CPU matmuls and attention use torch")
         return None
     return lib
+
+
+def eligible(x: Tensor) -> bool:
+    """Whether a kernel here may take this activation: fp32 on the CPU, a step on one intra-op thread (the kernels
+    run on one; a step the engine spreads over several keeps torch's threaded ops), no autograd (they have no
+    backward), not under autocast (torch would run it in a lower precision) and not while torch.compile traces."""
+    return (x.dtype == torch.float32 and x.device.type == "cpu" and torch.get_num_threads() == 1
+            and not (x.requires_grad and torch.is_grad_enabled()) and not torch.is_autocast_enabled("cpu")
+            and not torch.compiler.is_compiling())
 
 
 def kernel_library(switch: str, what: str) -> ctypes.CDLL | None:

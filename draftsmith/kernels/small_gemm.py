@@ -36,7 +36,8 @@ def available() -> bool:
 
 
 class PackedWeight:
-    """W [N, K] fp32 on CPU, packed into [ceil(N/32), K, 32] panels; call with x [M, K] -> [M, N].
+    """W [N, K] fp32 on CPU, packed into panels of output columns (csrc/small_gemm.c sizes them); call with
+    x [M, K] -> [M, N].
 
     A copy made once: a later in-place change to W (or to the module parameters aliasing it) does not reach
     it, as the serving form it belongs to is final (kernels.layers: inference only, built after loading)."""

@@ -80,15 +80,26 @@ def dense_reference(dense, scale):
 MIXED = [(5, 12), (1, 9), (7, 7), (1, 1), (3, 20)]  # chunked prefill, decode, fresh prefill, first token, chunk
 
 
+def torch_ops_only(monkeypatch):
+    monkeypatch.setattr(native_paged, "usable", lambda *a: False)
+    monkeypatch.setattr(native_paged, "can_write", lambda *a: False)
+
+
 @pytest.fixture(params=["torch", "native"])
 def attention_path(request, monkeypatch):
-    """The torch backend's two ways through a fp32 CPU layer: its torch ops, or the C kernel (native_paged)."""
+    """The torch backend's two ways through a fp32 CPU layer: its torch ops, or the C kernel (native_paged),
+    which the test then must have called."""
     if request.param == "torch":
-        monkeypatch.setattr(native_paged, "usable", lambda *a: False)
-        monkeypatch.setattr(native_paged, "can_write", lambda *a: False)
-    elif not native_paged.available():
+        torch_ops_only(monkeypatch)
+        yield request.param
+        return
+    if not native_paged.available():
         pytest.skip("the native CPU kernels do not build or run here")
-    return request.param
+    calls = []
+    inner = native_paged.attend
+    monkeypatch.setattr(native_paged, "attend", lambda *a, **kw: calls.append(1) or inner(*a, **kw))
+    yield request.param
+    assert calls, "the native kernel never ran"
 
 
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 2), (4, 4), (4, 1)])
@@ -114,7 +125,7 @@ def test_torch_paged_batches_verify_blocks(dtype, tol, monkeypatch):
     their length with decode rows beside them; a long block (a prefill chunk) still goes through SDPA."""
     from draftsmith.kernels.attention import torch_paged
 
-    monkeypatch.setattr(native_paged, "usable", lambda *a: False)  # the torch ops' plan (fp32 could go native)
+    torch_ops_only(monkeypatch)  # the torch ops' plan (fp32 could go native)
 
     long_block = torch_paged.MAX_BATCHED_QUERY_ROWS + 1
     specs = [(5, 12), (5, 40), (1, 9), (5, 6), (3, 20), (long_block, long_block + 4), (5, 5)]
@@ -158,14 +169,18 @@ def test_torch_paged_tree_mask(attention_path):
 )
 def test_torch_paged_property(specs, block_size, kv_heads, seed):
     """Any mix of (new tokens, prefix length) and block size: paged result equals dense attention, through the
-    torch ops and through the C kernel alike."""
+    torch ops and through the C kernel alike (head sizes 16 and 8: the kernel's dot product has a tail)."""
     specs = [(q_len, q_len + prefix) for q_len, prefix in specs]
-    q, kc, vc, meta, dense = make_case(specs, num_kv_heads=kv_heads, block_size=block_size, seed=seed)
+    head_dim = 8 if seed % 2 else 16
+    q, kc, vc, meta, dense = make_case(specs, num_kv_heads=kv_heads, block_size=block_size, seed=seed,
+                                       head_dim=head_dim)
     expected = dense_reference(dense, 0.25)
-    torch.testing.assert_close(attention(q, kc, vc, meta, scale=0.25).double(), expected, atol=1e-5, rtol=1e-5)
+    with pytest.MonkeyPatch.context() as patch:
+        torch_ops_only(patch)
+        torch.testing.assert_close(attention(q, kc, vc, meta, scale=0.25).double(), expected, atol=1e-5, rtol=1e-5)
     if native_paged.available():
-        meta.backend_plan = None
-        native = native_paged.attend(q, kc, vc, meta, 0.25, max_q_len=64)
+        native, skipped = native_paged.attend(q, kc, vc, meta, 0.25, max_q_len=64)
+        assert skipped == 0
         torch.testing.assert_close(native.double(), expected, atol=1e-5, rtol=1e-5)
 
 
@@ -181,7 +196,7 @@ def test_native_serves_short_blocks_and_leaves_prefill_chunks_to_sdpa():
     long_block = torch_paged.MAX_BATCHED_QUERY_ROWS + 3
     specs = [(5, 12), (long_block, long_block + 6), (1, 9), (long_block, long_block)]
     q, kc, vc, meta, dense = make_case(specs, seed=4, head_dim=64, num_heads=8, num_kv_heads=2)
-    assert native_paged.usable(q, kc)
+    assert native_paged.usable(q, kc, vc)
     out = attention(q, kc, vc, meta, scale=0.125)
     torch.testing.assert_close(out.double(), dense_reference(dense, 0.125), atol=1e-5, rtol=1e-5)
     assert meta.backend_plan.batched_seqs == {0, 2}  # the kernel's; 1 and 3 went through SDPA
@@ -204,8 +219,11 @@ def test_native_reads_strided_views_of_a_projection():
     flat[0].index_copy_(0, meta.slot_mapping, k_new)
     flat[1].index_copy_(0, meta.slot_mapping, v_new)
     assert torch.equal(kc, ref_kc) and torch.equal(vc, ref_vc)
-    expected = attention(q.contiguous(), kc, vc, meta, 0.25)
-    torch.testing.assert_close(native_paged.attend(q_view, kc, vc, meta, 0.25, 16), expected, atol=0, rtol=0)
+    with pytest.MonkeyPatch.context() as patch:
+        torch_ops_only(patch)
+        expected = attention(q.contiguous(), kc, vc, meta, 0.25)
+    out, _ = native_paged.attend(q_view, kc, vc, meta, 0.25, 16)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
 
 
 @needs_native
@@ -216,21 +234,40 @@ def test_native_write_refuses_a_slot_outside_the_cache():
     assert kc.abs().sum() == 0  # nothing written
 
 
+@needs_native
+def test_native_tree_row_that_sees_nothing_attends_to_nothing():
+    """A tree row masked everywhere (no prefix, not even itself) gives zeros, as the torch ops do, not NaN."""
+    tree = torch.tensor([[True, False], [False, False]])
+    q, kc, vc, meta, _ = make_case([(2, 2)], tree_masks=[tree], seed=6)
+    out, _ = native_paged.attend(q, kc, vc, meta, 0.25, 16)
+    assert torch.isfinite(out).all() and torch.equal(out[1], torch.zeros_like(out[1]))
+
+
+@needs_native
+def test_native_refuses_metadata_that_does_not_hold_together():
+    q, kc, vc, meta, _ = make_case([(3, 10), (1, 6)], seed=3)
+    meta.seq_lens = torch.tensor([10, 600], dtype=torch.int32)  # past its block table
+    with pytest.raises(ValueError, match="does not hold together"):
+        native_paged.attend(q, kc, vc, meta, 0.25, 16)
+
+
 def test_native_attention_switched_off_or_not_single_threaded_uses_torch(monkeypatch):
     q, kc, vc, meta, dense = make_case([(1, 9), (4, 12)], seed=2)
     if native_paged.available():
-        assert native_paged.usable(q, kc)
+        assert native_paged.usable(q, kc, vc)
     previous = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        assert not native_paged.usable(q, kc)  # a step spread over threads keeps torch's ops
+        assert not native_paged.usable(q, kc, vc)  # a step spread over threads keeps torch's ops
     finally:
         torch.set_num_threads(previous)
-    assert not native_paged.usable(q.bfloat16(), kc.bfloat16())
+    assert not native_paged.usable(q.bfloat16(), kc.bfloat16(), vc.bfloat16())
+    assert not native_paged.usable(q.requires_grad_(), kc, vc)  # no backward in C
+    q = q.detach()
     monkeypatch.setenv("DRAFTSMITH_NATIVE_ATTENTION", "0")
     native_paged._library.cache_clear()
     try:
-        assert not native_paged.usable(q, kc)
+        assert not native_paged.usable(q, kc, vc)
         out = attention(q, kc, vc, meta, scale=0.25)
         torch.testing.assert_close(out.double(), dense_reference(dense, 0.25), atol=1e-5, rtol=1e-5)
     finally:

@@ -1,9 +1,9 @@
 """Paged attention of short query blocks through the C kernel (csrc/paged_attention.c), the CPU's fp32 fast path.
 
 The torch backend calls it for every sequence with at most ``max_q_len`` new tokens (decode rows, verify
-chains and trees, a draft's catch-up) when ``usable``: fp32 CPU tensors, one intra-op thread (the kernel runs
-on one; a step the engine spreads over several threads keeps torch's), no autograd, not while compiling, a
-head size that is a multiple of 8, and the native kernels built here (kernels.native;
+chains and trees, a draft's catch-up) when ``usable``: an activation kernels.native.eligible takes (fp32 CPU,
+one intra-op thread, no autograd), contiguous fp32 caches, a head size that is a multiple of 8, and the
+native kernels built here (kernels.native;
 ``DRAFTSMITH_NATIVE_ATTENTION=0`` turns this one off). It reads the block table in place, so it needs no
 gather, no padding and no per-forward plan.
 """
@@ -30,7 +30,7 @@ def _library() -> ctypes.CDLL | None:
     lib = native.kernel_library("DRAFTSMITH_NATIVE_ATTENTION", "the native paged-attention kernel")
     if lib is None:
         return None
-    lib.paged_attention_f32.argtypes = [_P, _L, _L, _P, _P, _P, _L, _P, _P, _L, _P, _L, _L, _L, _L, _L, _L,
+    lib.paged_attention_f32.argtypes = [_P, _L, _L, _L, _P, _P, _P, _L, _P, _P, _L, _P, _L, _L, _L, _L, _L, _L,
                                         ctypes.c_float, _P]
     lib.paged_attention_f32.restype = ctypes.c_int
     lib.paged_kv_write_f32.argtypes = [_P, _L, _L, _P, _L, _L, _P, _L, _L, _L, _L, _P, _P]
@@ -42,19 +42,22 @@ def available() -> bool:
     return _library() is not None
 
 
-def usable(q: Tensor, k_cache: Tensor) -> bool:
+def usable(q: Tensor, k_cache: Tensor, v_cache: Tensor) -> bool:
     """Whether attend() serves this layer's call (see the module docstring)."""
-    return (q.dtype == torch.float32 and k_cache.dtype == torch.float32 and q.device.type == "cpu"
-            and q.shape[-1] % 8 == 0 and torch.get_num_threads() == 1 and not torch.compiler.is_compiling()
-            and not (q.requires_grad and torch.is_grad_enabled()) and _library() is not None)
+    return (native.eligible(q) and k_cache.dtype == v_cache.dtype == torch.float32 and k_cache.device.type == "cpu"
+            and v_cache.device.type == "cpu" and k_cache.is_contiguous() and v_cache.is_contiguous()
+            and q.shape[-1] % 8 == 0 and _library() is not None)
 
 
 def can_write(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor) -> bool:
-    """Whether write() stores these rows (fp32 CPU, unit inner strides, contiguous caches, int64 slots)."""
-    return (k.dtype == v.dtype == k_cache.dtype == v_cache.dtype == torch.float32 and k.device.type == "cpu"
+    """Whether write() stores these rows: fp32 CPU rows of the caches' [KVH, D] with unit inner strides,
+    contiguous CPU caches, one int64 CPU slot per row (what index_copy_ would check, checked before C copies)."""
+    return (native.eligible(k) and native.eligible(v) and k.shape == v.shape and k.dim() == 3
+            and k.shape[1:] == k_cache.shape[2:] and k_cache.shape == v_cache.shape
+            and k_cache.dtype == v_cache.dtype == torch.float32 and k_cache.device.type == v_cache.device.type == "cpu"
             and k.stride(-1) == 1 and v.stride(-1) == 1 and k_cache.is_contiguous() and v_cache.is_contiguous()
-            and slot_mapping.dtype == torch.int64 and slot_mapping.is_contiguous()
-            and not torch.compiler.is_compiling() and _library() is not None)
+            and slot_mapping.dtype == torch.int64 and slot_mapping.device.type == "cpu"
+            and slot_mapping.is_contiguous() and slot_mapping.shape == (k.shape[0],) and _library() is not None)
 
 
 def write(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor) -> None:
@@ -72,27 +75,33 @@ def _int32(t: Tensor) -> Tensor:
 
 
 def attend(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: "AttentionMetadata", scale: float,
-           max_q_len: int) -> Tensor:
+           max_q_len: int) -> tuple[Tensor, int]:
     """q [T, H, D] (rows of a head contiguous); caches [num_blocks, block_size, KVH, D] with the new K/V written.
 
-    Returns [T, H, D]: the rows of every sequence with at most max_q_len new tokens; the other rows are left
-    unwritten for the caller."""
+    Returns ([T, H, D], skipped): the rows of every sequence with at most max_q_len new tokens, and how many
+    sequences had more (their rows are left unwritten, for the caller)."""
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, kv_heads, _ = k_cache.shape
     if q.stride(-1) != 1:
         q = q.contiguous()
-    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
-        raise ValueError("native paged attention needs contiguous K/V caches")
     out = torch.empty(num_tokens, num_heads, head_dim, dtype=torch.float32)
     tables, seq_lens, cu = _int32(meta.block_tables), _int32(meta.seq_lens), _int32(meta.cu_seqlens_q)
     tree = meta.tree_mask
-    if tree is not None and (tree.dtype != torch.bool or not tree.is_contiguous()):
-        tree = tree.to(torch.bool).contiguous()
+    if tree is not None:
+        if tree.shape[0] != num_tokens:
+            raise ValueError(f"tree_mask has {tree.shape[0]} rows for {num_tokens} query tokens")
+        if tree.dtype != torch.bool or not tree.is_contiguous():
+            tree = tree.to(torch.bool).contiguous()
     status = _library().paged_attention_f32(
-        q.data_ptr(), q.stride(0), q.stride(1), k_cache.data_ptr(), v_cache.data_ptr(),
+        q.data_ptr(), q.stride(0), q.stride(1), num_tokens, k_cache.data_ptr(), v_cache.data_ptr(),
         tables.data_ptr(), tables.shape[1], seq_lens.data_ptr(), cu.data_ptr(), seq_lens.shape[0],
         None if tree is None else tree.data_ptr(), 0 if tree is None else tree.shape[1],
         num_heads, kv_heads, head_dim, block_size, max_q_len, scale, out.data_ptr())
-    if status != 0:
+    if status == -1:
         raise MemoryError("native paged attention could not allocate its score buffer")
-    return out
+    if status == -2:
+        raise ValueError(f"attention metadata does not hold together for {num_tokens} query tokens: seq_lens "
+                         f"{meta.seq_lens.tolist()}, cu_seqlens_q {meta.cu_seqlens_q.tolist()}, block tables of "
+                         f"{tables.shape[1]} blocks of {block_size}, tree mask "
+                         f"{None if tree is None else tuple(tree.shape)}")
+    return out, status

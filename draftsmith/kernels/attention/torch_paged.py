@@ -295,9 +295,9 @@ def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: Attention
     """
     if q.shape[1] % k_cache.shape[2] != 0:
         raise ValueError(f"num_heads={q.shape[1]} is not a multiple of num_kv_heads={k_cache.shape[2]}")
-    if native_paged.usable(q, k_cache):
-        out = native_paged.attend(q, k_cache, v_cache, meta, scale, MAX_BATCHED_QUERY_ROWS)
-        if meta.max_seqlen_q <= MAX_BATCHED_QUERY_ROWS:
+    if native_paged.usable(q, k_cache, v_cache):
+        out, skipped = native_paged.attend(q, k_cache, v_cache, meta, scale, MAX_BATCHED_QUERY_ROWS)
+        if not skipped:
             return out
         plan = _native_plan(meta, k_cache, q.shape[1])
     else:

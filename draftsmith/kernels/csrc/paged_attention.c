@@ -83,7 +83,7 @@ AVX2_FMA static void attend_group(const float *q, long ldq_t, long ldq_h, const 
             s[p] = s[p] == -INFINITY ? 0.0f : expf(s[p] - top);
             total += s[p];
         }
-        float inv = 1.0f / total;  /* every row sees at least its own position, so total >= 1 */
+        float inv = total > 0.0f ? 1.0f / total : 0.0f;  /* a tree row that sees nothing attends to nothing */
         for (long p = 0; p < ctx_len; p++) s[p] *= inv;
     }
     float *outs[rows];  /* the output row of (new token j, query head g of the group) */
@@ -106,16 +106,22 @@ AVX2_FMA static void attend_group(const float *q, long ldq_t, long ldq_h, const 
     }
 }
 
-/* Returns 0, or -1 when the scratch could not be allocated (nothing written then). */
-AVX2_FMA int paged_attention_f32(const float *q, long ldq_t, long ldq_h, const float *k_cache, const float *v_cache,
-                        const int32_t *block_tables, long table_width, const int32_t *seq_lens,
-                        const int32_t *cu_seqlens_q, long num_seqs, const uint8_t *tree_mask, long tree_width,
-                        long num_heads, long kv_heads, long head_dim, long block_size, long max_q_len, float scale,
-                        float *out) {
-    long group = num_heads / kv_heads, most = 0;
+/* Returns how many sequences it left to the caller (more than max_q_len new tokens), -1 when the scratch could
+ * not be allocated, -2 when the metadata does not hold together (rows past num_tokens, more new tokens than
+ * context, a context longer than its block table, a tree mask narrower than a block): nothing is written then. */
+AVX2_FMA int paged_attention_f32(const float *q, long ldq_t, long ldq_h, long num_tokens, const float *k_cache,
+                                 const float *v_cache, const int32_t *block_tables, long table_width,
+                                 const int32_t *seq_lens, const int32_t *cu_seqlens_q, long num_seqs,
+                                 const uint8_t *tree_mask, long tree_width, long num_heads, long kv_heads,
+                                 long head_dim, long block_size, long max_q_len, float scale, float *out) {
+    long group = num_heads / kv_heads, most = 0, skipped = 0;
     for (long i = 0; i < num_seqs; i++) {
-        long q_len = cu_seqlens_q[i + 1] - cu_seqlens_q[i];
-        if (q_len <= max_q_len && q_len * group * (long)seq_lens[i] > most) most = q_len * group * seq_lens[i];
+        long q_len = cu_seqlens_q[i + 1] - cu_seqlens_q[i], ctx_len = seq_lens[i];
+        if (q_len < 0 || cu_seqlens_q[i] < 0 || cu_seqlens_q[i + 1] > num_tokens || q_len > ctx_len
+            || ctx_len > table_width * block_size || (tree_mask && q_len <= max_q_len && q_len > tree_width))
+            return -2;
+        if (q_len > max_q_len) skipped++;
+        else if (q_len * group * ctx_len > most) most = q_len * group * ctx_len;
     }
     float *scores = malloc(sizeof(float) * (most > 0 ? most : 1));
     if (!scores) return -1;
@@ -127,7 +133,7 @@ AVX2_FMA int paged_attention_f32(const float *q, long ldq_t, long ldq_h, const f
                          kvh, group, head_dim, first, q_len, seq_lens[i], tree_mask, tree_width, scale, out, scores);
     }
     free(scores);
-    return 0;
+    return (int)skipped;
 }
 
 /* The new tokens' K and V rows into their cache slots (k/v [T, KVH, D] with row and head strides; slots int64 [T]):

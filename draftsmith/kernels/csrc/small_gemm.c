@@ -92,6 +92,7 @@ static const panel_fn NARROW[MAX_GROUP + 1] = {0, rows_1_span_1, rows_2_span_1, 
 AVX2_FMA void small_gemm(const float *x, long m, long k, long ldx, const float *packed, long n, const float *bias,
                          float *y, long ldy) {
     long panels = (n + PANEL - 1) / PANEL;
+    if (m <= 0 || n <= 0) return;
     if (m <= MAX_GROUP) {  /* one group: spans of panels, then single panels for the remainder */
         long p = 0, span = SPAN_OF[m];
         for (; p + span <= panels; p += span)

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from draftsmith.kernels import small_gemm
+from draftsmith.kernels import native, small_gemm
 
 # Rows up to which the packed small-row kernel beats MKL here (one target's matmuls in sequence, weights from
 # memory, 1 thread, ms, MKL vs it: 1 row 8.9 vs 6.6, 5 rows 22.4 vs 10.4, 8 rows 25.3 vs 17.0; 64 rows 1.6x slower).
@@ -104,8 +104,7 @@ class Linear:
             return self(x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], self.out_features)
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [None], "")
-        if (self.small is not None and not torch.compiler.is_compiling() and x.shape[0] <= SMALL_GEMM_MAX_ROWS
-                and x.dtype == torch.float32 and torch.get_num_threads() == 1 and not torch.is_autocast_enabled("cpu")):
+        if self.small is not None and x.shape[0] <= SMALL_GEMM_MAX_ROWS and native.eligible(x):
             return self.small(x)  # single-threaded: a step on several threads keeps MKL's threaded GEMM
         if self.bias is None:
             return torch.mm(x, self.weight_t)
