@@ -85,9 +85,18 @@ def eligible(x: Tensor) -> bool:
             and not torch.compiler.is_compiling())
 
 
-def kernel_library(switch: str, what: str) -> ctypes.CDLL | None:
-    """library(), unless the kernel's own switch (environment variable ``switch`` = 0) turns ``what`` off."""
+Signature = tuple[list[type], type | None]  # (argtypes, restype) of one C function
+
+
+def kernel_library(switch: str, what: str, signatures: dict[str, Signature]) -> ctypes.CDLL | None:
+    """library() with these functions' ctypes signatures set, unless the kernel's own switch (environment
+    variable ``switch`` = 0) turns ``what`` off."""
     if os.environ.get(switch, "1") == "0":
         log.info("%s off (%s=0); torch runs it", what, switch)
         return None
-    return library()
+    lib = library()
+    if lib is not None:
+        for name, (argtypes, restype) in signatures.items():
+            function = getattr(lib, name)
+            function.argtypes, function.restype = argtypes, restype
+    return lib

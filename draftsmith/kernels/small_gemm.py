@@ -20,15 +20,11 @@ _P, _L = ctypes.c_void_p, ctypes.c_long
 
 @lru_cache(maxsize=1)
 def _library() -> ctypes.CDLL | None:
-    lib = native.kernel_library("DRAFTSMITH_SMALL_GEMM", "the small-row GEMM kernel")
-    if lib is None:
-        return None
-    lib.small_gemm_packed_floats.argtypes = [_L, _L]
-    lib.small_gemm_packed_floats.restype = _L
-    lib.small_gemm_pack.argtypes = [_P, _L, _L, _P]
-    lib.small_gemm.argtypes = [_P, _L, _L, _L, _P, _L, _P, _P, _L]
-    lib.small_gemm_pack.restype = lib.small_gemm.restype = None
-    return lib
+    return native.kernel_library("DRAFTSMITH_SMALL_GEMM", "the small-row GEMM kernel", {
+        "small_gemm_packed_floats": ([_L, _L], _L),
+        "small_gemm_pack": ([_P, _L, _L, _P], None),
+        "small_gemm": ([_P, _L, _L, _L, _P, _L, _P, _P, _L], None),
+    })
 
 
 def available() -> bool:

@@ -27,15 +27,11 @@ _P, _L = ctypes.c_void_p, ctypes.c_long
 
 @lru_cache(maxsize=1)
 def _library() -> ctypes.CDLL | None:
-    lib = native.kernel_library("DRAFTSMITH_NATIVE_ATTENTION", "the native paged-attention kernel")
-    if lib is None:
-        return None
-    lib.paged_attention_f32.argtypes = [_P, _L, _L, _L, _P, _P, _P, _L, _P, _P, _L, _P, _L, _L, _L, _L, _L, _L,
-                                        ctypes.c_float, _P]
-    lib.paged_attention_f32.restype = ctypes.c_int
-    lib.paged_kv_write_f32.argtypes = [_P, _L, _L, _P, _L, _L, _P, _L, _L, _L, _L, _P, _P]
-    lib.paged_kv_write_f32.restype = ctypes.c_int
-    return lib
+    return native.kernel_library("DRAFTSMITH_NATIVE_ATTENTION", "the native paged-attention kernel", {
+        "paged_attention_f32": ([_P, _L, _L, _L, _P, _P, _P, _L, _P, _P, _L, _P, _L, _L, _L, _L, _L, _L,
+                                 ctypes.c_float, _P], ctypes.c_int),
+        "paged_kv_write_f32": ([_P, _L, _L, _P, _L, _L, _P, _L, _L, _L, _L, _P, _P], ctypes.c_int),
+    })
 
 
 def available() -> bool:
