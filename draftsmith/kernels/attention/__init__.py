@@ -208,17 +208,26 @@ def get_attention_backend(name: str) -> AttentionFn:
     return paged_attention
 
 
+@dataclass(frozen=True)
+class PagedAttention:
+    """The ``attn_fn`` a kernels.layers forward calls, over one layer's paged cache: write the new tokens' K/V into
+    their slots, then attend. q [T,H,D], k/v [T,KVH,D] -> [T,H,D]. The engine's target and the drafts all attend
+    through it; a fused layer (kernels.layers.native_layer) reads its cache and metadata to do both itself."""
+
+    backend: AttentionFn
+    k_cache: Tensor
+    v_cache: Tensor
+    meta: AttentionMetadata
+    scale: float
+
+    def __call__(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        write_kv(k, v, self.k_cache, self.v_cache, self.meta.slot_mapping)
+        return self.backend(q, self.k_cache, self.v_cache, self.meta, self.scale)
+
+
 def paged_attn_fn(backend: AttentionFn, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata,
-                  scale: float) -> Callable[[Tensor, Tensor, Tensor], Tensor]:
-    """The ``attn_fn`` a kernels.layers forward calls, over one layer's paged cache: write the new tokens'
-    K/V into their slots, then attend. q [T,H,D], k/v [T,KVH,D] -> [T,H,D]. The engine's target and the
-    EAGLE drafts both attend through this."""
-
-    def attn(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        return backend(q, k_cache, v_cache, meta, scale)
-
-    return attn
+                  scale: float) -> PagedAttention:
+    return PagedAttention(backend, k_cache, v_cache, meta, scale)
 
 
 def attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata, scale: float) -> Tensor:
@@ -231,6 +240,7 @@ def attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetada
 __all__ = [
     "AttentionMetadata",
     "BACKENDS",
+    "PagedAttention",
     "attention",
     "get_attention_backend",
     "paged_attn_fn",

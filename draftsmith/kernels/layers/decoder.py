@@ -23,6 +23,7 @@ from draftsmith.kernels.layers.config import DecoderConfig
 from draftsmith.kernels.layers.family import LayerVariant
 from draftsmith.kernels.layers.linear import Linear
 from draftsmith.kernels.layers.moe import SparseMoE
+from draftsmith.kernels.layers.native_layer import NativeDecoderLayer
 from draftsmith.kernels.layers.norm import RMSNorm
 from draftsmith.kernels.layers.rope import apply_rope
 
@@ -99,10 +100,15 @@ class Attention(nn.Module):
         norms = (self.q_norm, self.k_norm) if self.has_qk_norm else None
         return attend(self.shape, self.qkv, self.o_proj, x, cos, sin, attn_fn, norms, out_rows)
 
-    def serving(self, pack: bool | None = None) -> Callable[[Tensor, Tensor, Tensor, AttnFn], Tensor]:
-        qkv = Linear.fuse([self.q_proj, self.k_proj, self.v_proj], pack)
+    def fused(self, pack: bool | None = None) -> tuple[Linear, Linear]:
+        """(q/k/v as one matrix, o_proj) in their serving form."""
+        return Linear.fuse([self.q_proj, self.k_proj, self.v_proj], pack), Linear.fuse([self.o_proj], pack)
+
+    def serving(self, pack: bool | None = None,
+                fused: tuple[Linear, Linear] | None = None) -> Callable[[Tensor, Tensor, Tensor, AttnFn], Tensor]:
+        qkv, o_proj = fused or self.fused(pack)
         norms = (self.q_norm.serving(), self.k_norm.serving()) if self.has_qk_norm else None
-        return partial(attend, self.shape, qkv, Linear.fuse([self.o_proj], pack), qk_norm=norms)
+        return partial(attend, self.shape, qkv, o_proj, qk_norm=norms)
 
 
 class MLP(nn.Module):
@@ -118,8 +124,12 @@ class MLP(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         return swiglu(self.gate_up, self.down_proj, x)
 
-    def serving(self, pack: bool | None = None) -> Op:
-        return partial(swiglu, Linear.fuse([self.gate_proj, self.up_proj], pack), Linear.fuse([self.down_proj], pack))
+    def fused(self, pack: bool | None = None) -> tuple[Linear, Linear]:
+        """(gate | up as one matrix, down_proj) in their serving form."""
+        return Linear.fuse([self.gate_proj, self.up_proj], pack), Linear.fuse([self.down_proj], pack)
+
+    def serving(self, pack: bool | None = None, fused: tuple[Linear, Linear] | None = None) -> Op:
+        return partial(swiglu, *(fused or self.fused(pack)))
 
 
 @dataclass(frozen=True)
@@ -130,6 +140,8 @@ class LayerOps:
     attention: Callable[[Tensor, Tensor, Tensor, AttnFn], Tensor]
     post_norm: Op
     mlp: Op
+    # The whole block in one C call (native_layer), for the calls it accepts; None: no native form.
+    native: NativeDecoderLayer | None = None
 
 
 def mlp_residual(ops: LayerOps, hidden: Tensor) -> Tensor:
@@ -143,6 +155,8 @@ def decoder_block(ops: LayerOps, hidden: Tensor, cos: Tensor, sin: Tensor, attn_
 
     out_rows: a last layer whose other rows nobody reads (the block draft's root and unused masks) skips their
     o_proj and MLP, the bulk of its small-M matmul cost; the kept rows' values are unchanged."""
+    if ops.native is not None and out_rows is None and ops.native.accepts(hidden, attn_fn):
+        return ops.native(hidden, cos, sin, attn_fn)
     x = hidden if ops.input_norm is None else ops.input_norm(hidden)
     attended = ops.attention(x, cos, sin, attn_fn, out_rows=out_rows)
     return mlp_residual(ops, (hidden if out_rows is None else hidden[out_rows]) + attended)
@@ -172,10 +186,20 @@ class DecoderLayer(nn.Module):
         return decoder_block(self.ops, hidden, cos, sin, attn_fn, out_rows)
 
     def to_serving_(self, pack: bool | None = None) -> "DecoderLayer":
-        """Serving form (inference only): fused, possibly packed projections and functional norms."""
-        norm = self.input_layernorm
-        self.serving_ops = LayerOps(None if norm is None else norm.serving(), self.self_attn.serving(pack),
-                                    self.post_attention_layernorm.serving(), self.mlp.serving(pack))
+        """Serving form (inference only): fused, possibly packed projections and functional norms, and the whole
+        block in one C call where the layer is a plain Llama block and the native kernels run (native_layer)."""
+        norm, post, attn = self.input_layernorm, self.post_attention_layernorm, self.self_attn
+        attn_fused = attn.fused(pack)
+        mlp_fused = self.mlp.fused(pack) if isinstance(self.mlp, MLP) else None
+        mlp = self.mlp.serving(pack) if mlp_fused is None else self.mlp.serving(pack, mlp_fused)
+        native = None
+        if (norm is not None and mlp_fused is not None and not attn.has_qk_norm and norm.eps == post.eps
+                and attn.q_proj.in_features == post.weight.shape[0]):
+            shape = attn.shape
+            native = NativeDecoderLayer.build(norm.weight, post.weight, norm.eps, *attn_fused, *mlp_fused,
+                                              shape.num_heads, shape.num_kv_heads, shape.head_dim)
+        self.serving_ops = LayerOps(None if norm is None else norm.serving(), attn.serving(pack, attn_fused),
+                                    post.serving(), mlp, native)
         return self
 
 

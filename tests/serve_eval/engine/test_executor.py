@@ -294,9 +294,9 @@ def test_dtype_auto_is_bf16_only_where_it_is_faster(monkeypatch, fast, expected)
 
 
 def test_a_verify_block_gives_the_decode_steps_logits_bit_for_bit():
-    """With the native kernels (fp32, one thread: the packed GEMM and the paged attention compute a row the same
-    way whatever shares the call), K+1 verify rows beside another sequence's rows give exactly the logits of
-    K+1 single-token decode steps: greedy speculation then picks the very tokens plain decoding picks."""
+    """With the native kernels (fp32, one thread, a step of at most SMALL_GEMM_MAX_ROWS rows: the C layer computes
+    a row the same way whatever shares the call), K+1 verify rows beside another sequence's rows give exactly the
+    logits of K+1 single-token decode steps: greedy speculation then picks the very tokens plain decoding picks."""
     from draftsmith.kernels import small_gemm
     from draftsmith.kernels.attention import native_paged
 
@@ -309,5 +309,5 @@ def test_a_verify_block_gives_the_decode_steps_logits_bit_for_bit():
     decoded = torch.cat([decoding.step({"s": [token]})[0]["s"] for token in drafts])
     verifying = PagedRunner(ModelExecutor.from_hf_model(model), seed=1)  # other physical blocks
     verifying.step({"o": other[:4], "s": prompt})
-    verified = verifying.step({"o": other[4:], "s": drafts})[0]["s"]
+    verified = verifying.step({"o": other[4:6], "s": drafts})[0]["s"]  # 7 rows
     assert torch.equal(verified, decoded)

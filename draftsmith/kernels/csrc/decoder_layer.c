@@ -1,0 +1,96 @@
+/* One pre-norm Llama decoder layer over a step's few rows (a decode step, a verify chain, a draft step), fp32:
+ * norm -> q/k/v -> rope -> KV write -> paged attention -> o -> residual -> norm -> gate/up -> SwiGLU -> down ->
+ * residual, in one call.
+ *
+ * Why: with the projections and the attention already in C (small_gemm.c, paged_attention.c), what is left of
+ * a layer in torch is ~40 small ops (norms, rope, slicing, SiLU, residual adds) at 3-10 us of dispatch each on
+ * a small CPU: more than the layer's arithmetic at batch 1. The projections here are the same small_gemm calls
+ * the serving Linear makes, so a row's result still does not depend on the rows beside it.
+ *
+ * Layouts: hidden [rows, d] (the residual stream, updated in place); cos / signed sin [rows, head_dim] (the
+ * rope table's rows for this step's positions, sin = (-sin | sin)); packed weights as small_gemm_pack makes
+ * them; the KV cache, slots and attention metadata as paged_attention.c documents.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+void small_gemm(const float *x, long m, long k, long ldx, const float *packed, long n, const float *bias, float *y,
+                long ldy);
+int paged_attention_f32(const float *q, long ldq_t, long ldq_h, long num_tokens, const float *k_cache,
+                        const float *v_cache, const int32_t *block_tables, long table_width, const int32_t *seq_lens,
+                        const int32_t *cu_seqlens_q, long num_seqs, const uint8_t *tree_mask, long tree_width,
+                        long num_heads, long kv_heads, long head_dim, long block_size, long max_q_len, float scale,
+                        float *out);
+int paged_kv_write_f32(const float *k, long ldk_t, long ldk_h, const float *v, long ldv_t, long ldv_h,
+                       const int64_t *slots, long num_tokens, long num_slots, long kv_heads, long head_dim,
+                       float *k_cache, float *v_cache);
+
+/* HF's RMSNorm in fp32: x * rsqrt(mean(x^2) + eps), then * weight. */
+static void rms_norm(const float *x, long rows, long d, const float *weight, float eps, float *out) {
+    for (long r = 0; r < rows; r++) {
+        const float *row = x + r * d;
+        float sum = 0.0f;
+        for (long i = 0; i < d; i++) sum += row[i] * row[i];
+        float inv = 1.0f / sqrtf(sum / (float)d + eps);
+        for (long i = 0; i < d; i++) out[r * d + i] = row[i] * inv * weight[i];
+    }
+}
+
+/* x * cos + rotate_half(x) * sin on every q and k head of each row (rotate_half(x)[i] = x[(i + D/2) mod D], the
+ * sign folded into sin). */
+static void rope(float *qkv, long rows, long ld, long heads, long head_dim, const float *cos, const float *sin) {
+    long half = head_dim / 2;
+    float tmp[head_dim];
+    for (long r = 0; r < rows; r++)
+        for (long h = 0; h < heads; h++) {
+            float *x = qkv + r * ld + h * head_dim;
+            const float *c = cos + r * head_dim, *s = sin + r * head_dim;
+            for (long i = 0; i < head_dim; i++) tmp[i] = x[i] * c[i] + x[(i + half) % head_dim] * s[i];
+            for (long i = 0; i < head_dim; i++) x[i] = tmp[i];
+        }
+}
+
+/* Returns 0; else paged_attention_f32's status (> 0: a sequence with more than max_q_len rows, -1: no memory,
+ * -2: bad metadata), -3 when the workspace could not be allocated, -4 for a slot outside the cache. */
+int decoder_layer_f32(float *hidden, long rows, long d, const float *in_norm, const float *post_norm, float eps,
+                      const float *qkv_w, const float *qkv_b, const float *o_w, const float *o_b,
+                      const float *gate_up_w, const float *gate_up_b, const float *down_w, const float *down_b,
+                      long inter, const float *cos, const float *sin, long num_heads, long kv_heads, long head_dim,
+                      float *k_cache, float *v_cache, const int64_t *slots, long num_slots,
+                      const int32_t *block_tables, long table_width, const int32_t *seq_lens,
+                      const int32_t *cu_seqlens_q, long num_seqs, const uint8_t *tree_mask, long tree_width,
+                      long block_size, long max_q_len, float scale) {
+    long q_width = num_heads * head_dim, kv_width = kv_heads * head_dim, qkv_width = q_width + 2 * kv_width;
+    float *x = malloc(sizeof(float) * rows * (d + qkv_width + q_width + 2 * inter + d));
+    if (!x) return -3;
+    float *qkv = x + rows * d, *attn = qkv + rows * qkv_width, *gate_up = attn + rows * q_width;
+    float *proj = gate_up + rows * 2 * inter;
+    rms_norm(hidden, rows, d, in_norm, eps, x);
+    small_gemm(x, rows, d, d, qkv_w, qkv_width, qkv_b, qkv, qkv_width);
+    rope(qkv, rows, qkv_width, num_heads + kv_heads, head_dim, cos, sin);
+    if (paged_kv_write_f32(qkv + q_width, qkv_width, head_dim, qkv + q_width + kv_width, qkv_width, head_dim, slots,
+                           rows, num_slots, kv_heads, head_dim, k_cache, v_cache) != 0) {
+        free(x);
+        return -4;
+    }
+    int status = paged_attention_f32(qkv, qkv_width, head_dim, rows, k_cache, v_cache, block_tables, table_width,
+                                     seq_lens, cu_seqlens_q, num_seqs, tree_mask, tree_width, num_heads, kv_heads,
+                                     head_dim, block_size, max_q_len, scale, attn);
+    if (status != 0) {
+        free(x);
+        return status;
+    }
+    small_gemm(attn, rows, q_width, q_width, o_w, d, o_b, proj, d);
+    for (long i = 0; i < rows * d; i++) hidden[i] += proj[i];
+    rms_norm(hidden, rows, d, post_norm, eps, x);
+    small_gemm(x, rows, d, d, gate_up_w, 2 * inter, gate_up_b, gate_up, 2 * inter);
+    for (long r = 0; r < rows; r++) {  /* silu(gate) * up, into the gate half */
+        float *g = gate_up + r * 2 * inter, *u = g + inter;
+        for (long i = 0; i < inter; i++) g[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+    }
+    small_gemm(gate_up, rows, inter, 2 * inter, down_w, d, down_b, proj, d);
+    for (long i = 0; i < rows * d; i++) hidden[i] += proj[i];
+    free(x);
+    return 0;
+}

@@ -1,0 +1,105 @@
+"""A plain Llama decoder layer in one C call (csrc/decoder_layer.c) for a step's few fp32 rows on the CPU.
+
+The serving form of a layer (decoder.DecoderLayer.to_serving_) builds one where the layer is the plain pre-norm
+Llama block (input norm, no q/k norm, dense SwiGLU MLP, attention input of the hidden width) and the native
+kernels run here; ``decoder_block`` then hands it every call it ``accepts``: an activation kernels.native.eligible
+takes (fp32 CPU, one thread, no autograd), 1 to SMALL_GEMM_MAX_ROWS rows, all layer outputs wanted, and the
+torch backend's paged attention over contiguous fp32 caches (sliding windows, Triton and flash keep the torch
+path). ``DRAFTSMITH_NATIVE_LAYER=0`` turns it off. Its projections are the serving Linear's own small_gemm calls,
+so a row's result still does not depend on the rows beside it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+from torch import Tensor
+
+from draftsmith.kernels import native
+from draftsmith.kernels.attention import PagedAttention
+from draftsmith.kernels.attention.torch_paged import paged_attention as torch_paged_attention
+from draftsmith.kernels.layers.linear import SMALL_GEMM_MAX_ROWS, Linear
+from draftsmith.kernels.small_gemm import PackedWeight
+
+_P, _L, _F = ctypes.c_void_p, ctypes.c_long, ctypes.c_float
+_STATUS = {-1: "no memory for attention scores", -2: "attention metadata that does not hold together",
+           -3: "no memory for the layer's workspace", -4: "a KV slot outside the cache"}
+
+
+@lru_cache(maxsize=1)
+def _library() -> ctypes.CDLL | None:
+    return native.kernel_library("DRAFTSMITH_NATIVE_LAYER", "the native decoder layer", {
+        "decoder_layer_f32": ([_P, _L, _L, _P, _P, _F, _P, _P, _P, _P, _P, _P, _P, _P, _L, _P, _P, _L, _L, _L,
+                               _P, _P, _P, _L, _P, _L, _P, _P, _L, _P, _L, _L, _L, _F], ctypes.c_int),
+    })
+
+
+def _int32(t: Tensor) -> Tensor:
+    return t if t.dtype == torch.int32 and t.is_contiguous() else t.to(torch.int32).contiguous()
+
+
+def _ptr(t: Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+@dataclass(frozen=True)
+class NativeDecoderLayer:
+    """What the C layer reads of one serving layer: norm weights and packed projections (fp32, CPU)."""
+
+    input_norm: Tensor  # [d]
+    post_norm: Tensor  # [d]
+    eps: float
+    qkv: PackedWeight
+    o_proj: PackedWeight
+    gate_up: PackedWeight
+    down: PackedWeight
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+
+    @classmethod
+    def build(cls, input_norm: Tensor, post_norm: Tensor, eps: float, qkv: object, o_proj: object, gate_up: object,
+              down: object, num_heads: int, num_kv_heads: int, head_dim: int) -> "NativeDecoderLayer | None":
+        """The layer's native form, or None where it cannot have one (no packed fp32 kernels, odd head size)."""
+        linears = (qkv, o_proj, gate_up, down)  # weight-only quantized projections (kernels.quant) keep torch
+        packed = [lin.small if isinstance(lin, Linear) else None for lin in linears]
+        if (_library() is None or any(p is None for p in packed) or head_dim % 8
+                or input_norm.dtype != torch.float32 or post_norm.dtype != torch.float32):
+            return None
+        return cls(input_norm.detach().contiguous(), post_norm.detach().contiguous(), float(eps), *packed,
+                   num_heads, num_kv_heads, head_dim)
+
+    def accepts(self, hidden: Tensor, attn_fn: object) -> bool:
+        return (isinstance(attn_fn, PagedAttention) and attn_fn.backend is torch_paged_attention
+                and 0 < hidden.shape[0] <= SMALL_GEMM_MAX_ROWS and native.eligible(hidden)
+                and attn_fn.k_cache.dtype == torch.float32 and attn_fn.k_cache.is_contiguous()
+                and attn_fn.v_cache.is_contiguous() and attn_fn.v_cache.dtype == torch.float32
+                and attn_fn.k_cache.device.type == "cpu" and attn_fn.meta.slot_mapping.dtype == torch.int64
+                and attn_fn.meta.slot_mapping.shape == (hidden.shape[0],))
+
+    def __call__(self, hidden: Tensor, cos: Tensor, sin: Tensor, attn_fn: PagedAttention) -> Tensor:
+        """hidden [T, d] -> [T, d] (a new tensor: callers may keep the input, e.g. as an auxiliary hidden state);
+        cos, signed sin [T, 1, head_dim]."""
+        out = hidden.contiguous().clone()
+        meta, k_cache = attn_fn.meta, attn_fn.k_cache
+        cos, sin = cos.float().contiguous(), sin.float().contiguous()
+        tables, seq_lens, cu = _int32(meta.block_tables), _int32(meta.seq_lens), _int32(meta.cu_seqlens_q)
+        tree = meta.tree_mask
+        if tree is not None and (tree.dtype != torch.bool or not tree.is_contiguous()):
+            tree = tree.to(torch.bool).contiguous()
+        status = _library().decoder_layer_f32(
+            out.data_ptr(), out.shape[0], out.shape[1], self.input_norm.data_ptr(), self.post_norm.data_ptr(),
+            self.eps, self.qkv.packed.data_ptr(), _ptr(self.qkv.bias), self.o_proj.packed.data_ptr(),
+            _ptr(self.o_proj.bias), self.gate_up.packed.data_ptr(), _ptr(self.gate_up.bias),
+            self.down.packed.data_ptr(), _ptr(self.down.bias), self.down.in_features, cos.data_ptr(),
+            sin.data_ptr(), self.num_heads, self.num_kv_heads, self.head_dim, k_cache.data_ptr(),
+            attn_fn.v_cache.data_ptr(), meta.slot_mapping.data_ptr(), k_cache.shape[0] * k_cache.shape[1],
+            tables.data_ptr(), tables.shape[1], seq_lens.data_ptr(), cu.data_ptr(), seq_lens.shape[0],
+            _ptr(tree), 0 if tree is None else tree.shape[1], k_cache.shape[1], out.shape[0], attn_fn.scale)
+        if status != 0:
+            raise ValueError(f"native decoder layer: {_STATUS.get(status, f'status {status}')} "
+                             f"(seq_lens {meta.seq_lens.tolist()}, slots {meta.slot_mapping.tolist()})")
+        return out
