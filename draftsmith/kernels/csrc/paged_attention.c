@@ -26,25 +26,96 @@
 
 #define AVX2_FMA __attribute__((target("avx2,fma")))
 
-AVX2_FMA static inline float dot8(const float *a, const float *b, long d) {
-    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
-    long i = 0;
-    for (; i + 16 <= d; i += 16) {
-        acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
-        acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), acc1);
+/* The dot products of q with 8 keys, one lane each: 8 FMA chains over the head, each reduced by the same tree
+ * ((0+1)+(2+3))+((4+5)+(6+7)) whatever its lane, so a score does not depend on its neighbours. */
+AVX2_FMA static inline __m256 dot_8_keys(const float *q, const float *const *keys, long d) {
+    __m256 a[8];
+    for (int j = 0; j < 8; j++) a[j] = _mm256_setzero_ps();
+    for (long i = 0; i < d; i += 8) {
+        __m256 qv = _mm256_loadu_ps(q + i);
+        for (int j = 0; j < 8; j++) a[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(keys[j] + i), a[j]);
     }
-    for (; i < d; i += 8) acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
-    __m256 s = _mm256_add_ps(acc0, acc1);
-    __m128 lo = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
-    lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
-    lo = _mm_add_ss(lo, _mm_shuffle_ps(lo, lo, 1));
-    return _mm_cvtss_f32(lo);
+    __m256 s0123 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+    __m256 s4567 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+    return _mm256_add_ps(_mm256_permute2f128_ps(s0123, s4567, 0x20), _mm256_permute2f128_ps(s0123, s4567, 0x31));
 }
 
-AVX2_FMA static inline void axpy8(float *y, float a, const float *x, long d) {
-    __m256 av = _mm256_set1_ps(a);
-    for (long i = 0; i < d; i += 8)
-        _mm256_storeu_ps(y + i, _mm256_fmadd_ps(av, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
+/* exp of 8 lanes (Cephes' single-precision polynomial, ~1 ulp); lanes below -87 (masked positions are -inf, and
+ * every score has the row's max subtracted) give exactly 0, as a float exp underflows there anyway. */
+AVX2_FMA static inline __m256 exp8(__m256 x) {
+    __m256 dead = _mm256_cmp_ps(x, _mm256_set1_ps(-87.0f), _CMP_LT_OQ);
+    x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(88.0f)), _mm256_set1_ps(-87.0f));
+    __m256 fx = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
+    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
+    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+    y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
+    __m256i pow2 = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(127)), 23);
+    return _mm256_andnot_ps(dead, _mm256_mul_ps(y, _mm256_castsi256_ps(pow2)));
+}
+
+/* Row s[0..n): s = softmax(s) in place (fp32, the max subtracted); a row that sees nothing becomes zeros. */
+AVX2_FMA static void softmax_row(float *s, long n) {
+    __m256 top8 = _mm256_set1_ps(-INFINITY);
+    long p = 0;
+    for (; p + 8 <= n; p += 8) top8 = _mm256_max_ps(top8, _mm256_loadu_ps(s + p));
+    float lanes[8], top = -INFINITY, total = 0.0f;
+    _mm256_storeu_ps(lanes, top8);
+    for (int i = 0; i < 8; i++) top = lanes[i] > top ? lanes[i] : top;
+    for (long i = p; i < n; i++) top = s[i] > top ? s[i] : top;
+    if (top == -INFINITY) {  /* a tree row that sees nothing attends to nothing */
+        for (long i = 0; i < n; i++) s[i] = 0.0f;
+        return;
+    }
+    __m256 sum8 = _mm256_setzero_ps(), top_v = _mm256_set1_ps(top);
+    for (p = 0; p + 8 <= n; p += 8) {
+        __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + p), top_v));
+        _mm256_storeu_ps(s + p, e);
+        sum8 = _mm256_add_ps(sum8, e);
+    }
+    if (p < n) {  /* the tail as one more vector, padded with exp(-inf) = 0 */
+        float tail[8];
+        for (int i = 0; i < 8; i++) tail[i] = p + i < n ? s[p + i] - top : -INFINITY;
+        __m256 e = exp8(_mm256_loadu_ps(tail));
+        _mm256_storeu_ps(tail, e);
+        for (long i = p; i < n; i++) s[i] = tail[i - p];
+        sum8 = _mm256_add_ps(sum8, e);
+    }
+    /* Lane i sums positions i, i + 8, ... in order: a row of a verify block (later positions masked, exp 0) sums
+     * exactly what the same token's decode step sums, so the two agree bit for bit. */
+    _mm256_storeu_ps(lanes, sum8);
+    for (int i = 0; i < 8; i++) total += lanes[i];
+    __m256 inv = _mm256_set1_ps(1.0f / total);
+    for (p = 0; p + 8 <= n; p += 8) _mm256_storeu_ps(s + p, _mm256_mul_ps(_mm256_loadu_ps(s + p), inv));
+    for (; p < n; p++) s[p] *= 1.0f / total;
+}
+
+/* out[0..d) = sum_p w[p] * V[p] over the context's positions, walking the block table; up to 64 values of the
+ * output row stay in registers across positions. */
+AVX2_FMA static void weighted_values(const float *w, long ctx_len, const float *v_cache, const int32_t *table,
+                                     long block_size, long kv_heads, long kvh, long head_dim, float *out) {
+    for (long chunk = 0; chunk < head_dim; chunk += 64) {
+        long vecs = (head_dim - chunk < 64 ? head_dim - chunk : 64) / 8;
+        __m256 acc[8];
+        for (int v = 0; v < 8; v++) acc[v] = _mm256_setzero_ps();
+        for (long start = 0; start < ctx_len; start += block_size) {
+            const float *values = v_cache + ((long)table[start / block_size] * block_size * kv_heads + kvh) * head_dim
+                                  + chunk;
+            long end = start + block_size < ctx_len ? start + block_size : ctx_len;
+            for (long p = start; p < end; p++) {
+                if (w[p] == 0.0f) continue;
+                __m256 wv = _mm256_set1_ps(w[p]);
+                const float *value = values + (p - start) * kv_heads * head_dim;
+                for (int v = 0; v < vecs; v++) acc[v] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(value + 8 * v), acc[v]);
+            }
+        }
+        for (int v = 0; v < vecs; v++) _mm256_storeu_ps(out + chunk + 8 * v, acc[v]);
+    }
 }
 
 /* Does new token `row` (local index j of a block of q_len) see context position p? */
@@ -60,49 +131,32 @@ AVX2_FMA static void attend_group(const float *q, long ldq_t, long ldq_h, const 
                                   long head_dim, long first_row, long q_len, long ctx_len, const uint8_t *tree_mask,
                                   long tree_width, float scale, float *out, float *scores) {
     long prefix = ctx_len - q_len, rows = q_len * group;
-    /* scores[r * ctx_len + p], r = j * group + g; -inf where hidden. Walked block by block (no division). */
+    /* scores[r * ctx_len + p], r = j * group + g; -inf where hidden. Walked block by block (no division), eight
+     * positions at a time (a short group repeats its last key and drops the extra lanes). */
     for (long start = 0; start < ctx_len; start += block_size) {
         const float *keys = k_cache + ((long)table[start / block_size] * block_size * kv_heads + kvh) * head_dim;
         long end = start + block_size < ctx_len ? start + block_size : ctx_len;
-        for (long p = start; p < end; p++) {
-            const float *key = keys + (p - start) * kv_heads * head_dim;
+        for (long p0 = start; p0 < end; p0 += 8) {
+            long count = end - p0 < 8 ? end - p0 : 8;
+            const float *key8[8];
+            for (long i = 0; i < 8; i++) key8[i] = keys + (p0 + (i < count ? i : count - 1) - start) * kv_heads * head_dim;
             for (long j = 0; j < q_len; j++) {
                 const uint8_t *tree_row = tree_mask ? tree_mask + (first_row + j) * tree_width : NULL;
-                int seen = visible(p, prefix, j, tree_row);
                 for (long g = 0; g < group; g++) {
                     const float *qr = q + (first_row + j) * ldq_t + (kvh * group + g) * ldq_h;
-                    scores[(j * group + g) * ctx_len + p] = seen ? scale * dot8(qr, key, head_dim) : -INFINITY;
+                    float dots[8], *row = scores + (j * group + g) * ctx_len;
+                    _mm256_storeu_ps(dots, dot_8_keys(qr, key8, head_dim));
+                    for (long i = 0; i < count; i++)
+                        row[p0 + i] = visible(p0 + i, prefix, j, tree_row) ? scale * dots[i] : -INFINITY;
                 }
             }
         }
     }
     for (long r = 0; r < rows; r++) {
-        float *s = scores + r * ctx_len, top = -INFINITY, total = 0.0f;
-        for (long p = 0; p < ctx_len; p++) top = s[p] > top ? s[p] : top;
-        for (long p = 0; p < ctx_len; p++) {
-            s[p] = s[p] == -INFINITY ? 0.0f : expf(s[p] - top);
-            total += s[p];
-        }
-        float inv = total > 0.0f ? 1.0f / total : 0.0f;  /* a tree row that sees nothing attends to nothing */
-        for (long p = 0; p < ctx_len; p++) s[p] *= inv;
-    }
-    float *outs[rows];  /* the output row of (new token j, query head g of the group) */
-    for (long r = 0; r < rows; r++) {
         long j = r / group, g = r % group;
-        outs[r] = out + ((first_row + j) * kv_heads * group + kvh * group + g) * head_dim;
-        for (long i = 0; i < head_dim; i++) outs[r][i] = 0.0f;
-    }
-    for (long start = 0; start < ctx_len; start += block_size) {
-        const float *values = v_cache + ((long)table[start / block_size] * block_size * kv_heads + kvh) * head_dim;
-        long end = start + block_size < ctx_len ? start + block_size : ctx_len;
-        for (long p = start; p < end; p++) {
-            const float *value = values + (p - start) * kv_heads * head_dim;
-            for (long r = 0; r < rows; r++) {
-                float w = scores[r * ctx_len + p];
-                if (w == 0.0f) continue;
-                axpy8(outs[r], w, value, head_dim);
-            }
-        }
+        softmax_row(scores + r * ctx_len, ctx_len);
+        weighted_values(scores + r * ctx_len, ctx_len, v_cache, table, block_size, kv_heads, kvh, head_dim,
+                        out + ((first_row + j) * kv_heads * group + kvh * group + g) * head_dim);
     }
 }
 
