@@ -70,6 +70,18 @@ def _int32(t: Tensor) -> Tensor:
     return t if t.dtype == torch.int32 and t.is_contiguous() else t.to(torch.int32).contiguous()
 
 
+def metadata_arrays(meta: "AttentionMetadata", num_tokens: int) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+    """(block_tables, seq_lens, cu_seqlens_q) as contiguous int32 and the tree mask as contiguous bool (or None):
+    the layouts the C side reads."""
+    tree = meta.tree_mask
+    if tree is not None:
+        if tree.shape[0] != num_tokens:
+            raise ValueError(f"tree_mask has {tree.shape[0]} rows for {num_tokens} query tokens")
+        if tree.dtype != torch.bool or not tree.is_contiguous():
+            tree = tree.to(torch.bool).contiguous()
+    return _int32(meta.block_tables), _int32(meta.seq_lens), _int32(meta.cu_seqlens_q), tree
+
+
 def attend(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: "AttentionMetadata", scale: float,
            max_q_len: int) -> tuple[Tensor, int]:
     """q [T, H, D] (rows of a head contiguous); caches [num_blocks, block_size, KVH, D] with the new K/V written.
@@ -81,13 +93,7 @@ def attend(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: "AttentionMetadata
     if q.stride(-1) != 1:
         q = q.contiguous()
     out = torch.empty(num_tokens, num_heads, head_dim, dtype=torch.float32)
-    tables, seq_lens, cu = _int32(meta.block_tables), _int32(meta.seq_lens), _int32(meta.cu_seqlens_q)
-    tree = meta.tree_mask
-    if tree is not None:
-        if tree.shape[0] != num_tokens:
-            raise ValueError(f"tree_mask has {tree.shape[0]} rows for {num_tokens} query tokens")
-        if tree.dtype != torch.bool or not tree.is_contiguous():
-            tree = tree.to(torch.bool).contiguous()
+    tables, seq_lens, cu, tree = metadata_arrays(meta, num_tokens)
     status = _library().paged_attention_f32(
         q.data_ptr(), q.stride(0), q.stride(1), num_tokens, k_cache.data_ptr(), v_cache.data_ptr(),
         tables.data_ptr(), tables.shape[1], seq_lens.data_ptr(), cu.data_ptr(), seq_lens.shape[0],

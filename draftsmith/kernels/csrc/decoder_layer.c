@@ -7,13 +7,14 @@
  * a small CPU: more than the layer's arithmetic at batch 1. The projections here are the same small_gemm calls
  * the serving Linear makes, so a row's result still does not depend on the rows beside it.
  *
- * Layouts: hidden [rows, d] (the residual stream, updated in place); cos / signed sin [rows, head_dim] (the
+ * in_norm NULL: a layer without an input norm (EAGLE-1's). Layouts: hidden [rows, d] (the residual stream, updated in place); cos / signed sin [rows, head_dim] (the
  * rope table's rows for this step's positions, sin = (-sin | sin)); packed weights as small_gemm_pack makes
  * them; the KV cache, slots and attention metadata as paged_attention.c documents.
  */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 void small_gemm(const float *x, long m, long k, long ldx, const float *packed, long n, const float *bias, float *y,
                 long ldy);
@@ -66,7 +67,10 @@ int decoder_layer_f32(float *hidden, long rows, long d, const float *in_norm, co
     if (!x) return -3;
     float *qkv = x + rows * d, *attn = qkv + rows * qkv_width, *gate_up = attn + rows * q_width;
     float *proj = gate_up + rows * 2 * inter;
-    rms_norm(hidden, rows, d, in_norm, eps, x);
+    if (in_norm)
+        rms_norm(hidden, rows, d, in_norm, eps, x);
+    else  /* EAGLE-1's layer: its input (the fc output) enters attention as it is */
+        memcpy(x, hidden, sizeof(float) * rows * d);
     small_gemm(x, rows, d, d, qkv_w, qkv_width, qkv_b, qkv, qkv_width);
     rope(qkv, rows, qkv_width, num_heads + kv_heads, head_dim, cos, sin);
     if (paged_kv_write_f32(qkv + q_width, qkv_width, head_dim, qkv + q_width + kv_width, qkv_width, head_dim, slots,

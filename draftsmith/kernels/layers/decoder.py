@@ -193,11 +193,12 @@ class DecoderLayer(nn.Module):
         mlp_fused = self.mlp.fused(pack) if isinstance(self.mlp, MLP) else None
         mlp = self.mlp.serving(pack) if mlp_fused is None else self.mlp.serving(pack, mlp_fused)
         native = None
-        if (norm is not None and mlp_fused is not None and not attn.has_qk_norm and norm.eps == post.eps
+        if (mlp_fused is not None and not attn.has_qk_norm and (norm is None or norm.eps == post.eps)
                 and attn.q_proj.in_features == post.weight.shape[0]):
             shape = attn.shape
-            native = NativeDecoderLayer.build(norm.weight, post.weight, norm.eps, *attn_fused, *mlp_fused,
-                                              shape.num_heads, shape.num_kv_heads, shape.head_dim)
+            native = NativeDecoderLayer.build(None if norm is None else norm.weight, post.weight, post.eps,
+                                              *attn_fused, *mlp_fused, shape.num_heads, shape.num_kv_heads,
+                                              shape.head_dim)
         self.serving_ops = LayerOps(None if norm is None else norm.serving(), attn.serving(pack, attn_fused),
                                     post.serving(), mlp, native)
         return self

@@ -1,7 +1,8 @@
 """A plain Llama decoder layer in one C call (csrc/decoder_layer.c) for a step's few fp32 rows on the CPU.
 
 The serving form of a layer (decoder.DecoderLayer.to_serving_) builds one where the layer is the plain pre-norm
-Llama block (input norm, no q/k norm, dense SwiGLU MLP, attention input of the hidden width) and the native
+Llama block (no q/k norm, dense SwiGLU MLP, attention input of the hidden width; EAGLE-1's layer without its
+input norm too) and the native
 kernels run here; ``decoder_block`` then hands it every call it ``accepts``: an activation kernels.native.eligible
 takes (fp32 CPU, one thread, no autograd), 1 to SMALL_GEMM_MAX_ROWS rows, all layer outputs wanted, and the
 torch backend's paged attention over contiguous fp32 caches (sliding windows, Triton and flash keep the torch
@@ -20,6 +21,7 @@ from torch import Tensor
 
 from draftsmith.kernels import native
 from draftsmith.kernels.attention import PagedAttention
+from draftsmith.kernels.attention.native_paged import metadata_arrays
 from draftsmith.kernels.attention.torch_paged import paged_attention as torch_paged_attention
 from draftsmith.kernels.layers.linear import SMALL_GEMM_MAX_ROWS, Linear
 from draftsmith.kernels.small_gemm import PackedWeight
@@ -37,10 +39,6 @@ def _library() -> ctypes.CDLL | None:
     })
 
 
-def _int32(t: Tensor) -> Tensor:
-    return t if t.dtype == torch.int32 and t.is_contiguous() else t.to(torch.int32).contiguous()
-
-
 def _ptr(t: Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
@@ -49,7 +47,7 @@ def _ptr(t: Tensor | None) -> int | None:
 class NativeDecoderLayer:
     """What the C layer reads of one serving layer: norm weights and packed projections (fp32, CPU)."""
 
-    input_norm: Tensor  # [d]
+    input_norm: Tensor | None  # [d]; None: EAGLE-1's layer, whose input enters attention as it is
     post_norm: Tensor  # [d]
     eps: float
     qkv: PackedWeight
@@ -61,16 +59,16 @@ class NativeDecoderLayer:
     head_dim: int
 
     @classmethod
-    def build(cls, input_norm: Tensor, post_norm: Tensor, eps: float, qkv: object, o_proj: object, gate_up: object,
+    def build(cls, input_norm: Tensor | None, post_norm: Tensor, eps: float, qkv: object, o_proj: object, gate_up: object,
               down: object, num_heads: int, num_kv_heads: int, head_dim: int) -> "NativeDecoderLayer | None":
         """The layer's native form, or None where it cannot have one (no packed fp32 kernels, odd head size)."""
         linears = (qkv, o_proj, gate_up, down)  # weight-only quantized projections (kernels.quant) keep torch
         packed = [lin.small if isinstance(lin, Linear) else None for lin in linears]
-        if (_library() is None or any(p is None for p in packed) or head_dim % 8
-                or input_norm.dtype != torch.float32 or post_norm.dtype != torch.float32):
+        if (_library() is None or any(p is None for p in packed) or head_dim % 8 or post_norm.dtype != torch.float32
+                or (input_norm is not None and input_norm.dtype != torch.float32)):
             return None
-        return cls(input_norm.detach().contiguous(), post_norm.detach().contiguous(), float(eps), *packed,
-                   num_heads, num_kv_heads, head_dim)
+        return cls(None if input_norm is None else input_norm.detach().contiguous(), post_norm.detach().contiguous(),
+                   float(eps), *packed, num_heads, num_kv_heads, head_dim)
 
     def accepts(self, hidden: Tensor, attn_fn: object) -> bool:
         return (isinstance(attn_fn, PagedAttention) and attn_fn.backend is torch_paged_attention
@@ -86,12 +84,9 @@ class NativeDecoderLayer:
         out = hidden.contiguous().clone()
         meta, k_cache = attn_fn.meta, attn_fn.k_cache
         cos, sin = cos.float().contiguous(), sin.float().contiguous()
-        tables, seq_lens, cu = _int32(meta.block_tables), _int32(meta.seq_lens), _int32(meta.cu_seqlens_q)
-        tree = meta.tree_mask
-        if tree is not None and (tree.dtype != torch.bool or not tree.is_contiguous()):
-            tree = tree.to(torch.bool).contiguous()
+        tables, seq_lens, cu, tree = metadata_arrays(meta, out.shape[0])
         status = _library().decoder_layer_f32(
-            out.data_ptr(), out.shape[0], out.shape[1], self.input_norm.data_ptr(), self.post_norm.data_ptr(),
+            out.data_ptr(), out.shape[0], out.shape[1], _ptr(self.input_norm), self.post_norm.data_ptr(),
             self.eps, self.qkv.packed.data_ptr(), _ptr(self.qkv.bias), self.o_proj.packed.data_ptr(),
             _ptr(self.o_proj.bias), self.gate_up.packed.data_ptr(), _ptr(self.gate_up.bias),
             self.down.packed.data_ptr(), _ptr(self.down.bias), self.down.in_features, cos.data_ptr(),
