@@ -86,7 +86,7 @@ def plan_methods(cfg: EvalConfig, drafts: list[DraftSource], target_dir: Path,
         plans += [MethodPlan("ngram", k, "ngram") for k in ks("ngram")]
     usable: list[DraftSource] = []
     if "drafts" in cfg.methods or ASSISTED in cfg.methods:
-        notes += mark_variants(drafts)
+        notes += mark_variants(drafts, cfg.engine.device)
         for source in drafts:
             try:
                 notes += [f"{source.method}: {w}" for w in _check_draft(source, target_dir, cfg)]

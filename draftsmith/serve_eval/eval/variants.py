@@ -3,8 +3,10 @@
 A variant is a quantized draft dir (drafts.quant: quantization.json) evaluated as its own method row,
 labelled ``<source label>@<quantization>`` (e.g. ``standalone@int4-g64``). It is matched to the draft it
 was quantized from by the source path its quantization.json records. The int kernels take bf16
-activations (kernels.quant; any other dtype dequantizes at load), so a variant runs its draft at bf16,
-and so does the draft it is compared with: the rows then differ by the weights only.
+activations (kernels.quant; any other dtype dequantizes at load), so where bf16 is fast a variant runs its draft
+at bf16, and so does the draft it is compared with; where bf16 is slow (an AVX2-only CPU emulates it, ~9x a fp32
+matmul) both run fp32 and the variant dequantizes. Either way the rows differ by the weights only, and neither
+row is slowed by a dtype the machine runs badly.
 
 The comparison, per (domain, temperature, K) and source draft: alpha and tau beside the source's, the
 alpha points the variant costs, draft ms per round and its ratio to the source's (the draft step
@@ -21,14 +23,23 @@ from draftsmith.serve_eval.eval.sources import DraftSource
 VARIANT_DRAFT_DTYPE = "bfloat16"   # what torch's CPU int8/int4 weight kernels multiply with
 
 
+def variant_draft_dtype(device: str = "cpu") -> str:
+    """The dtype a variant and its source draft run at here: the int kernels' bf16 where bf16 is fast, else fp32."""
+    from draftsmith.kernels.precision import bf16_is_fast
+
+    return VARIANT_DRAFT_DTYPE if bf16_is_fast(device) else "float32"
+
+
 def variant_label(source_label: str, quantization: str) -> str:
     return f"{source_label}@{quantization}"
 
 
-def mark_variants(sources: list[DraftSource]) -> list[str]:
+def mark_variants(sources: list[DraftSource], device: str = "cpu") -> list[str]:
     """Fill quantization / variant_of / draft_dtype of quantized drafts and of their sources, in place;
     returns notes (a variant whose source is not in this run is still measured, without a comparison)."""
     from draftsmith.drafts.quant import QuantRecord
+
+    dtype = variant_draft_dtype(device)
 
     by_path = {s.path.resolve(): s for s in sources if s.path.exists()}
     notes = []
@@ -36,16 +47,17 @@ def mark_variants(sources: list[DraftSource]) -> list[str]:
         record = QuantRecord.read(source.path) if source.path.is_dir() else None
         if record is None:
             continue
-        source.quantization, source.draft_dtype = record.config.label, VARIANT_DRAFT_DTYPE
+        source.quantization, source.draft_dtype = record.config.label, dtype
         base = by_path.get(Path(record.source).resolve()) if record.source else None
         if base is None:
             notes.append(f"{source.method}: a {record.config.label} draft whose source {record.source} is not in "
                          "this run; measured without a side-by-side row")
             continue
-        source.variant_of, base.draft_dtype = base.method, VARIANT_DRAFT_DTYPE
+        source.variant_of, base.draft_dtype = base.method, dtype
     if any(s.variant_of for s in sources):
-        notes.append(f"quantized variants and their source drafts run the draft at {VARIANT_DRAFT_DTYPE} "
-                     "(the int kernels' activation dtype), so their rows differ by the weights only")
+        notes.append(f"quantized variants and their source drafts run the draft at {dtype} "
+                     + ("(the int kernels' activation dtype)" if dtype == VARIANT_DRAFT_DTYPE else
+                        "(bf16 is slow here, so the variants dequantize)") + ", so their rows differ by the weights only")
     return notes
 
 

@@ -17,7 +17,12 @@ from draftsmith.serve_eval.eval.recommend import (DomainChoice, DraftRoute, Reco
 from draftsmith.serve_eval.eval.report import ResultRow, load_report
 from draftsmith.serve_eval.eval.runners import RequestRecord, RunResult, RunSpec
 from draftsmith.serve_eval.eval.sources import DraftSource, discover_drafts
-from draftsmith.serve_eval.eval.variants import VARIANT_DRAFT_DTYPE, variant_comparisons
+from draftsmith.serve_eval.eval.variants import (
+    VARIANT_DRAFT_DTYPE,
+    mark_variants,
+    variant_comparisons,
+    variant_draft_dtype,
+)
 from draftsmith.serve_eval.schemas import EngineSettings, EvalConfig
 from draftsmith.serve_eval.speculative.metrics import SpecStats
 
@@ -77,7 +82,8 @@ def test_a_variant_is_its_own_row_beside_its_source_and_the_recommendation_names
     sources = [DraftSource("standalone", base, "standalone"), DraftSource(VARIANT, quantized, "standalone")]
     report = run_eval(cfg, target, "fp", {"chat": ["a", "b"]}, sources, factory=factory)
     by_method = {p.method: p for p in plans}
-    assert by_method[VARIANT].draft.draft_dtype == by_method["standalone"].draft.draft_dtype == VARIANT_DRAFT_DTYPE
+    here = variant_draft_dtype("cpu")  # the int kernels' bf16 where bf16 is fast, else fp32 for both rows
+    assert by_method[VARIANT].draft.draft_dtype == by_method["standalone"].draft.draft_dtype == here
     rows = {r.method: r for r in report.results}
     source, variant = rows["standalone"], rows[VARIANT]
     assert (variant.quantization, variant.variant_of) == (INT4.label, "standalone")
@@ -98,7 +104,7 @@ def test_a_variant_is_its_own_row_beside_its_source_and_the_recommendation_names
     section = markdown.split("## Quantized variants")[1].split("## ")[0]
     assert f"| {VARIANT} |" in section and "| standalone |" in section and "2.00" in section
     choice = load_recommendations(tmp_path / "out" / "recommendations.yaml").choose("chat", 0.0)
-    assert (choice.method, choice.kind, choice.draft_dtype) == (VARIANT, "standalone", VARIANT_DRAFT_DTYPE)
+    assert (choice.method, choice.kind, choice.draft_dtype) == (VARIANT, "standalone", here)
     assert choice.draft_path == str(quantized)
 
 
@@ -199,3 +205,18 @@ def test_a_real_engine_eval_measures_the_variant_beside_its_source(standalone_pa
     for row in (rows["standalone"], rows[VARIANT]):
         assert 0 <= row.alpha <= 1 and row.draft_ms_per_round > 0 and row.cost_ratio > 0
     assert rows[VARIANT].draft_bytes < rows["standalone"].draft_bytes
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_variant_and_source_run_bf16_only_where_bf16_is_fast(standalone_pair, monkeypatch, fast):
+    """Where bf16 is emulated (an AVX2-only CPU: ~9x a fp32 matmul) neither row is measured at bf16: both run
+    fp32 and the variant dequantizes, so the rows still differ by the weights only."""
+    from draftsmith.kernels import precision
+
+    monkeypatch.setattr(precision, "bf16_is_fast", lambda device="cpu": fast)
+    _, base, quantized = standalone_pair
+    sources = [DraftSource("standalone", base, "standalone"), DraftSource(VARIANT, quantized, "standalone")]
+    notes = mark_variants(sources, "cpu")
+    expected = "bfloat16" if fast else "float32"
+    assert [s.draft_dtype for s in sources] == [expected, expected]
+    assert any(expected in note for note in notes)
