@@ -95,26 +95,45 @@ AVX2_FMA static void softmax_row(float *s, long n) {
     for (; p < n; p++) s[p] *= 1.0f / total;
 }
 
-/* out[0..d) = sum_p w[p] * V[p] over the context's positions, walking the block table; up to 64 values of the
- * output row stay in registers across positions. */
-AVX2_FMA static void weighted_values(const float *w, long ctx_len, const float *v_cache, const int32_t *table,
-                                     long block_size, long kv_heads, long kvh, long head_dim, float *out) {
+/* out[0..8*NV) += sum_p w[p] * V[p][0..8*NV) over the context's positions, walking the block table; NV is a
+ * compile-time count so the accumulators stay in registers with no per-vector branch. */
+#define VALUE_CHUNK(NV)                                                                                         \
+    AVX2_FMA static void value_chunk_##NV(const float *w, long ctx_len, const float *v_cache, const int32_t *table, \
+                                          long block_size, long row_stride, long offset, float *out) {          \
+        __m256 acc[NV];                                                                                         \
+        _Pragma("GCC unroll 8") for (int v = 0; v < NV; v++) acc[v] = _mm256_setzero_ps();                      \
+        for (long start = 0; start < ctx_len; start += block_size) {                                            \
+            const float *values = v_cache + (long)table[start / block_size] * block_size * row_stride + offset;  \
+            long end = start + block_size < ctx_len ? start + block_size : ctx_len;                             \
+            for (long p = start; p < end; p++) {                                                                \
+                if (w[p] == 0.0f) continue;                                                                     \
+                __m256 wv = _mm256_set1_ps(w[p]);                                                               \
+                const float *value = values + (p - start) * row_stride;                                         \
+                _Pragma("GCC unroll 8") for (int v = 0; v < NV; v++)                                            \
+                    acc[v] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(value + 8 * v), acc[v]);                       \
+            }                                                                                                   \
+        }                                                                                                       \
+        _Pragma("GCC unroll 8") for (int v = 0; v < NV; v++) _mm256_storeu_ps(out + 8 * v, acc[v]);            \
+    }
+VALUE_CHUNK(1)
+VALUE_CHUNK(2)
+VALUE_CHUNK(3)
+VALUE_CHUNK(4)
+VALUE_CHUNK(5)
+VALUE_CHUNK(6)
+VALUE_CHUNK(7)
+VALUE_CHUNK(8)
+typedef void (*value_chunk_fn)(const float *, long, const float *, const int32_t *, long, long, long, float *);
+static const value_chunk_fn VALUE_CHUNKS[9] = {0, value_chunk_1, value_chunk_2, value_chunk_3, value_chunk_4,
+                                               value_chunk_5, value_chunk_6, value_chunk_7, value_chunk_8};
+
+/* out[0..d) = sum_p w[p] * V[p] over the context's positions, 64 values of the output row at a time. */
+static void weighted_values(const float *w, long ctx_len, const float *v_cache, const int32_t *table,
+                            long block_size, long kv_heads, long kvh, long head_dim, float *out) {
     for (long chunk = 0; chunk < head_dim; chunk += 64) {
         long vecs = (head_dim - chunk < 64 ? head_dim - chunk : 64) / 8;
-        __m256 acc[8];
-        for (int v = 0; v < 8; v++) acc[v] = _mm256_setzero_ps();
-        for (long start = 0; start < ctx_len; start += block_size) {
-            const float *values = v_cache + ((long)table[start / block_size] * block_size * kv_heads + kvh) * head_dim
-                                  + chunk;
-            long end = start + block_size < ctx_len ? start + block_size : ctx_len;
-            for (long p = start; p < end; p++) {
-                if (w[p] == 0.0f) continue;
-                __m256 wv = _mm256_set1_ps(w[p]);
-                const float *value = values + (p - start) * kv_heads * head_dim;
-                for (int v = 0; v < vecs; v++) acc[v] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(value + 8 * v), acc[v]);
-            }
-        }
-        for (int v = 0; v < vecs; v++) _mm256_storeu_ps(out + chunk + 8 * v, acc[v]);
+        VALUE_CHUNKS[vecs](w, ctx_len, v_cache, table, block_size, kv_heads * head_dim, kvh * head_dim + chunk,
+                           out + chunk);
     }
 }
 

@@ -35,10 +35,14 @@ void small_gemm_pack(const float *w, long n, long k, float *packed) {
 }
 
 #define VECS (PANEL / 8)
+/* unrolled before GCC decides where the accumulators live, so they stay in registers */
+#define UNROLL _Pragma("GCC unroll 16")
 
-AVX2_FMA static inline void store_row(float *y, long n_valid, const __m256 *acc, const float *bias) {
-    float tmp[PANEL];
-    for (int v = 0; v < VECS; v++) _mm256_storeu_ps(tmp + 8 * v, acc[v]);
+/* The accumulators are only read out after the k loop, into a separate array: had the loop's array been handed
+ * to a store function, its address would escape and GCC keeps every accumulator's stack copy current, storing
+ * all of them on every step over k (a 256-bit store is two micro-ops on the one store port of a Zen-1 core, so
+ * those stores, not the FMAs, set the pace). */
+static inline void store_row(float *y, long n_valid, const float *tmp, const float *bias) {
     for (long c = 0; c < n_valid; c++) y[c] = bias ? tmp[c] + bias[c] : tmp[c];
 }
 
@@ -50,24 +54,27 @@ AVX2_FMA static inline void store_row(float *y, long n_valid, const __m256 *acc,
     AVX2_FMA static void rows_##ROWS##_span_##SPAN(const float *x, long ldx, const float *panels, long k,      \
                                                    float *y, long ldy, long n_left, const float *bias) {       \
         __m256 acc[ROWS][SPAN * VECS];                                                                        \
-        for (int r = 0; r < ROWS; r++)                                                                        \
-            for (int v = 0; v < SPAN * VECS; v++) acc[r][v] = _mm256_setzero_ps();                            \
+        UNROLL for (int r = 0; r < ROWS; r++)                                                                        \
+            UNROLL for (int v = 0; v < SPAN * VECS; v++) acc[r][v] = _mm256_setzero_ps();                            \
         for (long i = 0; i < k; i++) {                                                                        \
-            for (int s = 0; s < SPAN; s++)                                                                    \
+            UNROLL for (int s = 0; s < SPAN; s++)                                                                    \
                 _mm_prefetch((const char *)(panels + (SPAN + s) * k * PANEL + i * PANEL), _MM_HINT_T0);        \
-            for (int r = 0; r < ROWS; r++) {                                                                  \
+            UNROLL for (int r = 0; r < ROWS; r++) {                                                                  \
                 __m256 xv = _mm256_broadcast_ss(x + r * ldx + i);                                             \
-                for (int s = 0; s < SPAN; s++) {                                                              \
+                UNROLL for (int s = 0; s < SPAN; s++) {                                                              \
                     const float *w = panels + s * k * PANEL + i * PANEL;                                      \
-                    for (int v = 0; v < VECS; v++)                                                            \
+                    UNROLL for (int v = 0; v < VECS; v++)                                                            \
                         acc[r][s * VECS + v] = _mm256_fmadd_ps(xv, _mm256_loadu_ps(w + 8 * v), acc[r][s * VECS + v]); \
                 }                                                                                             \
             }                                                                                                 \
         }                                                                                                     \
-        for (int r = 0; r < ROWS; r++)                                                                        \
-            for (int s = 0; s < SPAN; s++) {                                                                  \
+        float out[ROWS][SPAN * PANEL];                                                                        \
+        UNROLL for (int r = 0; r < ROWS; r++)                                                                        \
+            UNROLL for (int v = 0; v < SPAN * VECS; v++) _mm256_storeu_ps(out[r] + 8 * v, acc[r][v]);                \
+        UNROLL for (int r = 0; r < ROWS; r++)                                                                        \
+            UNROLL for (int s = 0; s < SPAN; s++) {                                                                  \
                 long n_valid = n_left - s * PANEL < PANEL ? n_left - s * PANEL : PANEL;                       \
-                store_row(y + r * ldy + s * PANEL, n_valid, acc[r] + s * VECS, bias ? bias + s * PANEL : 0);  \
+                store_row(y + r * ldy + s * PANEL, n_valid, out[r] + s * PANEL, bias ? bias + s * PANEL : 0); \
             }                                                                                                 \
     }
 
