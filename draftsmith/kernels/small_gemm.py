@@ -3,11 +3,18 @@ whatever the row count, and a row's result independent of the rows beside it.
 
 Built and loaded with the other C kernels (kernels.native). Where they cannot run here, or
 ``DRAFTSMITH_SMALL_GEMM=0``, ``available()`` is False and callers keep torch's matmul.
+
+A draft may keep its panels in fp16 (``panel_storage(torch.float16)`` around building its serving form): a draft
+step reads its weights once from memory, so half the bytes make it about half as long, while the arithmetic stays
+fp32 (each weight is widened exactly on load). Only the draft's proposals change, by the rounding of its weights;
+what the engine emits stays the target's (verification decides), so exactness does not depend on it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+from collections.abc import Iterator
 from functools import lru_cache
 
 import torch
@@ -24,6 +31,8 @@ def _library() -> ctypes.CDLL | None:
         "small_gemm_packed_floats": ([_L, _L], _L),
         "small_gemm_pack": ([_P, _L, _L, _P], None),
         "small_gemm": ([_P, _L, _L, _L, _P, _L, _P, _P, _L], None),
+        "small_gemm_f16": ([_P, _L, _L, _L, _P, _L, _P, _P, _L], None),
+        "draftsmith_has_f16c": ([], ctypes.c_int),
     })
 
 
@@ -31,9 +40,30 @@ def available() -> bool:
     return _library() is not None
 
 
+PANEL_DTYPES = (torch.float32, torch.float16)
+_panel_dtype = torch.float32  # what PackedWeights built now store (panel_storage)
+
+
+@contextlib.contextmanager
+def panel_storage(dtype: torch.dtype) -> Iterator[None]:
+    """PackedWeights built inside store their panels in ``dtype`` (float32 or float16; float16 falls back to
+    float32 on a CPU without F16C). Scoped, as torch's default dtype is, so that a draft's serving form can be
+    built in fp16 while the target's, built outside, stays fp32."""
+    global _panel_dtype
+    if dtype not in PANEL_DTYPES:
+        raise ValueError(f"panel storage must be one of {PANEL_DTYPES}, got {dtype}")
+    lib = _library()
+    previous = _panel_dtype
+    _panel_dtype = dtype if dtype == torch.float32 or (lib is not None and lib.draftsmith_has_f16c()) else torch.float32
+    try:
+        yield
+    finally:
+        _panel_dtype = previous
+
+
 class PackedWeight:
-    """W [N, K] fp32 on CPU, packed into panels of output columns (csrc/small_gemm.c sizes them); call with
-    x [M, K] -> [M, N].
+    """W [N, K] fp32 on CPU, packed into panels of output columns (csrc/small_gemm.c sizes them) stored in fp32,
+    or in fp16 when built inside ``panel_storage(torch.float16)``; call with x [M, K] -> [M, N] (fp32).
 
     A copy made once: a later in-place change to W (or to the module parameters aliasing it) does not reach
     it, as the serving form it belongs to is final (kernels.layers: inference only, built after loading)."""
@@ -48,8 +78,11 @@ class PackedWeight:
         self.out_features, self.in_features = (int(s) for s in weight.shape)
         dense = weight.detach().contiguous()
         # the C side sizes its own layout, so the panel width lives in one place
-        self.packed = torch.empty(lib.small_gemm_packed_floats(self.out_features, self.in_features), dtype=torch.float32)
-        lib.small_gemm_pack(dense.data_ptr(), self.out_features, self.in_features, self.packed.data_ptr())
+        packed = torch.empty(lib.small_gemm_packed_floats(self.out_features, self.in_features), dtype=torch.float32)
+        lib.small_gemm_pack(dense.data_ptr(), self.out_features, self.in_features, packed.data_ptr())
+        # fp16 panels: the fp32 layout element by element (round to nearest), read by small_gemm_f16
+        self.packed = packed if _panel_dtype == torch.float32 else packed.to(_panel_dtype)
+        self.half = self.packed.dtype == torch.float16
         self.bias = None if bias is None else bias.detach().float().contiguous()
         self._bias_ptr = None if self.bias is None else self.bias.data_ptr()
 
@@ -63,6 +96,8 @@ class PackedWeight:
         rows = x.shape[0]
         out = torch.empty(rows, self.out_features, dtype=torch.float32)
         if rows:  # the library is looked up per call, so the object deep-copies (no ctypes pointer held)
-            _library().small_gemm(x.data_ptr(), rows, self.in_features, x.stride(0), self.packed.data_ptr(),
-                                  self.out_features, self._bias_ptr, out.data_ptr(), self.out_features)
+            lib = _library()
+            gemm = lib.small_gemm_f16 if self.half else lib.small_gemm
+            gemm(x.data_ptr(), rows, self.in_features, x.stride(0), self.packed.data_ptr(), self.out_features,
+                 self._bias_ptr, out.data_ptr(), self.out_features)
         return out

@@ -118,3 +118,29 @@ def test_a_missing_compiler_falls_back_with_the_reason_logged(monkeypatch, caplo
 def test_bad_weight_is_refused_naming_it():
     with pytest.raises(ValueError, match="bfloat16"):
         small_gemm.PackedWeight(torch.randn(8, 16, dtype=torch.bfloat16))
+
+
+@needs_kernel
+def test_fp16_panels_compute_in_fp32_on_the_rounded_weights():
+    """A draft's fp16 panels: each weight is widened exactly to fp32 on load, so the result is bit for bit the fp32
+    kernel's on the fp16-rounded weights, at every row count and with a bias."""
+    torch.manual_seed(3)
+    weight, bias = torch.randn(100, 48), torch.randn(100)
+    with small_gemm.panel_storage(torch.float16):
+        half = small_gemm.PackedWeight(weight, bias)
+    rounded = small_gemm.PackedWeight(weight.half().float(), bias)
+    assert half.half and half.packed.dtype == torch.float16 and not rounded.half
+    assert half.packed.numel() == rounded.packed.numel()  # one layout, half the bytes
+    for rows in (1, 2, 3, 5, 8, 9):
+        x = torch.randn(rows, 48)
+        assert torch.equal(half(x), rounded(x)), rows
+
+
+@needs_kernel
+def test_panel_storage_is_scoped_and_checked():
+    with small_gemm.panel_storage(torch.float16):
+        assert small_gemm.PackedWeight(torch.randn(16, 8)).half
+    assert not small_gemm.PackedWeight(torch.randn(16, 8)).half  # restored on leaving
+    with pytest.raises(ValueError, match="panel storage must be one of"):
+        with small_gemm.panel_storage(torch.bfloat16):
+            pass

@@ -11,10 +11,14 @@
  * instructions in the same order whatever M is and whichever rows share the call, so a row's result does
  * not depend on the rows beside it in a call.
  *
+ * The same kernels read panels of fp16 (small_gemm_f16, a draft's weights): each load widens 16 weights exactly
+ * to fp32 (F16C), so the arithmetic is the fp32 kernel's on the rounded weights, and a step reads half the bytes.
+ *
  * Only the functions that use AVX2 are compiled for it (target attribute), so the library loads on any x86-64
  * CPU and kernels/native.py checks for AVX2/FMA (csrc/cpu.c) before anything here runs.
  */
 #include <immintrin.h>
+#include <stdint.h>
 #include <string.h>
 
 #define AVX2_FMA __attribute__((target("avx2,fma")))
@@ -50,9 +54,9 @@ static inline void store_row(float *y, long n_valid, const float *tmp, const flo
  * holds columns 8v .. 8v+7 of panel s for row r. A span gives few rows enough independent FMA chains to hide
  * the FMA latency (1 row x 4 panels = 8 chains) without changing any output's chain. Each step over k
  * prefetches the same line of the panels the next call reads, so memory streams while the FMAs run. */
-#define PANEL_ROWS(ROWS, SPAN)                                                                                \
-    AVX2_FMA static void rows_##ROWS##_span_##SPAN(const float *x, long ldx, const float *panels, long k,      \
-                                                   float *y, long ldy, long n_left, const float *bias) {       \
+#define PANEL_ROWS_OF(ROWS, SPAN, SUFFIX, WTYPE, LOAD, TARGET)                                                 \
+    TARGET static void rows_##ROWS##_span_##SPAN##SUFFIX(const float *x, long ldx, const WTYPE *panels, long k, \
+                                                         float *y, long ldy, long n_left, const float *bias) { \
         __m256 acc[ROWS][SPAN * VECS];                                                                        \
         UNROLL for (int r = 0; r < ROWS; r++)                                                                        \
             UNROLL for (int v = 0; v < SPAN * VECS; v++) acc[r][v] = _mm256_setzero_ps();                            \
@@ -62,9 +66,9 @@ static inline void store_row(float *y, long n_valid, const float *tmp, const flo
             UNROLL for (int r = 0; r < ROWS; r++) {                                                                  \
                 __m256 xv = _mm256_broadcast_ss(x + r * ldx + i);                                             \
                 UNROLL for (int s = 0; s < SPAN; s++) {                                                              \
-                    const float *w = panels + s * k * PANEL + i * PANEL;                                      \
+                    const WTYPE *w = panels + s * k * PANEL + i * PANEL;                                      \
                     UNROLL for (int v = 0; v < VECS; v++)                                                            \
-                        acc[r][s * VECS + v] = _mm256_fmadd_ps(xv, _mm256_loadu_ps(w + 8 * v), acc[r][s * VECS + v]); \
+                        acc[r][s * VECS + v] = _mm256_fmadd_ps(xv, LOAD(w + 8 * v), acc[r][s * VECS + v]); \
                 }                                                                                             \
             }                                                                                                 \
         }                                                                                                     \
@@ -78,6 +82,15 @@ static inline void store_row(float *y, long n_valid, const float *tmp, const flo
             }                                                                                                 \
     }
 
+/* fp32 panels; fp16 panels (a draft's weights: half the bytes a step reads, widened exactly to fp32 on load,
+ * so the arithmetic is the fp32 kernel's) */
+#define LOAD_F32(w) _mm256_loadu_ps(w)
+#define LOAD_F16(w) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w)))
+#define AVX2_FMA_F16C __attribute__((target("avx2,fma,f16c")))
+#define PANEL_ROWS(ROWS, SPAN)                                                                                \
+    PANEL_ROWS_OF(ROWS, SPAN, , float, LOAD_F32, AVX2_FMA)                                                    \
+    PANEL_ROWS_OF(ROWS, SPAN, _f16, uint16_t, LOAD_F16, AVX2_FMA_F16C)
+
 PANEL_ROWS(1, 1)
 PANEL_ROWS(1, 4)
 PANEL_ROWS(2, 1)
@@ -88,34 +101,47 @@ PANEL_ROWS(4, 1)
 PANEL_ROWS(5, 1)
 PANEL_ROWS(6, 1)
 
-typedef void (*panel_fn)(const float *, long, const float *, long, float *, long, long, const float *);
 /* by rows: the widest span (and its function) that keeps the accumulators in the 16 registers, and span 1 */
 static const int SPAN_OF[MAX_GROUP + 1] = {0, 4, 2, 2, 1, 1, 1};
-static const panel_fn WIDE[MAX_GROUP + 1] = {0, rows_1_span_4, rows_2_span_2, rows_3_span_2, rows_4_span_1,
-                                             rows_5_span_1, rows_6_span_1};
-static const panel_fn NARROW[MAX_GROUP + 1] = {0, rows_1_span_1, rows_2_span_1, rows_3_span_1, rows_4_span_1,
-                                               rows_5_span_1, rows_6_span_1};
+#define ROW_TABLES(SUFFIX, WTYPE)                                                                              \
+    typedef void (*panel_fn##SUFFIX)(const float *, long, const WTYPE *, long, float *, long, long, const float *); \
+    static const panel_fn##SUFFIX WIDE##SUFFIX[MAX_GROUP + 1] = {                                              \
+        0, rows_1_span_4##SUFFIX, rows_2_span_2##SUFFIX, rows_3_span_2##SUFFIX, rows_4_span_1##SUFFIX,        \
+        rows_5_span_1##SUFFIX, rows_6_span_1##SUFFIX};                                                        \
+    static const panel_fn##SUFFIX NARROW##SUFFIX[MAX_GROUP + 1] = {                                            \
+        0, rows_1_span_1##SUFFIX, rows_2_span_1##SUFFIX, rows_3_span_1##SUFFIX, rows_4_span_1##SUFFIX,        \
+        rows_5_span_1##SUFFIX, rows_6_span_1##SUFFIX};
+ROW_TABLES(, float)
+ROW_TABLES(_f16, uint16_t)
 
-AVX2_FMA void small_gemm(const float *x, long m, long k, long ldx, const float *packed, long n, const float *bias,
-                         float *y, long ldy) {
-    long panels = (n + PANEL - 1) / PANEL;
-    if (m <= 0 || n <= 0) return;
-    if (m <= MAX_GROUP) {  /* one group: spans of panels, then single panels for the remainder */
-        long p = 0, span = SPAN_OF[m];
-        for (; p + span <= panels; p += span)
-            WIDE[m](x, ldx, packed + p * k * PANEL, k, y + p * PANEL, ldy, n - p * PANEL, bias ? bias + p * PANEL : 0);
-        for (; p < panels; p++)
-            NARROW[m](x, ldx, packed + p * k * PANEL, k, y + p * PANEL, ldy, n - p * PANEL, bias ? bias + p * PANEL : 0);
-        return;
+/* y[M, N] = x @ W^T (+ bias) over packed panels of WTYPE: one group of rows runs spans of panels, then single
+ * panels for the remainder; several groups (as even as possible: 8 = 4 + 4) share each panel while it is in
+ * cache. */
+#define SMALL_GEMM(SUFFIX, WTYPE)                                                                              \
+    void small_gemm##SUFFIX(const float *x, long m, long k, long ldx, const WTYPE *packed, long n,             \
+                            const float *bias, float *y, long ldy) {                                           \
+        long panels = (n + PANEL - 1) / PANEL;                                                                \
+        if (m <= 0 || n <= 0) return;                                                                         \
+        if (m <= MAX_GROUP) {                                                                                 \
+            long p = 0, span = SPAN_OF[m];                                                                    \
+            for (; p + span <= panels; p += span)                                                             \
+                WIDE##SUFFIX[m](x, ldx, packed + p * k * PANEL, k, y + p * PANEL, ldy, n - p * PANEL,          \
+                                bias ? bias + p * PANEL : 0);                                                 \
+            for (; p < panels; p++)                                                                           \
+                NARROW##SUFFIX[m](x, ldx, packed + p * k * PANEL, k, y + p * PANEL, ldy, n - p * PANEL,        \
+                                  bias ? bias + p * PANEL : 0);                                               \
+            return;                                                                                           \
+        }                                                                                                     \
+        long groups = (m + MAX_GROUP - 1) / MAX_GROUP;                                                        \
+        for (long p = 0; p < panels; p++) {                                                                   \
+            const WTYPE *panel = packed + p * k * PANEL;                                                      \
+            const float *b = bias ? bias + p * PANEL : 0;                                                     \
+            for (long r = 0, g = 0; g < groups; g++) {                                                        \
+                long size = (m - r) / (groups - g);                                                           \
+                NARROW##SUFFIX[size](x + r * ldx, ldx, panel, k, y + r * ldy + p * PANEL, ldy, n - p * PANEL, b); \
+                r += size;                                                                                    \
+            }                                                                                                 \
+        }                                                                                                     \
     }
-    /* several groups (as even as possible: 8 = 4 + 4) share each panel while it is in cache */
-    long groups = (m + MAX_GROUP - 1) / MAX_GROUP;
-    for (long p = 0; p < panels; p++) {
-        const float *panel = packed + p * k * PANEL, *b = bias ? bias + p * PANEL : 0;
-        for (long r = 0, g = 0; g < groups; g++) {
-            long size = (m - r) / (groups - g);
-            NARROW[size](x + r * ldx, ldx, panel, k, y + r * ldy + p * PANEL, ldy, n - p * PANEL, b);
-            r += size;
-        }
-    }
-}
+SMALL_GEMM(, float)
+SMALL_GEMM(_f16, uint16_t)

@@ -18,6 +18,7 @@ from draftsmith.kernels.layers.decoder import AttnFn, DecoderLayer, decoder_bloc
 from draftsmith.kernels.layers.family import LayerVariant, layer_variants
 from draftsmith.kernels.layers.linear import Linear
 from draftsmith.kernels.layers.moe import fuse_expert_weights
+from draftsmith.kernels.layers.native_stack import NativeStack
 from draftsmith.kernels.layers.norm import RMSNorm
 from draftsmith.kernels.layers.rope import RotaryEmbedding
 
@@ -68,6 +69,7 @@ class CausalLM(nn.Module):
         self.rotary = RotaryEmbedding(shape.decoder)
         self.serving_head: Linear | None = None  # serving form of lm_head (to_serving_)
         self.serving_norm: Callable[[Tensor], Tensor] | None = None  # serving form of the final norm
+        self.native_stack: NativeStack | None = None  # every layer in one C call (to_serving_, native_stack)
 
     @property
     def num_layers(self) -> int:
@@ -83,12 +85,21 @@ class CausalLM(nn.Module):
         h = self.model.embed_tokens(input_ids)
         cos, sin = self.rotary(positions, h.dtype, max_position)
         aux: dict[int, Tensor] = {0: h} if 0 in aux_layers else {}
+        stack = self.native_stack
+        if stack is not None and not callable(attn_fn) and stack.accepts(h, attn_fn):
+            # the whole stack in one C call; HF's hidden_states[i + 1] is the stream after layer i
+            h, after = stack(h, cos, sin, attn_fn, [i - 1 for i in aux_layers if 0 < i < self.num_layers])
+            aux.update({index + 1: stream for index, stream in after.items()})
+            return self._final(h, aux, aux_layers)
         for index, layer in enumerate(self.model.layers):
             ops = layer.serving_ops  # serving form: straight to the block, no nn.Module dispatch per layer
             attn = layer_attn(attn_fn, index)
             h = layer(h, cos, sin, attn) if ops is None else decoder_block(ops, h, cos, sin, attn)
             if index + 1 in aux_layers and index + 1 < self.num_layers:
                 aux[index + 1] = h
+        return self._final(h, aux, aux_layers)
+
+    def _final(self, h: Tensor, aux: dict[int, Tensor], aux_layers: tuple[int, ...]) -> tuple[Tensor, dict[int, Tensor]]:
         hidden = self.model.norm(h) if self.serving_norm is None else self.serving_norm(h)
         if self.num_layers in aux_layers:
             aux[self.num_layers] = hidden  # HF's last hidden_states entry is the final-norm output
@@ -110,6 +121,8 @@ class CausalLM(nn.Module):
             layer.to_serving_(pack)
         self.serving_head = Linear.fuse([self.lm_head], pack, alias=not self.tied)
         self.serving_norm = self.model.norm.serving()
+        self.native_stack = NativeStack.build([None if layer.serving_ops is None else layer.serving_ops.native
+                                               for layer in self.model.layers])
         return self
 
     def repack(self, pack: bool) -> None:

@@ -27,25 +27,26 @@ from draftsmith.kernels.layers.linear import SMALL_GEMM_MAX_ROWS, Linear
 from draftsmith.kernels.small_gemm import PackedWeight
 
 _P, _L, _F = ctypes.c_void_p, ctypes.c_long, ctypes.c_float
-_STATUS = {-1: "no memory for attention scores", -2: "attention metadata that does not hold together",
+STATUS = {-1: "no memory for attention scores", -2: "attention metadata that does not hold together",
            -3: "no memory for the layer's workspace", -4: "a KV slot outside the cache"}
 
 
 @lru_cache(maxsize=1)
 def _library() -> ctypes.CDLL | None:
     return native.kernel_library("DRAFTSMITH_NATIVE_LAYER", "the native decoder layer", {
-        "decoder_layer_f32": ([_P, _L, _L, _P, _P, _F, _P, _P, _P, _P, _P, _P, _P, _P, _L, _P, _P, _L, _L, _L,
+        "decoder_layer_f32": ([_P, _L, _L, _P, _P, _F, ctypes.c_int, _P, _P, _P, _P, _P, _P, _P, _P, _L, _P, _P, _L, _L, _L,
                                _P, _P, _P, _L, _P, _L, _P, _P, _L, _P, _L, _L, _L, _F], ctypes.c_int),
     })
 
 
-def _ptr(t: Tensor | None) -> int | None:
+def address(t: Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
 @dataclass(frozen=True)
 class NativeDecoderLayer:
-    """What the C layer reads of one serving layer: norm weights and packed projections (fp32, CPU)."""
+    """What the C layer reads of one serving layer: norm weights and packed projections (fp32 CPU rows; the
+    projections' panels all fp32, or all fp16 for a draft's, kernels.small_gemm.panel_storage)."""
 
     input_norm: Tensor | None  # [d]; None: EAGLE-1's layer, whose input enters attention as it is
     post_norm: Tensor  # [d]
@@ -64,7 +65,8 @@ class NativeDecoderLayer:
         """The layer's native form, or None where it cannot have one (no packed fp32 kernels, odd head size)."""
         linears = (qkv, o_proj, gate_up, down)  # weight-only quantized projections (kernels.quant) keep torch
         packed = [lin.small if isinstance(lin, Linear) else None for lin in linears]
-        if (_library() is None or any(p is None for p in packed) or head_dim % 8 or post_norm.dtype != torch.float32
+        if (_library() is None or any(p is None for p in packed) or len({p.half for p in packed}) != 1 or head_dim % 8
+                or post_norm.dtype != torch.float32
                 or (input_norm is not None and input_norm.dtype != torch.float32)):
             return None
         return cls(None if input_norm is None else input_norm.detach().contiguous(), post_norm.detach().contiguous(),
@@ -86,15 +88,15 @@ class NativeDecoderLayer:
         cos, sin = cos.float().contiguous(), sin.float().contiguous()
         tables, seq_lens, cu, tree = metadata_arrays(meta, out.shape[0])
         status = _library().decoder_layer_f32(
-            out.data_ptr(), out.shape[0], out.shape[1], _ptr(self.input_norm), self.post_norm.data_ptr(),
-            self.eps, self.qkv.packed.data_ptr(), _ptr(self.qkv.bias), self.o_proj.packed.data_ptr(),
-            _ptr(self.o_proj.bias), self.gate_up.packed.data_ptr(), _ptr(self.gate_up.bias),
-            self.down.packed.data_ptr(), _ptr(self.down.bias), self.down.in_features, cos.data_ptr(),
+            out.data_ptr(), out.shape[0], out.shape[1], address(self.input_norm), self.post_norm.data_ptr(),
+            self.eps, int(self.qkv.half), self.qkv.packed.data_ptr(), address(self.qkv.bias), self.o_proj.packed.data_ptr(),
+            address(self.o_proj.bias), self.gate_up.packed.data_ptr(), address(self.gate_up.bias),
+            self.down.packed.data_ptr(), address(self.down.bias), self.down.in_features, cos.data_ptr(),
             sin.data_ptr(), self.num_heads, self.num_kv_heads, self.head_dim, k_cache.data_ptr(),
             attn_fn.v_cache.data_ptr(), meta.slot_mapping.data_ptr(), k_cache.shape[0] * k_cache.shape[1],
             tables.data_ptr(), tables.shape[1], seq_lens.data_ptr(), cu.data_ptr(), seq_lens.shape[0],
-            _ptr(tree), 0 if tree is None else tree.shape[1], k_cache.shape[1], out.shape[0], attn_fn.scale)
+            address(tree), 0 if tree is None else tree.shape[1], k_cache.shape[1], out.shape[0], attn_fn.scale)
         if status != 0:
-            raise ValueError(f"native decoder layer: {_STATUS.get(status, f'status {status}')} "
+            raise ValueError(f"native decoder layer: {STATUS.get(status, f'status {status}')} "
                              f"(seq_lens {meta.seq_lens.tolist()}, slots {meta.slot_mapping.tolist()})")
         return out

@@ -14,6 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
+import torch
+
 from draftsmith.drafts.kinds import KIND_NAMES
 from draftsmith.serve_eval.speculative.batch_gate import BatchGateConfig
 from draftsmith.serve_eval.speculative.metrics import DEFAULT_DOMAIN
@@ -29,6 +31,7 @@ if TYPE_CHECKING:
 DRAFT_METHODS = KIND_NAMES  # methods that load a draft dir: one per draft kind (drafts.kinds)
 TREE_MODES = ("none", "static", "dynamic")
 TREE_BUDGETS = ("fixed", "cost")
+WEIGHT_STORAGES = {"float16": torch.float16, "float32": torch.float32}
 
 
 @dataclass
@@ -48,6 +51,10 @@ class SpecConfig:
     tree_budget: str = "cost"
     tree_budget_config: TreeBudgetConfig | None = None
     draft_dtype: str | None = None  # None = the target's dtype
+    # Where the draft's few-row steps run the CPU kernels (fp32, kernels.small_gemm): its weights stored in
+    # float16 (half the bytes a draft step reads; arithmetic and activations stay fp32) or float32. Output
+    # stays exactly the target's either way; only the proposals move by the weights' rounding.
+    draft_weight_storage: str = "float16"
     draft_num_blocks: int | None = None  # draft KV pool size (None = sized from the engine)
     ngram_max_n: int = 3
     ngram_min_n: int = 1
@@ -96,6 +103,9 @@ class SpecConfig:
                                  f"{self.tree_top_k}, {self.dynamic_depth}")
         if self.draft_dtype not in (None, "float32", "fp32", "bfloat16", "bf16", "float16", "fp16"):
             raise ValueError(f"draft_dtype must be float32/bfloat16/float16 or None, got {self.draft_dtype!r}")
+        if self.draft_weight_storage not in WEIGHT_STORAGES:
+            raise ValueError(f"draft_weight_storage must be one of {list(WEIGHT_STORAGES)}, got "
+                             f"{self.draft_weight_storage!r}")
         if self.draft_num_blocks is not None and self.draft_num_blocks <= 0:
             raise ValueError(f"draft_num_blocks must be > 0, got {self.draft_num_blocks}")
         # Routed: each domain falls back below its recommended draft's measured break-even alpha (unseen
@@ -155,8 +165,11 @@ class SpecConfig:
 
     # -- building ------------------------------------------------------------------------
     def make_proposer(self, engine: "LLMEngine"):
+        from draftsmith.kernels.small_gemm import panel_storage
+
         cls = proposer_class(self.method)
-        proposer = cls.from_spec_config(self, engine)
+        with panel_storage(WEIGHT_STORAGES[self.draft_weight_storage]):  # the draft's serving form, not the target's
+            proposer = cls.from_spec_config(self, engine)
         if self.uses_tree and not proposer.supports_tree:
             raise ValueError(f"speculative method {self.method!r} does not support trees, but tree={self.tree!r}")
         return proposer

@@ -55,7 +55,8 @@ def test_served_block_logits_equal_the_training_forward(world, num_seqs):
     target, draft_dir = world
     engine = LLMEngine(EngineConfig(str(target), **ENGINE),
                        speculative=SpecConfig("block", draft_path=str(draft_dir), num_speculative_tokens=4,
-                                              policy=SpecPolicyConfig(fallback=False)))  # every round speculates
+                                              policy=SpecPolicyConfig(fallback=False),  # every round speculates
+                                              draft_weight_storage="float32"))  # the training forward's weights
     gen = torch.Generator().manual_seed(5)
     prompts = [torch.randint(1, VOCAB - 1, (n,), generator=gen).tolist() for n in (70, 53, 97)[:num_seqs]]
     outputs, seen = served_blocks(engine, prompts, max_tokens=40)

@@ -101,3 +101,9 @@ def test_feature_draft_hidden_mismatch(dirs, kind):
 def test_missing_draft_dir(dirs):
     with pytest.raises(ValueError, match="not a draft dir|missing"):
         engine(dirs, SpecConfig("standalone", draft_path=str(dirs["root"] / "nope")))
+
+
+def test_unknown_draft_weight_storage_is_refused_naming_it():
+    with pytest.raises(ValueError, match="draft_weight_storage must be one of .*got 'int3'"):
+        SpecConfig("ngram", draft_weight_storage="int3")
+

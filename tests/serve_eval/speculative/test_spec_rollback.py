@@ -60,7 +60,9 @@ def test_caches_hold_exactly_the_accepted_tokens(dirs, kind):
         engine = LLMEngine(cfg, strategy=SpeculativeStrategy(SpecConfig("ngram", num_speculative_tokens=3, **tree),
                                                              proposer))
     else:
-        engine = LLMEngine(cfg, speculative=SpecConfig("standalone", draft_path=str(draft_dir), num_speculative_tokens=3))
+        # the draft's own weights in fp32, as the fresh draft below prefills them
+        engine = LLMEngine(cfg, speculative=SpecConfig("standalone", draft_path=str(draft_dir), num_speculative_tokens=3,
+                                                       draft_weight_storage="float32"))
     fresh_target = ModelExecutor(target_dir)
     fresh_target.allocate_kv_cache(32, 4)
     fresh_draft = None

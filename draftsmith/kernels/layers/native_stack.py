@@ -1,0 +1,113 @@
+"""A model's whole stack of native decoder layers in one C call (csrc/decoder_layer.c, decoder_stack_f32).
+
+A step through N native layers one Python call at a time pays the dispatch, the checks and ctypes' marshalling of
+~35 arguments N times: ~30 us a layer on a small CPU, ~10% of the embedded 20-layer target's decode step and more
+of a draft's. The stack pays them once: CausalLM.to_serving_ builds one where every layer has a native form
+(native_layer.NativeDecoderLayer) of one shape and weight format, and CausalLM.run hands it the forwards it
+``accepts`` (the conditions of a single native layer, for every layer's cache). Layer by layer the arithmetic is
+the native layer's, so outputs are bit for bit those of the per-layer path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+from torch import Tensor
+
+from draftsmith.kernels import native
+from draftsmith.kernels.attention import PagedAttention
+from draftsmith.kernels.attention.native_paged import metadata_arrays
+from draftsmith.kernels.layers.native_layer import STATUS, NativeDecoderLayer, address
+
+_P, _L, _F = ctypes.c_void_p, ctypes.c_long, ctypes.c_float
+
+
+@lru_cache(maxsize=1)
+def _library() -> ctypes.CDLL | None:
+    return native.kernel_library("DRAFTSMITH_NATIVE_LAYER", "the native decoder layer", {
+        "decoder_stack_f32": ([_P, _L, _L, _L, _P, _P, _F, ctypes.c_int, _P, _P, _P, _P, _P, _P, _P, _P, _L, _P,
+                               _P, _L, _L, _L, _P, _P, _P, _L, _P, _L, _P, _P, _L, _P, _L, _L, _L, _F, _P],
+                              ctypes.c_int),
+    })
+
+
+def _pointers(tensors: Sequence[Tensor | None]) -> Tensor:
+    """int64 [n]: each tensor's address (0 for None), the C side's `const T *const *`."""
+    return torch.tensor([0 if t is None else t.data_ptr() for t in tensors], dtype=torch.int64)
+
+
+@dataclass(frozen=True)
+class NativeStack:
+    """Every layer's native form, and the per-layer address arrays the C loop reads (built once: the packed
+    weights never move)."""
+
+    layers: tuple[NativeDecoderLayer, ...]
+    addresses: dict[str, Tensor]
+
+    @classmethod
+    def build(cls, layers: Sequence[NativeDecoderLayer | None]) -> "NativeStack | None":
+        """The stack, or None unless every layer is native with one shape, eps and weight format."""
+        if not layers or any(layer is None for layer in layers) or _library() is None:
+            return None
+        first = layers[0]
+
+        def signature(layer: NativeDecoderLayer) -> tuple:
+            return (layer.eps, layer.qkv.half, layer.num_heads, layer.num_kv_heads, layer.head_dim,
+                    layer.down.in_features, layer.post_norm.shape[0])
+
+        if any(signature(layer) != signature(first) for layer in layers):
+            return None
+        addresses = {
+            "in_norm": _pointers([layer.input_norm for layer in layers]),
+            "post_norm": _pointers([layer.post_norm for layer in layers]),
+        }
+        for name in ("qkv", "o_proj", "gate_up", "down"):
+            packed = [getattr(layer, name) for layer in layers]
+            addresses[name] = _pointers([p.packed for p in packed])
+            addresses[name + "_bias"] = _pointers([p.bias for p in packed])
+        return cls(tuple(layers), addresses)
+
+    def accepts(self, hidden: Tensor, attn_fns: Sequence[object]) -> bool:
+        """What one native layer accepts, for every layer's attention (one metadata, caches of one shape)."""
+        if len(attn_fns) != len(self.layers) or not self.layers[0].accepts(hidden, attn_fns[0]):
+            return False
+        first: PagedAttention = attn_fns[0]  # type: ignore[assignment]
+        return all(isinstance(fn, PagedAttention) and fn.meta is first.meta and fn.backend is first.backend
+                   and fn.scale == first.scale and fn.k_cache.shape == first.k_cache.shape
+                   and fn.v_cache.shape == first.v_cache.shape and fn.k_cache.dtype == torch.float32
+                   and fn.v_cache.dtype == torch.float32 and fn.k_cache.is_contiguous()
+                   and fn.v_cache.is_contiguous() for fn in attn_fns[1:])
+
+    def __call__(self, hidden: Tensor, cos: Tensor, sin: Tensor, attn_fns: Sequence[PagedAttention],
+                 aux_after: Sequence[int] = ()) -> tuple[Tensor, dict[int, Tensor]]:
+        """hidden [T, d] (left as it is) -> (the residual stream after the last layer [T, d], {l: the stream after
+        layer l} for l in aux_after); cos, signed sin [T, 1, head_dim]."""
+        out = hidden.contiguous().clone()
+        rows, d = out.shape
+        first = attn_fns[0]
+        meta, k_cache = first.meta, first.k_cache
+        cos, sin = cos.float().contiguous(), sin.float().contiguous()
+        tables, seq_lens, cu, tree = metadata_arrays(meta, rows)
+        aux = {index: torch.empty(rows, d) for index in aux_after}
+        aux_out = _pointers([aux.get(index) for index in range(len(self.layers))])
+        k_caches = _pointers([fn.k_cache for fn in attn_fns])
+        v_caches = _pointers([fn.v_cache for fn in attn_fns])
+        a, layer = self.addresses, self.layers[0]
+        status = _library().decoder_stack_f32(
+            out.data_ptr(), rows, d, len(self.layers), a["in_norm"].data_ptr(), a["post_norm"].data_ptr(),
+            layer.eps, int(layer.qkv.half), a["qkv"].data_ptr(), a["qkv_bias"].data_ptr(), a["o_proj"].data_ptr(),
+            a["o_proj_bias"].data_ptr(), a["gate_up"].data_ptr(), a["gate_up_bias"].data_ptr(), a["down"].data_ptr(),
+            a["down_bias"].data_ptr(), layer.down.in_features, cos.data_ptr(), sin.data_ptr(), layer.num_heads,
+            layer.num_kv_heads, layer.head_dim, k_caches.data_ptr(), v_caches.data_ptr(), meta.slot_mapping.data_ptr(),
+            k_cache.shape[0] * k_cache.shape[1], tables.data_ptr(), tables.shape[1], seq_lens.data_ptr(),
+            cu.data_ptr(), seq_lens.shape[0], address(tree), 0 if tree is None else tree.shape[1], k_cache.shape[1],
+            rows, first.scale, aux_out.data_ptr())
+        if status != 0:
+            raise ValueError(f"native decoder stack: {STATUS.get(status, f'status {status}')} "
+                             f"(seq_lens {meta.seq_lens.tolist()}, slots {meta.slot_mapping.tolist()})")
+        return out, aux
+
