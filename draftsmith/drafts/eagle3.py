@@ -119,6 +119,8 @@ class Eagle3MidLayer(DecoderLayer):
         normed = (self.serving_hidden_norm or self.hidden_norm)(hidden)
         residual = normed if self.norm_before_residual else hidden
         x = torch.cat([ops.input_norm(embeds), normed], dim=-1)
+        if ops.native is not None and ops.native.accepts(residual, attn_fn):  # the rest of the block in one C call
+            return ops.native(residual, cos, sin, attn_fn, attn_input=x)
         return mlp_residual(ops, residual + ops.attention(x, cos, sin, attn_fn))
 
     def to_serving_(self, pack: bool | None = None) -> "Eagle3MidLayer":

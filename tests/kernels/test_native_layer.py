@@ -71,9 +71,46 @@ def test_native_block_leaves_its_input_alone():
 
 
 def test_no_native_form_for_layers_it_does_not_implement():
-    """q/k norms and EAGLE-3's double-width attention input keep the torch block."""
+    """q/k norms keep the torch block; a double-width attention input (EAGLE-3's) has a native form that
+    decoder_block never hands the residual stream to (the layer's own forward builds that input)."""
     assert serving_layer(qk_norm=True).serving_ops.native is None
-    assert DecoderLayer(CFG, attn_input_size=128).to_serving_().serving_ops.native is None
+    wide = DecoderLayer(CFG, attn_input_size=128).to_serving_().serving_ops.native
+    assert wide is None or not wide.reads_hidden
+
+
+@needs_native
+@pytest.mark.parametrize("norm_before_residual", [False, True])
+def test_eagle3_layer_matches_the_torch_ops(norm_before_residual, monkeypatch):
+    """EAGLE-3's layer: its forward builds [norm(embeds) ; norm(hidden)] and hands it to the C block, which must
+    give what the torch ops give."""
+    from draftsmith.drafts.eagle3 import Eagle3MidLayer
+
+    torch.manual_seed(7)
+    layer = Eagle3MidLayer(CFG, norm_before_residual)
+    for p in layer.parameters():
+        torch.nn.init.normal_(p, mean=1.0 if p.dim() == 1 else 0.0, std=0.3)
+    layer.to_serving_()
+    native = layer.serving_ops.native
+    assert native is not None and not native.reads_hidden and native.qkv.in_features == 128
+    hidden, cos, sin, kc, vc, meta = step([(3, 11), (1, 4)], seed=8)
+    embeds = torch.randn_like(hidden)
+    backend = get_attention_backend("torch")
+    kc2, vc2 = kc.clone(), vc.clone()
+    calls = []
+    real = native_layer.NativeDecoderLayer.__call__
+    monkeypatch.setattr(native_layer.NativeDecoderLayer, "__call__", lambda *a, **k: calls.append(1) or real(*a, **k))
+    with torch.no_grad():
+        got = layer(embeds, hidden, cos, sin, paged_attn_fn(backend, kc, vc, meta, 0.25))
+        assert calls, "the C block did not run"
+        monkeypatch.setattr(native_layer.NativeDecoderLayer, "accepts", lambda *a: False)
+        monkeypatch.setattr(native_paged, "usable", lambda *a: False)
+        monkeypatch.setattr(native_paged, "can_write", lambda *a: False)
+        meta.backend_plan = None
+        reference = layer(embeds, hidden, cos, sin, paged_attn_fn(backend, kc2, vc2, meta, 0.25))
+    torch.testing.assert_close(got, reference, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(kc, kc2, atol=1e-6, rtol=1e-6)
+    with pytest.raises(ValueError, match="reads 128 features, from attn_input"):
+        real(native, hidden, cos, sin, paged_attn_fn(backend, kc, vc, meta, 0.25))
 
 
 @needs_native

@@ -7,7 +7,9 @@
  * a small CPU: more than the layer's arithmetic at batch 1. The projections here are the same small_gemm calls
  * the serving Linear makes, so a row's result still does not depend on the rows beside it.
  *
- * in_norm NULL: a layer without an input norm (EAGLE-1's). Layouts: hidden [rows, d] (the residual stream, updated in place); cos / signed sin [rows, head_dim] (the
+ * in_norm NULL: a layer without an input norm (EAGLE-1's). attn_in non-NULL: the attention's input, [rows,
+ * attn_in_width], built by the caller (EAGLE-3's layer reads [norm(embeds) ; norm(hidden)]); hidden is then the
+ * residual stream only. Layouts: hidden [rows, d] (the residual stream, updated in place); cos / signed sin [rows, head_dim] (the
  * rope table's rows for this step's positions, sin = (-sin | sin)); packed weights as small_gemm_pack makes
  * them (weights_f16: the fp16 panels of a draft's weights); the KV cache, slots and attention metadata as paged_attention.c documents.
  */
@@ -65,7 +67,8 @@ static void rope(float *qkv, long rows, long ld, long heads, long head_dim, cons
 
 /* Returns 0; else paged_attention_f32's status (> 0: a sequence with more than max_q_len rows, -1: no memory,
  * -2: bad metadata), -3 when the workspace could not be allocated, -4 for a slot outside the cache. */
-int decoder_layer_f32(float *hidden, long rows, long d, const float *in_norm, const float *post_norm, float eps,
+int decoder_layer_f32(float *hidden, long rows, long d, const float *attn_in, long attn_in_width,
+                      const float *in_norm, const float *post_norm, float eps,
                       int weights_f16, const void *qkv_w, const float *qkv_b, const void *o_w, const float *o_b,
                       const void *gate_up_w, const float *gate_up_b, const void *down_w, const float *down_b,
                       long inter, const float *cos, const float *sin, long num_heads, long kv_heads, long head_dim,
@@ -78,11 +81,15 @@ int decoder_layer_f32(float *hidden, long rows, long d, const float *in_norm, co
     if (!x) return -3;
     float *qkv = x + rows * d, *attn = qkv + rows * qkv_width, *gate_up = attn + rows * q_width;
     float *proj = gate_up + rows * 2 * inter;
-    if (in_norm)
-        rms_norm(hidden, rows, d, in_norm, eps, x);
-    else  /* EAGLE-1's layer: its input (the fc output) enters attention as it is */
-        memcpy(x, hidden, sizeof(float) * rows * d);
-    project(weights_f16, x, rows, d, d, qkv_w, qkv_width, qkv_b, qkv, qkv_width);
+    if (attn_in)  /* EAGLE-3's layer: the caller built the attention input ([norm(embeds) ; norm(hidden)]) */
+        project(weights_f16, attn_in, rows, attn_in_width, attn_in_width, qkv_w, qkv_width, qkv_b, qkv, qkv_width);
+    else {
+        if (in_norm)
+            rms_norm(hidden, rows, d, in_norm, eps, x);
+        else  /* EAGLE-1's layer: its input (the fc output) enters attention as it is */
+            memcpy(x, hidden, sizeof(float) * rows * d);
+        project(weights_f16, x, rows, d, d, qkv_w, qkv_width, qkv_b, qkv, qkv_width);
+    }
     rope(qkv, rows, qkv_width, num_heads + kv_heads, head_dim, cos, sin);
     if (paged_kv_write_f32(qkv + q_width, qkv_width, head_dim, qkv + q_width + kv_width, qkv_width, head_dim, slots,
                            rows, num_slots, kv_heads, head_dim, k_cache, v_cache) != 0) {
@@ -124,7 +131,7 @@ int decoder_stack_f32(float *hidden, long rows, long d, long num_layers, const f
                       const int32_t *seq_lens, const int32_t *cu_seqlens_q, long num_seqs, const uint8_t *tree_mask,
                       long tree_width, long block_size, long max_q_len, float scale, float *const *aux_out) {
     for (long l = 0; l < num_layers; l++) {
-        int status = decoder_layer_f32(hidden, rows, d, in_norm[l], post_norm[l], eps, weights_f16, qkv_w[l], qkv_b[l],
+        int status = decoder_layer_f32(hidden, rows, d, NULL, 0, in_norm[l], post_norm[l], eps, weights_f16, qkv_w[l], qkv_b[l],
                                        o_w[l], o_b[l], gate_up_w[l], gate_up_b[l], down_w[l], down_b[l], inter, cos,
                                        sin, num_heads, kv_heads, head_dim, k_cache[l], v_cache[l], slots, num_slots,
                                        block_tables, table_width, seq_lens, cu_seqlens_q, num_seqs, tree_mask,

@@ -155,7 +155,7 @@ def decoder_block(ops: LayerOps, hidden: Tensor, cos: Tensor, sin: Tensor, attn_
 
     out_rows: a last layer whose other rows nobody reads (the block draft's root and unused masks) skips their
     o_proj and MLP, the bulk of its small-M matmul cost; the kept rows' values are unchanged."""
-    if ops.native is not None and out_rows is None and ops.native.accepts(hidden, attn_fn):
+    if ops.native is not None and out_rows is None and ops.native.reads_hidden and ops.native.accepts(hidden, attn_fn):
         return ops.native(hidden, cos, sin, attn_fn)
     x = hidden if ops.input_norm is None else ops.input_norm(hidden)
     attended = ops.attention(x, cos, sin, attn_fn, out_rows=out_rows)
@@ -193,8 +193,8 @@ class DecoderLayer(nn.Module):
         mlp_fused = self.mlp.fused(pack) if isinstance(self.mlp, MLP) else None
         mlp = self.mlp.serving(pack) if mlp_fused is None else self.mlp.serving(pack, mlp_fused)
         native = None
-        if (mlp_fused is not None and not attn.has_qk_norm and (norm is None or norm.eps == post.eps)
-                and attn.q_proj.in_features == post.weight.shape[0]):
+        # a wider attention input (EAGLE-3's 2d) is built by the layer's own forward and handed over
+        if mlp_fused is not None and not attn.has_qk_norm and (norm is None or norm.eps == post.eps):
             shape = attn.shape
             native = NativeDecoderLayer.build(None if norm is None else norm.weight, post.weight, post.eps,
                                               *attn_fused, *mlp_fused, shape.num_heads, shape.num_kv_heads,

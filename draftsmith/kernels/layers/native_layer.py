@@ -34,8 +34,8 @@ STATUS = {-1: "no memory for attention scores", -2: "attention metadata that doe
 @lru_cache(maxsize=1)
 def _library() -> ctypes.CDLL | None:
     return native.kernel_library("DRAFTSMITH_NATIVE_LAYER", "the native decoder layer", {
-        "decoder_layer_f32": ([_P, _L, _L, _P, _P, _F, ctypes.c_int, _P, _P, _P, _P, _P, _P, _P, _P, _L, _P, _P, _L, _L, _L,
-                               _P, _P, _P, _L, _P, _L, _P, _P, _L, _P, _L, _L, _L, _F], ctypes.c_int),
+        "decoder_layer_f32": ([_P, _L, _L, _P, _L, _P, _P, _F, ctypes.c_int, _P, _P, _P, _P, _P, _P, _P, _P, _L, _P,
+                               _P, _L, _L, _L, _P, _P, _P, _L, _P, _L, _P, _P, _L, _P, _L, _L, _L, _F], ctypes.c_int),
     })
 
 
@@ -72,6 +72,12 @@ class NativeDecoderLayer:
         return cls(None if input_norm is None else input_norm.detach().contiguous(), post_norm.detach().contiguous(),
                    float(eps), *packed, num_heads, num_kv_heads, head_dim)
 
+    @property
+    def reads_hidden(self) -> bool:
+        """Whether the attention's input is the (normed) residual stream; else the caller hands it over
+        (EAGLE-3's [norm(embeds) ; norm(hidden)], of the q/k/v projection's input width)."""
+        return self.qkv.in_features == self.post_norm.shape[0]
+
     def accepts(self, hidden: Tensor, attn_fn: object) -> bool:
         return (isinstance(attn_fn, PagedAttention) and attn_fn.backend is torch_paged_attention
                 and 0 < hidden.shape[0] <= SMALL_GEMM_MAX_ROWS and native.eligible(hidden)
@@ -80,15 +86,27 @@ class NativeDecoderLayer:
                 and attn_fn.k_cache.device.type == "cpu" and attn_fn.meta.slot_mapping.dtype == torch.int64
                 and attn_fn.meta.slot_mapping.shape == (hidden.shape[0],))
 
-    def __call__(self, hidden: Tensor, cos: Tensor, sin: Tensor, attn_fn: PagedAttention) -> Tensor:
+    def __call__(self, hidden: Tensor, cos: Tensor, sin: Tensor, attn_fn: PagedAttention,
+                 attn_input: Tensor | None = None) -> Tensor:
         """hidden [T, d] -> [T, d] (a new tensor: callers may keep the input, e.g. as an auxiliary hidden state);
-        cos, signed sin [T, 1, head_dim]."""
+        cos, signed sin [T, 1, head_dim]; attn_input [T, qkv in_features]: the attention's input where the layer
+        does not read it from hidden (reads_hidden False), hidden then being the residual stream only."""
+        if (attn_input is None) != self.reads_hidden:
+            raise ValueError(f"native decoder layer: its attention reads {self.qkv.in_features} features, "
+                             f"{'from hidden' if self.reads_hidden else 'from attn_input'}; got attn_input "
+                             f"{None if attn_input is None else tuple(attn_input.shape)}")
+        if attn_input is not None:
+            if attn_input.shape != (hidden.shape[0], self.qkv.in_features) or not native.eligible(attn_input):
+                raise ValueError(f"native decoder layer: attn_input must be fp32 CPU rows [{hidden.shape[0]}, "
+                                 f"{self.qkv.in_features}], got {attn_input.dtype} {tuple(attn_input.shape)}")
+            attn_input = attn_input.contiguous()
         out = hidden.contiguous().clone()
         meta, k_cache = attn_fn.meta, attn_fn.k_cache
         cos, sin = cos.float().contiguous(), sin.float().contiguous()
         tables, seq_lens, cu, tree = metadata_arrays(meta, out.shape[0])
         status = _library().decoder_layer_f32(
-            out.data_ptr(), out.shape[0], out.shape[1], address(self.input_norm), self.post_norm.data_ptr(),
+            out.data_ptr(), out.shape[0], out.shape[1], address(attn_input),
+            0 if attn_input is None else attn_input.shape[1], address(self.input_norm), self.post_norm.data_ptr(),
             self.eps, int(self.qkv.half), self.qkv.packed.data_ptr(), address(self.qkv.bias), self.o_proj.packed.data_ptr(),
             address(self.o_proj.bias), self.gate_up.packed.data_ptr(), address(self.gate_up.bias),
             self.down.packed.data_ptr(), address(self.down.bias), self.down.in_features, cos.data_ptr(),

@@ -51,7 +51,8 @@ class NativeStack:
     @classmethod
     def build(cls, layers: Sequence[NativeDecoderLayer | None]) -> "NativeStack | None":
         """The stack, or None unless every layer is native with one shape, eps and weight format."""
-        if not layers or any(layer is None for layer in layers) or _library() is None:
+        if (not layers or any(layer is None or not layer.reads_hidden for layer in layers)
+                or _library() is None):
             return None
         first = layers[0]
 
