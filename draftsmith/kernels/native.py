@@ -76,11 +76,12 @@ def library() -> ctypes.CDLL | None:
     return lib
 
 
-def eligible(x: Tensor) -> bool:
+def eligible(x: Tensor, any_threads: bool = False) -> bool:
     """Whether a kernel here may take this activation: fp32 on the CPU, a step on one intra-op thread (the kernels
-    run on one; a step the engine spreads over several keeps torch's threaded ops), no autograd (they have no
-    backward), not under autocast (torch would run it in a lower precision) and not while torch.compile traces."""
-    return (x.dtype == torch.float32 and x.device.type == "cpu" and torch.get_num_threads() == 1
+    run on one; a step the engine spreads over several keeps torch's threaded ops, unless any_threads: a kernel
+    that beats torch's threaded path on one thread), no autograd (they have no backward), not under autocast
+    (torch would run it in a lower precision) and not while torch.compile traces."""
+    return (x.dtype == torch.float32 and x.device.type == "cpu" and (any_threads or torch.get_num_threads() == 1)
             and not (x.requires_grad and torch.is_grad_enabled()) and not torch.is_autocast_enabled("cpu")
             and not torch.compiler.is_compiling())
 
