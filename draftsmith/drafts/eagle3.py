@@ -21,6 +21,7 @@ import torch
 from torch import Tensor, nn
 
 from draftsmith.drafts.common import causal_attn_fn, copy_from_target, count_parameters, pass_through_, target_layers, unroll_ttt
+from draftsmith.kernels import native
 from draftsmith.kernels.layers.config import DecoderConfig, hf_config_dict
 from draftsmith.kernels.layers.decoder import AttnFn, DecoderLayer, mlp_residual, run_layer
 from draftsmith.kernels.layers.linear import Linear
@@ -119,7 +120,7 @@ class Eagle3MidLayer(DecoderLayer):
         normed = (self.serving_hidden_norm or self.hidden_norm)(hidden)
         residual = normed if self.norm_before_residual else hidden
         x = torch.cat([ops.input_norm(embeds), normed], dim=-1)
-        if ops.native is not None and ops.native.accepts(residual, attn_fn):  # the rest of the block in one C call
+        if ops.native is not None and ops.native.accepts(residual, attn_fn) and native.eligible(x):  # one C call
             return ops.native(residual, cos, sin, attn_fn, attn_input=x)
         return mlp_residual(ops, residual + ops.attention(x, cos, sin, attn_fn))
 

@@ -13,6 +13,7 @@ what the engine emits stays the target's (verification decides), so exactness do
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import ctypes
 from collections.abc import Iterator
 from functools import lru_cache
@@ -41,7 +42,9 @@ def available() -> bool:
 
 
 PANEL_DTYPES = (torch.float32, torch.float16)
-_panel_dtype = torch.float32  # what PackedWeights built now store (panel_storage)
+# what PackedWeights built now store (panel_storage); a context variable, so a draft built in one thread
+# cannot leave another thread's target with fp16 panels
+_panel_dtype: contextvars.ContextVar[torch.dtype] = contextvars.ContextVar("panel_dtype", default=torch.float32)
 
 
 @contextlib.contextmanager
@@ -49,16 +52,15 @@ def panel_storage(dtype: torch.dtype) -> Iterator[None]:
     """PackedWeights built inside store their panels in ``dtype`` (float32 or float16; float16 falls back to
     float32 on a CPU without F16C). Scoped, as torch's default dtype is, so that a draft's serving form can be
     built in fp16 while the target's, built outside, stays fp32."""
-    global _panel_dtype
     if dtype not in PANEL_DTYPES:
         raise ValueError(f"panel storage must be one of {PANEL_DTYPES}, got {dtype}")
     lib = _library()
-    previous = _panel_dtype
-    _panel_dtype = dtype if dtype == torch.float32 or (lib is not None and lib.draftsmith_has_f16c()) else torch.float32
+    token = _panel_dtype.set(dtype if dtype == torch.float32 or (lib is not None and lib.draftsmith_has_f16c())
+                             else torch.float32)
     try:
         yield
     finally:
-        _panel_dtype = previous
+        _panel_dtype.reset(token)
 
 
 class PackedWeight:
@@ -81,10 +83,10 @@ class PackedWeight:
         packed = torch.empty(lib.small_gemm_packed_floats(self.out_features, self.in_features), dtype=torch.float32)
         lib.small_gemm_pack(dense.data_ptr(), self.out_features, self.in_features, packed.data_ptr())
         # fp16 panels: the fp32 layout element by element (round to nearest), read by small_gemm_f16
-        self.packed = packed if _panel_dtype == torch.float32 else packed.to(_panel_dtype)
+        storage = _panel_dtype.get()
+        self.packed = packed if storage == torch.float32 else packed.to(storage)
         self.half = self.packed.dtype == torch.float16
         self.bias = None if bias is None else bias.detach().float().contiguous()
-        self._bias_ptr = None if self.bias is None else self.bias.data_ptr()
 
     def __call__(self, x: Tensor) -> Tensor:
         """x: [M, K] fp32 CPU -> [M, N]."""
@@ -99,5 +101,5 @@ class PackedWeight:
             lib = _library()
             gemm = lib.small_gemm_f16 if self.half else lib.small_gemm
             gemm(x.data_ptr(), rows, self.in_features, x.stride(0), self.packed.data_ptr(), self.out_features,
-                 self._bias_ptr, out.data_ptr(), self.out_features)
+                 None if self.bias is None else self.bias.data_ptr(), out.data_ptr(), self.out_features)
         return out

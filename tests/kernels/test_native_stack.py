@@ -85,3 +85,35 @@ def test_the_stack_declines_what_a_layer_declines():
 def test_no_stack_unless_every_layer_is_native():
     assert native_stack.NativeStack.build([]) is None
     assert native_stack.NativeStack.build([None, None]) is None
+
+
+@needs_native
+def test_a_one_layer_model_keeps_its_layers_own_call():
+    """A stack of one layer would only add its address arrays to that layer's own call."""
+    layers = serving_model().native_stack.layers
+    assert native_stack.NativeStack.build(layers[:1]) is None
+    assert native_stack.NativeStack.build(layers[:2]) is not None
+
+
+@needs_native
+def test_cache_addresses_are_built_once_per_cache_placement():
+    """Two steps over the same caches reuse one address array; a stack deep-copied with its model gets its own
+    address arrays (the original's point at the original's weights)."""
+    import copy
+
+    model = serving_model()
+    _, kc, vc, meta, _ = make_case([(1, 9)], num_heads=4, num_kv_heads=2, head_dim=16, seed=0)
+    caches = [(kc.clone(), vc.clone()) for _ in range(NUM_LAYERS)]
+    fns = [paged_attn_fn(get_attention_backend("torch"), k, v, meta, 0.25) for k, v in caches]
+    with torch.no_grad():
+        first = model.run(torch.tensor([3]), torch.tensor([8]), fns)[0]
+        arrays = list(model.native_stack.cache_addresses.values())
+        model.run(torch.tensor([3]), torch.tensor([8]), fns)
+    assert len(arrays) == 1 and list(model.native_stack.cache_addresses.values())[0] is arrays[0]
+    twin = copy.deepcopy(model)
+    assert twin.native_stack is not None and twin.native_stack.layers[0] is not model.native_stack.layers[0]
+    assert not torch.equal(twin.native_stack.addresses["qkv"], model.native_stack.addresses["qkv"])
+    del model
+    with torch.no_grad():  # the copy runs on its own weights (same values: the same output)
+        again = twin.run(torch.tensor([3]), torch.tensor([8]), fns)[0]
+    assert torch.equal(again, first)

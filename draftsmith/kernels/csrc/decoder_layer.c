@@ -137,7 +137,7 @@ int decoder_stack_f32(float *hidden, long rows, long d, long num_layers, const f
                                        block_tables, table_width, seq_lens, cu_seqlens_q, num_seqs, tree_mask,
                                        tree_width, block_size, max_q_len, scale);
         if (status != 0) return status;
-        if (aux_out[l]) memcpy(aux_out[l], hidden, sizeof(float) * rows * d);
+        if (aux_out && aux_out[l]) memcpy(aux_out[l], hidden, sizeof(float) * rows * d);
     }
     return 0;
 }

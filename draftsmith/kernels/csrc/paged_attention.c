@@ -95,7 +95,7 @@ AVX2_FMA static void softmax_row(float *s, long n) {
     for (; p < n; p++) s[p] *= 1.0f / total;
 }
 
-/* out[0..8*NV) += sum_p w[p] * V[p][0..8*NV) over the context's positions, walking the block table; NV is a
+/* out[0..8*NV) = sum_p w[p] * V[p][0..8*NV) over the context's positions, walking the block table; NV is a
  * compile-time count so the accumulators stay in registers with no per-vector branch. */
 #define VALUE_CHUNK(NV)                                                                                         \
     AVX2_FMA static void value_chunk_##NV(const float *w, long ctx_len, const float *v_cache, const int32_t *table, \
@@ -188,6 +188,7 @@ AVX2_FMA int paged_attention_f32(const float *q, long ldq_t, long ldq_h, long nu
                                  const uint8_t *tree_mask, long tree_width, long num_heads, long kv_heads,
                                  long head_dim, long block_size, long max_q_len, float scale, float *out) {
     long group = num_heads / kv_heads, most = 0, skipped = 0;
+    if (head_dim <= 0 || head_dim % 8) return -2;  /* the value sums run whole vectors of 8 */
     for (long i = 0; i < num_seqs; i++) {
         long q_len = cu_seqlens_q[i + 1] - cu_seqlens_q[i], ctx_len = seq_lens[i];
         if (q_len < 0 || cu_seqlens_q[i] < 0 || cu_seqlens_q[i + 1] > num_tokens || q_len > ctx_len

@@ -11,7 +11,7 @@
  * instructions in the same order whatever M is and whichever rows share the call, so a row's result does
  * not depend on the rows beside it in a call.
  *
- * The same kernels read panels of fp16 (small_gemm_f16, a draft's weights): each load widens 16 weights exactly
+ * The same kernels read panels of fp16 (small_gemm_f16, a draft's weights): each load widens 8 weights exactly
  * to fp32 (F16C), so the arithmetic is the fp32 kernel's on the rounded weights, and a step reads half the bytes.
  *
  * Only the functions that use AVX2 are compiled for it (target attribute), so the library loads on any x86-64

@@ -10,9 +10,10 @@ the native layer's, so outputs are bit for bit those of the per-layer path.
 
 from __future__ import annotations
 
+import copy
 import ctypes
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 
 import torch
@@ -47,11 +48,15 @@ class NativeStack:
 
     layers: tuple[NativeDecoderLayer, ...]
     addresses: dict[str, Tensor]
+    # the caches' address arrays by the caches' addresses: an executor's caches stay where they are, so a step
+    # builds none (a new allocation at new addresses gets its own entry; a few at most per stack)
+    cache_addresses: dict[tuple[int, ...], tuple[Tensor, Tensor]] = field(default_factory=dict, compare=False)
 
     @classmethod
     def build(cls, layers: Sequence[NativeDecoderLayer | None]) -> "NativeStack | None":
-        """The stack, or None unless every layer is native with one shape, eps and weight format."""
-        if (not layers or any(layer is None or not layer.reads_hidden for layer in layers)
+        """The stack, or None unless every layer is native with one shape, eps and weight format (and there are
+        two or more: one layer's own call costs no more)."""
+        if (len(layers) < 2 or any(layer is None or not layer.reads_hidden for layer in layers)
                 or _library() is None):
             return None
         first = layers[0]
@@ -70,7 +75,23 @@ class NativeStack:
             packed = [getattr(layer, name) for layer in layers]
             addresses[name] = _pointers([p.packed for p in packed])
             addresses[name + "_bias"] = _pointers([p.bias for p in packed])
+        addresses["none"] = _pointers([None] * len(layers))
         return cls(tuple(layers), addresses)
+
+    def __deepcopy__(self, memo: dict) -> "NativeStack | None":
+        """A copy over copied layers, with its own address arrays (the originals point at the original's
+        weights, which may be freed before the copy is)."""
+        return NativeStack.build(copy.deepcopy(self.layers, memo))
+
+    def _cache_addresses(self, attn_fns: Sequence[PagedAttention]) -> tuple[Tensor, Tensor]:
+        key = tuple(fn.k_cache.data_ptr() for fn in attn_fns) + tuple(fn.v_cache.data_ptr() for fn in attn_fns)
+        found = self.cache_addresses.get(key)
+        if found is None:
+            if len(self.cache_addresses) >= 4:
+                self.cache_addresses.clear()
+            found = (_pointers([fn.k_cache for fn in attn_fns]), _pointers([fn.v_cache for fn in attn_fns]))
+            self.cache_addresses[key] = found
+        return found
 
     def accepts(self, hidden: Tensor, attn_fns: Sequence[object]) -> bool:
         """What one native layer accepts, for every layer's attention (one metadata, caches of one shape)."""
@@ -93,10 +114,9 @@ class NativeStack:
         meta, k_cache = first.meta, first.k_cache
         cos, sin = cos.float().contiguous(), sin.float().contiguous()
         tables, seq_lens, cu, tree = metadata_arrays(meta, rows)
-        aux = {index: torch.empty(rows, d) for index in aux_after}
-        aux_out = _pointers([aux.get(index) for index in range(len(self.layers))])
-        k_caches = _pointers([fn.k_cache for fn in attn_fns])
-        v_caches = _pointers([fn.v_cache for fn in attn_fns])
+        aux = {index: torch.empty(rows, d, dtype=torch.float32) for index in aux_after}
+        aux_out = _pointers([aux.get(index) for index in range(len(self.layers))]) if aux else self.addresses["none"]
+        k_caches, v_caches = self._cache_addresses(attn_fns)
         a, layer = self.addresses, self.layers[0]
         status = _library().decoder_stack_f32(
             out.data_ptr(), rows, d, len(self.layers), a["in_norm"].data_ptr(), a["post_norm"].data_ptr(),
