@@ -139,7 +139,7 @@ def test_native_block_declines_what_it_does_not_serve():
     assert not native.accepts(hidden, lambda q, k, v: q)  # not a paged attention (a sliding window, a draft's own)
     assert not native.accepts(hidden.bfloat16(), attn)
     assert not native.accepts(hidden.requires_grad_(), attn)
-    wide, _, _, kc9, vc9, meta9 = step([(9, 12)], seed=2)  # more rows than the packed GEMM takes
+    wide, _, _, kc9, vc9, meta9 = step([(25, 30)], seed=2)  # more rows than the packed GEMM takes
     assert not native.accepts(wide, paged_attn_fn(backend, kc9, vc9, meta9, 0.25))
     threads = torch.get_num_threads()
     torch.set_num_threads(2)

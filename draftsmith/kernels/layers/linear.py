@@ -28,7 +28,9 @@ from draftsmith.kernels import native, small_gemm
 
 # Rows up to which the packed small-row kernel beats MKL here (one target's matmuls in sequence, weights from
 # memory, 1 thread, ms, MKL vs it: 1 row 8.9 vs 6.6, 5 rows 22.4 vs 10.4, 8 rows 25.3 vs 17.0; 64 rows 1.6x slower).
-SMALL_GEMM_MAX_ROWS = 8
+# With the accumulators kept in registers (scripts/bench_small_gemm.py, the embedded target's 20 layers): 8 rows
+# 16.2 vs 9.8, 9 rows 17.8 vs 10.7 (a K=8 block round's verify), 16 rows 22.6 vs 16.5, 24 rows 29.9 vs 23.3.
+SMALL_GEMM_MAX_ROWS = 24
 
 
 def should_pack(dtype: torch.dtype, device: torch.device) -> bool:

@@ -54,7 +54,7 @@ class SpecConfig:
     # Where the draft's few-row steps run the CPU kernels (fp32, kernels.small_gemm): its weights stored in
     # float16 (half the bytes a draft step reads; arithmetic and activations stay fp32) or float32. Output
     # stays exactly the target's either way; only the proposals move by the weights' rounding. A draft step
-    # of more than 8 rows or on several threads runs the fp32 weights (torch's GEMM), so such steps propose
+    # of more than 24 rows or on several threads runs the fp32 weights (torch's GEMM), so such steps propose
     # from the unrounded draft.
     draft_weight_storage: str = "float16"
     draft_num_blocks: int | None = None  # draft KV pool size (None = sized from the engine)
