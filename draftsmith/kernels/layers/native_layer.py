@@ -44,6 +44,36 @@ def address(t: Tensor | None) -> int | None:
 
 
 @dataclass(frozen=True)
+class StepInputs:
+    """What the C layer and the C stack both take of one step: a copy of the residual stream (updated in place),
+    contiguous fp32 rope rows, and the attention's trailing arguments in the C order (slots, cache size,
+    metadata arrays, tree, block size, rows, scale); ``arrays`` keeps the converted metadata alive for the call."""
+
+    out: Tensor
+    cos: Tensor
+    sin: Tensor
+    arrays: tuple[Tensor | None, ...]
+    attention: tuple
+
+    @classmethod
+    def of(cls, hidden: Tensor, cos: Tensor, sin: Tensor, attn_fn: PagedAttention) -> "StepInputs":
+        out = hidden.contiguous().clone()
+        meta, k_cache = attn_fn.meta, attn_fn.k_cache
+        tables, seq_lens, cu, tree = metadata_arrays(meta, out.shape[0])
+        attention = (meta.slot_mapping.data_ptr(), k_cache.shape[0] * k_cache.shape[1], tables.data_ptr(),
+                     tables.shape[1], seq_lens.data_ptr(), cu.data_ptr(), seq_lens.shape[0], address(tree),
+                     0 if tree is None else tree.shape[1], k_cache.shape[1], out.shape[0], attn_fn.scale)
+        return cls(out, cos.float().contiguous(), sin.float().contiguous(), (tables, seq_lens, cu, tree), attention)
+
+
+def check_status(status: int, meta: object, what: str) -> None:
+    """Raise naming the C side's status (STATUS) and the step's sequences, unless it is 0."""
+    if status != 0:
+        raise ValueError(f"{what}: {STATUS.get(status, f'status {status}')} "
+                         f"(seq_lens {meta.seq_lens.tolist()}, slots {meta.slot_mapping.tolist()})")
+
+
+@dataclass(frozen=True)
 class NativeDecoderLayer:
     """What the C layer reads of one serving layer: norm weights and packed projections (fp32 CPU rows; the
     projections' panels all fp32, or all fp16 for a draft's, kernels.small_gemm.panel_storage)."""
@@ -100,21 +130,15 @@ class NativeDecoderLayer:
                 raise ValueError(f"native decoder layer: attn_input must be fp32 CPU rows [{hidden.shape[0]}, "
                                  f"{self.qkv.in_features}], got {attn_input.dtype} {tuple(attn_input.shape)}")
             attn_input = attn_input.contiguous()
-        out = hidden.contiguous().clone()
-        meta, k_cache = attn_fn.meta, attn_fn.k_cache
-        cos, sin = cos.float().contiguous(), sin.float().contiguous()
-        tables, seq_lens, cu, tree = metadata_arrays(meta, out.shape[0])
+        step = StepInputs.of(hidden, cos, sin, attn_fn)
+        out = step.out
         status = _library().decoder_layer_f32(
             out.data_ptr(), out.shape[0], out.shape[1], address(attn_input),
             0 if attn_input is None else attn_input.shape[1], address(self.input_norm), self.post_norm.data_ptr(),
-            self.eps, int(self.qkv.half), self.qkv.packed.data_ptr(), address(self.qkv.bias), self.o_proj.packed.data_ptr(),
-            address(self.o_proj.bias), self.gate_up.packed.data_ptr(), address(self.gate_up.bias),
-            self.down.packed.data_ptr(), address(self.down.bias), self.down.in_features, cos.data_ptr(),
-            sin.data_ptr(), self.num_heads, self.num_kv_heads, self.head_dim, k_cache.data_ptr(),
-            attn_fn.v_cache.data_ptr(), meta.slot_mapping.data_ptr(), k_cache.shape[0] * k_cache.shape[1],
-            tables.data_ptr(), tables.shape[1], seq_lens.data_ptr(), cu.data_ptr(), seq_lens.shape[0],
-            address(tree), 0 if tree is None else tree.shape[1], k_cache.shape[1], out.shape[0], attn_fn.scale)
-        if status != 0:
-            raise ValueError(f"native decoder layer: {STATUS.get(status, f'status {status}')} "
-                             f"(seq_lens {meta.seq_lens.tolist()}, slots {meta.slot_mapping.tolist()})")
+            self.eps, int(self.qkv.half), self.qkv.packed.data_ptr(), address(self.qkv.bias),
+            self.o_proj.packed.data_ptr(), address(self.o_proj.bias), self.gate_up.packed.data_ptr(),
+            address(self.gate_up.bias), self.down.packed.data_ptr(), address(self.down.bias), self.down.in_features,
+            step.cos.data_ptr(), step.sin.data_ptr(), self.num_heads, self.num_kv_heads, self.head_dim,
+            attn_fn.k_cache.data_ptr(), attn_fn.v_cache.data_ptr(), *step.attention)
+        check_status(status, attn_fn.meta, "native decoder layer")
         return out

@@ -21,8 +21,7 @@ from torch import Tensor
 
 from draftsmith.kernels import native
 from draftsmith.kernels.attention import PagedAttention
-from draftsmith.kernels.attention.native_paged import metadata_arrays
-from draftsmith.kernels.layers.native_layer import STATUS, NativeDecoderLayer, address
+from draftsmith.kernels.layers.native_layer import NativeDecoderLayer, StepInputs, check_status
 
 _P, _L, _F = ctypes.c_void_p, ctypes.c_long, ctypes.c_float
 
@@ -108,12 +107,9 @@ class NativeStack:
                  aux_after: Sequence[int] = ()) -> tuple[Tensor, dict[int, Tensor]]:
         """hidden [T, d] (left as it is) -> (the residual stream after the last layer [T, d], {l: the stream after
         layer l} for l in aux_after); cos, signed sin [T, 1, head_dim]."""
-        out = hidden.contiguous().clone()
+        step = StepInputs.of(hidden, cos, sin, attn_fns[0])
+        out = step.out
         rows, d = out.shape
-        first = attn_fns[0]
-        meta, k_cache = first.meta, first.k_cache
-        cos, sin = cos.float().contiguous(), sin.float().contiguous()
-        tables, seq_lens, cu, tree = metadata_arrays(meta, rows)
         aux = {index: torch.empty(rows, d, dtype=torch.float32) for index in aux_after}
         aux_out = _pointers([aux.get(index) for index in range(len(self.layers))]) if aux else self.addresses["none"]
         k_caches, v_caches = self._cache_addresses(attn_fns)
@@ -122,13 +118,9 @@ class NativeStack:
             out.data_ptr(), rows, d, len(self.layers), a["in_norm"].data_ptr(), a["post_norm"].data_ptr(),
             layer.eps, int(layer.qkv.half), a["qkv"].data_ptr(), a["qkv_bias"].data_ptr(), a["o_proj"].data_ptr(),
             a["o_proj_bias"].data_ptr(), a["gate_up"].data_ptr(), a["gate_up_bias"].data_ptr(), a["down"].data_ptr(),
-            a["down_bias"].data_ptr(), layer.down.in_features, cos.data_ptr(), sin.data_ptr(), layer.num_heads,
-            layer.num_kv_heads, layer.head_dim, k_caches.data_ptr(), v_caches.data_ptr(), meta.slot_mapping.data_ptr(),
-            k_cache.shape[0] * k_cache.shape[1], tables.data_ptr(), tables.shape[1], seq_lens.data_ptr(),
-            cu.data_ptr(), seq_lens.shape[0], address(tree), 0 if tree is None else tree.shape[1], k_cache.shape[1],
-            rows, first.scale, aux_out.data_ptr())
-        if status != 0:
-            raise ValueError(f"native decoder stack: {STATUS.get(status, f'status {status}')} "
-                             f"(seq_lens {meta.seq_lens.tolist()}, slots {meta.slot_mapping.tolist()})")
+            a["down_bias"].data_ptr(), layer.down.in_features, step.cos.data_ptr(), step.sin.data_ptr(),
+            layer.num_heads, layer.num_kv_heads, layer.head_dim, k_caches.data_ptr(), v_caches.data_ptr(),
+            *step.attention, aux_out.data_ptr())
+        check_status(status, attn_fns[0].meta, "native decoder stack")
         return out, aux
 
