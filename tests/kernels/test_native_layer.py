@@ -7,6 +7,7 @@ import torch
 
 from draftsmith.kernels.attention import get_attention_backend, native_paged, paged_attn_fn
 from draftsmith.kernels.layers import native_layer
+from draftsmith.kernels.layers.linear import SMALL_GEMM_MAX_ROWS
 from draftsmith.kernels.layers.config import DecoderConfig
 from draftsmith.kernels.layers.decoder import DecoderLayer, decoder_block
 from draftsmith.kernels.layers.family import LayerVariant
@@ -139,7 +140,7 @@ def test_native_block_declines_what_it_does_not_serve():
     assert not native.accepts(hidden, lambda q, k, v: q)  # not a paged attention (a sliding window, a draft's own)
     assert not native.accepts(hidden.bfloat16(), attn)
     assert not native.accepts(hidden.requires_grad_(), attn)
-    wide, _, _, kc9, vc9, meta9 = step([(25, 30)], seed=2)  # more rows than the packed GEMM takes
+    wide, _, _, kc9, vc9, meta9 = step([(SMALL_GEMM_MAX_ROWS + 1, SMALL_GEMM_MAX_ROWS + 6)], seed=2)  # more rows than it takes
     assert not native.accepts(wide, paged_attn_fn(backend, kc9, vc9, meta9, 0.25))
     threads = torch.get_num_threads()
     torch.set_num_threads(2)

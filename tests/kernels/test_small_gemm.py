@@ -52,7 +52,7 @@ def test_serving_linear_routes_few_rows_to_the_kernel(monkeypatch):
     calls = []
     inner = fused.small.__call__
     monkeypatch.setattr(type(fused.small), "__call__", lambda self, x: calls.append(x.shape[0]) or inner(x))
-    for rows in (1, 2, SMALL_GEMM_MAX_ROWS, SMALL_GEMM_MAX_ROWS + 1, 64):
+    for rows in (1, 2, SMALL_GEMM_MAX_ROWS, SMALL_GEMM_MAX_ROWS + 1, 2 * SMALL_GEMM_MAX_ROWS):
         x = torch.randn(rows, 32)
         torch.testing.assert_close(fused(x), F.linear(x, fused.weight, fused.bias), atol=1e-5, rtol=1e-5)
     assert calls == [1, 2, SMALL_GEMM_MAX_ROWS]  # many rows stay with MKL's GEMM

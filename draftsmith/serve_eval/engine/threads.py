@@ -3,10 +3,10 @@
 Why a rule: torch defaults to one thread per core, but a decode step of a small model at a small batch is
 hundreds of small matmuls; handing each to a second thread costs more than the work it saves. Measured on
 the embedded target (8 layers, hidden 256, bf16, 2 cores), 2 threads ran about 2x slower than 1 at batch 1
-and at batch 16. A step of many tokens (a prefill chunk, a batch of 32 or more) has enough rows per matmul
-for every core to pay: on the 20-layer embedded target (fp32, 2 cores) greedy decoding of 4/8/16/32 prompts
-ran 156/238/362/443 tok/s at 1 thread and 133/243/351/503 at 2, and a 64-prompt generation 327 against 442
-(prefill included). So a small model runs steps below ``WIDE_STEP_TOKENS`` tokens on one thread and larger
+and at batch 16. A step of many tokens (a prefill chunk, a batch of 128) has enough rows per matmul
+for every core to pay; below about 64 rows the one-thread native C layers win instead: on the 20-layer
+embedded target (fp32, 2 cores) greedy decoding of 32 prompts ran 1.56 ms/token at 1 thread against
+2.05-2.30 at 2, 64 prompts about even, 128 prompts 1.41-1.46 against 1.18-1.26. So a small model runs steps below ``WIDE_STEP_TOKENS`` tokens on one thread and larger
 ones on every core (switching costs nothing measurable: torch keeps its thread pool). Larger models use
 every core for every step.
 """
@@ -20,14 +20,17 @@ from typing import Any
 
 import torch
 
+from draftsmith.kernels.layers.linear import SMALL_GEMM_MAX_ROWS
+
 log = logging.getLogger(__name__)
 
 AUTO = "auto"
 # Below this many parameters a CPU decode step is dominated by per-op overhead, not arithmetic.
 SMALL_MODEL_PARAMS = 100_000_000
 # From this many tokens in one step (every sequence's new tokens and draft slots), a small model's matmuls
-# have enough rows for every core (the measurement above: 2 threads lose at 16 rows, win from 32).
-WIDE_STEP_TOKENS = 32
+# have enough rows for every core. Below it, a one-thread step takes the native C layers (fp32), which beat
+# MKL on 2 threads up to about 64 rows (kernels/layers/linear.py has the figures).
+WIDE_STEP_TOKENS = SMALL_GEMM_MAX_ROWS + 1
 
 
 @dataclass(frozen=True)
