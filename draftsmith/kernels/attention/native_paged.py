@@ -41,10 +41,17 @@ def available() -> bool:
     return _library() is not None
 
 
+def caches_served(k_cache: Tensor, v_cache: Tensor) -> bool:
+    """Whether the C kernels read and write this layer's paged caches: fp32, CPU, contiguous, of one shape (the
+    one check behind usable, can_write and the native layers' accepts)."""
+    return (k_cache.shape == v_cache.shape and k_cache.dtype == v_cache.dtype == torch.float32
+            and k_cache.device.type == v_cache.device.type == "cpu" and k_cache.is_contiguous()
+            and v_cache.is_contiguous())
+
+
 def usable(q: Tensor, k_cache: Tensor, v_cache: Tensor) -> bool:
     """Whether attend() serves this layer's call (see the module docstring)."""
-    return (native.eligible(q, any_threads=True) and k_cache.dtype == v_cache.dtype == torch.float32 and k_cache.device.type == "cpu"
-            and v_cache.device.type == "cpu" and k_cache.is_contiguous() and v_cache.is_contiguous()
+    return (native.eligible(q, any_threads=True) and caches_served(k_cache, v_cache)
             and q.shape[-1] % 8 == 0 and _library() is not None)
 
 
@@ -52,9 +59,8 @@ def can_write(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mappi
     """Whether write() stores these rows: fp32 CPU rows of the caches' [KVH, D] with unit inner strides,
     contiguous CPU caches, one int64 CPU slot per row (what index_copy_ would check, checked before C copies)."""
     return (native.eligible(k, any_threads=True) and native.eligible(v, any_threads=True) and k.shape == v.shape and k.dim() == 3
-            and k.shape[1:] == k_cache.shape[2:] and k_cache.shape == v_cache.shape
-            and k_cache.dtype == v_cache.dtype == torch.float32 and k_cache.device.type == v_cache.device.type == "cpu"
-            and k.stride(-1) == 1 and v.stride(-1) == 1 and k_cache.is_contiguous() and v_cache.is_contiguous()
+            and k.shape[1:] == k_cache.shape[2:] and caches_served(k_cache, v_cache)
+            and k.stride(-1) == 1 and v.stride(-1) == 1
             and slot_mapping.dtype == torch.int64 and slot_mapping.device.type == "cpu"
             and slot_mapping.is_contiguous() and slot_mapping.shape == (k.shape[0],) and _library() is not None)
 

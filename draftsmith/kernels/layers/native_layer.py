@@ -21,7 +21,7 @@ from torch import Tensor
 
 from draftsmith.kernels import native
 from draftsmith.kernels.attention import PagedAttention
-from draftsmith.kernels.attention.native_paged import metadata_arrays
+from draftsmith.kernels.attention.native_paged import caches_served, metadata_arrays
 from draftsmith.kernels.attention.torch_paged import paged_attention as torch_paged_attention
 from draftsmith.kernels.layers.linear import SMALL_GEMM_MAX_ROWS, Linear
 from draftsmith.kernels.small_gemm import PackedWeight
@@ -111,9 +111,8 @@ class NativeDecoderLayer:
     def accepts(self, hidden: Tensor, attn_fn: object) -> bool:
         return (isinstance(attn_fn, PagedAttention) and attn_fn.backend is torch_paged_attention
                 and 0 < hidden.shape[0] <= SMALL_GEMM_MAX_ROWS and native.eligible(hidden)
-                and attn_fn.k_cache.dtype == torch.float32 and attn_fn.k_cache.is_contiguous()
-                and attn_fn.v_cache.is_contiguous() and attn_fn.v_cache.dtype == torch.float32
-                and attn_fn.k_cache.device.type == "cpu" and attn_fn.meta.slot_mapping.dtype == torch.int64
+                and caches_served(attn_fn.k_cache, attn_fn.v_cache)
+                and attn_fn.meta.slot_mapping.dtype == torch.int64
                 and attn_fn.meta.slot_mapping.shape == (hidden.shape[0],))
 
     def __call__(self, hidden: Tensor, cos: Tensor, sin: Tensor, attn_fn: PagedAttention,

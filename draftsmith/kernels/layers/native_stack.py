@@ -21,6 +21,7 @@ from torch import Tensor
 
 from draftsmith.kernels import native
 from draftsmith.kernels.attention import PagedAttention
+from draftsmith.kernels.attention.native_paged import caches_served
 from draftsmith.kernels.layers.native_layer import NativeDecoderLayer, StepInputs, check_status
 
 _P, _L, _F = ctypes.c_void_p, ctypes.c_long, ctypes.c_float
@@ -99,9 +100,7 @@ class NativeStack:
         first: PagedAttention = attn_fns[0]  # type: ignore[assignment]
         return all(isinstance(fn, PagedAttention) and fn.meta is first.meta and fn.backend is first.backend
                    and fn.scale == first.scale and fn.k_cache.shape == first.k_cache.shape
-                   and fn.v_cache.shape == first.v_cache.shape and fn.k_cache.dtype == torch.float32
-                   and fn.v_cache.dtype == torch.float32 and fn.k_cache.is_contiguous()
-                   and fn.v_cache.is_contiguous() for fn in attn_fns[1:])
+                   and caches_served(fn.k_cache, fn.v_cache) for fn in attn_fns[1:])
 
     def __call__(self, hidden: Tensor, cos: Tensor, sin: Tensor, attn_fns: Sequence[PagedAttention],
                  aux_after: Sequence[int] = ()) -> tuple[Tensor, dict[int, Tensor]]:
