@@ -53,10 +53,10 @@ class NativeStack:
     cache_addresses: dict[tuple[int, ...], tuple[Tensor, Tensor]] = field(default_factory=dict, compare=False)
 
     @classmethod
-    def build(cls, layers: Sequence[NativeDecoderLayer | None]) -> "NativeStack | None":
+    def build(cls, layers: Sequence[NativeDecoderLayer | None], min_layers: int = 2) -> "NativeStack | None":
         """The stack, or None unless every layer is native with one shape, eps and weight format (and there are
-        two or more: one layer's own call costs no more)."""
-        if (len(layers) < 2 or any(layer is None or not layer.reads_hidden for layer in layers)
+        min_layers or more: for a forward, one layer's own call costs no more; the greedy loop takes one)."""
+        if (len(layers) < min_layers or not layers or any(layer is None or not layer.reads_hidden for layer in layers)
                 or _library() is None):
             return None
         first = layers[0]
@@ -81,15 +81,16 @@ class NativeStack:
     def __deepcopy__(self, memo: dict) -> "NativeStack | None":
         """A copy over copied layers, with its own address arrays (the originals point at the original's
         weights, which may be freed before the copy is)."""
-        return NativeStack.build(copy.deepcopy(self.layers, memo))
+        return NativeStack.build(copy.deepcopy(self.layers, memo), min_layers=1)
 
-    def _cache_addresses(self, attn_fns: Sequence[PagedAttention]) -> tuple[Tensor, Tensor]:
-        key = tuple(fn.k_cache.data_ptr() for fn in attn_fns) + tuple(fn.v_cache.data_ptr() for fn in attn_fns)
+    def caches_of(self, layer_caches: Sequence[tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor]:
+        """The address arrays of each layer's (k, v) cache, built once per placement of the caches."""
+        key = tuple(k.data_ptr() for k, _ in layer_caches) + tuple(v.data_ptr() for _, v in layer_caches)
         found = self.cache_addresses.get(key)
         if found is None:
             if len(self.cache_addresses) >= 4:
                 self.cache_addresses.clear()
-            found = (_pointers([fn.k_cache for fn in attn_fns]), _pointers([fn.v_cache for fn in attn_fns]))
+            found = (_pointers([k for k, _ in layer_caches]), _pointers([v for _, v in layer_caches]))
             self.cache_addresses[key] = found
         return found
 
@@ -111,7 +112,7 @@ class NativeStack:
         rows, d = out.shape
         aux = {index: torch.empty(rows, d, dtype=torch.float32) for index in aux_after}
         aux_out = _pointers([aux.get(index) for index in range(len(self.layers))]) if aux else self.addresses["none"]
-        k_caches, v_caches = self._cache_addresses(attn_fns)
+        k_caches, v_caches = self.caches_of([(fn.k_cache, fn.v_cache) for fn in attn_fns])
         a, layer = self.addresses, self.layers[0]
         status = _library().decoder_stack_f32(
             out.data_ptr(), rows, d, len(self.layers), a["in_norm"].data_ptr(), a["post_norm"].data_ptr(),

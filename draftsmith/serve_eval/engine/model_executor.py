@@ -221,6 +221,20 @@ class ModelExecutor:
         logits, hidden, aux = body(input_ids, positions, meta, logits_indices, aux_layers)
         return ForwardOutput(logits=logits, hidden=hidden, aux_hidden=aux)
 
+    @torch.no_grad()
+    def greedy_decode(self, first_tokens: list[int], start_positions: list[int], num_steps: list[int],
+                      block_tables: list[list[int]]) -> list[list[int]] | None:
+        """num_steps[j] greedy decode steps of sequence j from first_tokens[j] at start_positions[j], its KV
+        written through block_tables[j] (slots already allocated), all in one C call (kernels.layers.native_greedy);
+        None where that path cannot serve this model now (the caller then runs forward step by step)."""
+        self._require_cache()
+        loop = self.model.greedy_loop() if self.attn_backend == "torch" else None
+        if loop is None or any(w is not None for w in self.sliding_windows) or not loop.accepts(self._layer_caches):
+            return None
+        width = max(len(t) for t in block_tables)
+        tables = torch.tensor([t + [0] * (width - len(t)) for t in block_tables], dtype=torch.int32)
+        return loop(first_tokens, start_positions, num_steps, tables, self._layer_caches, self.scale)
+
     def _run(self, input_ids: Tensor, positions: Tensor, meta: AttentionMetadata, logits_indices: Tensor | None,
              aux_layers: tuple[int, ...]) -> tuple[Tensor, Tensor, dict[int, Tensor]]:
         """The model proper over the paged cache -> (lm_head rows fp32, hidden, aux) (compilable as one graph)."""

@@ -311,3 +311,32 @@ def test_a_verify_block_gives_the_decode_steps_logits_bit_for_bit():
     verifying.step({"o": other[:4], "s": prompt})
     verified = verifying.step({"o": other[4:6], "s": drafts})[0]["s"]  # 7 rows
     assert torch.equal(verified, decoded)
+
+
+@pytest.mark.parametrize("layers,tied", [(1, True), (2, False)])
+def test_greedy_decode_in_one_c_call_equals_the_forward_steps(layers, tied):
+    """executor.greedy_decode (the draft's K - 1 greedy steps in C: embedding, stack, final norm, head, argmax) gives
+    the tokens of step-by-step forwards with argmax, for sequences of different lengths and step counts, and leaves
+    the same KV cache behind, bit for bit."""
+    model = tiny_model(shape=dict(SHAPE, num_hidden_layers=layers), tie_word_embeddings=tied)
+    reference, mine = ModelExecutor.from_hf_model(model), ModelExecutor.from_hf_model(model)
+    if mine.model.greedy_loop() is None:
+        pytest.skip("the native CPU kernels do not build or run here")
+    stepping, looping = PagedRunner(reference, seed=2), PagedRunner(mine, seed=2)
+    prompts, steps = {"a": [5, 17, 3, 99, 41, 8, 60], "b": list(range(20, 33)), "c": [7]}, {"a": 4, "b": 2, "c": 5}
+    rows, _ = stepping.step(prompts)
+    looping.step(prompts)
+    first = {name: int(r[-1].argmax()) for name, r in rows.items()}
+    expected, token = {name: [] for name in prompts}, dict(first)
+    for s in range(max(steps.values())):
+        rows, _ = stepping.step({name: [token[name]] for name in prompts if steps[name] > s})
+        for name, r in rows.items():
+            token[name] = int(r[-1].argmax())
+            expected[name].append(token[name])
+    names = list(prompts)
+    got = mine.greedy_decode([first[n] for n in names], [len(prompts[n]) for n in names], [steps[n] for n in names],
+                             [stepping.tables[n] for n in names])   # the blocks the forwards wrote
+    assert got == [expected[n] for n in names]
+    assert torch.equal(mine.k_cache, reference.k_cache) and torch.equal(mine.v_cache, reference.v_cache)
+    with pytest.raises(ValueError, match="outside its table"):
+        mine.greedy_decode([first["c"]], [len(prompts["c"]) + 40], [1], [stepping.tables["c"]])

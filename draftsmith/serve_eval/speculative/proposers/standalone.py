@@ -192,6 +192,8 @@ class StandaloneProposer(Proposer):
         for state in states:
             state.num_computed_tokens = state.root + 1
         picked = self._pick([seqs[b] for b in active], logits, active, drafted, rows)
+        if max(ks) > 1 and self._greedy_steps(seqs, active, states, ks, drafted, picked):
+            return
         # K - 1 decode steps over the sequences that want more drafts.
         for step in range(1, max(ks)):
             group = [j for j, k in enumerate(ks) if k > step]
@@ -205,6 +207,20 @@ class StandaloneProposer(Proposer):
             new = self._pick([seqs[active[j]] for j in group], logits, [active[j] for j in group], drafted, rows)
             for j, tok in zip(group, new):
                 picked[j] = tok
+
+    def _greedy_steps(self, seqs, active, states, ks, drafted, picked) -> bool:
+        """The K - 1 decode steps in one C call when every proposing request is greedy (the executor's
+        greedy_decode); False where that path does not serve, and nothing was done."""
+        if any(seqs[b].params.temperature != 0 for b in active):
+            return False
+        tokens = self.executor.greedy_decode(picked, [state.root + 1 for state in states], [k - 1 for k in ks],
+                                             [self.kv.get_block_ids(state) for state in states])
+        if tokens is None:
+            return False
+        for b, state, k, new in zip(active, states, ks, tokens):
+            state.num_computed_tokens += k - 1
+            drafted[b].extend(new)
+        return True
 
     def _pick(self, seqs, logits, batch_index, drafted, rows) -> list[int]:
         """One draft token per row: argmax for greedy requests, else a draw from logits_to_probs."""

@@ -1,0 +1,117 @@
+"""A draft's greedy decode steps in one C call (csrc/decoder_layer.c, draft_greedy_f32).
+
+A standalone draft proposes K tokens in K forwards: one catch-up forward, then K - 1 decode steps of one row per
+sequence. Each decode step's arithmetic (a 1-layer draft with fp16 panels: ~0.4 ms on a 2-core AVX2 EPYC) sits in
+as much per-step Python (attention metadata, input tensors, embedding, rope, final norm, argmax, token lists).
+For greedy requests nothing between the steps needs Python: the next input is the argmax of the last step's
+logits, the positions and slots follow from the block tables. So the loop runs in C, over the model's own
+native stack (the same C layers as its forward), its embedding, final norm and packed head.
+
+It serves what the native layers serve (fp32 on CPU, one thread, every layer native with one shape, paged
+caches the C kernels read) plus a tied or untied head packed for the small-row GEMM. The tokens are those of the
+Python steps except where two logits tie to within the final norm's rounding (C's 1/sqrtf against torch's
+rsqrt); greedy proposals only shape the acceptance, never the output.
+"""
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+from torch import Tensor
+
+from draftsmith.kernels import native
+from draftsmith.kernels.attention.native_paged import caches_served
+from draftsmith.kernels.layers.native_stack import NativeStack
+from draftsmith.kernels.small_gemm import PackedWeight
+
+_P, _L, _F, _I = ctypes.c_void_p, ctypes.c_long, ctypes.c_float, ctypes.c_int
+
+
+class _StackArgs(ctypes.Structure):
+    _fields_ = [(name, _L) for name in ("d", "num_layers", "inter", "num_heads", "kv_heads", "head_dim",
+                                        "num_slots", "block_size")] + [
+        ("eps", _F), ("scale", _F), ("weights_f16", _I)] + [
+        (name, _P) for name in ("in_norm", "post_norm", "qkv_w", "qkv_b", "o_w", "o_b", "gate_up_w", "gate_up_b",
+                                "down_w", "down_b", "k_cache", "v_cache")]
+
+
+class _EndsArgs(ctypes.Structure):
+    _fields_ = [("embed", _P), ("final_norm", _P), ("final_eps", _F), ("head", _P), ("head_bias", _P),
+                ("head_f16", _I), ("vocab", _L), ("cos", _P), ("sin", _P), ("max_positions", _L)]
+
+
+@lru_cache(maxsize=1)
+def _library() -> ctypes.CDLL | None:
+    return native.kernel_library("DRAFTSMITH_NATIVE_LAYER", "the native greedy draft loop", {
+        "draft_greedy_f32": ([_P, _P, _L, _P, _L, _P, _P, _P, _L, _P], _I),
+    })
+
+
+@dataclass
+class NativeGreedyLoop:
+    """A model's stack, embedding, final norm, packed head and rope table as the C loop reads them."""
+
+    stack: NativeStack
+    embed: Tensor        # [vocab, d] fp32
+    final_norm: Tensor   # [d] fp32
+    final_eps: float
+    head: PackedWeight
+    cos: Tensor          # [max_positions, head_dim] fp32, signed sin below
+    sin: Tensor
+
+    @classmethod
+    def build(cls, stack: NativeStack | None, embed: Tensor, final_norm: Tensor, final_eps: float,
+              head: PackedWeight | None, rope_table: tuple[Tensor, Tensor]) -> "NativeGreedyLoop | None":
+        """The loop, or None where the C path cannot serve this model (no native stack or packed head, a dtype
+        other than fp32, a head not of the embedding's shape)."""
+        if (stack is None or head is None or _library() is None or embed.dtype != torch.float32
+                or final_norm.dtype != torch.float32 or head.in_features != embed.shape[1]
+                or head.out_features != embed.shape[0] or embed.shape[1] != stack.layers[0].post_norm.shape[0]):
+            return None
+        cos, sin = (t.detach().float().reshape(t.shape[0], -1).contiguous() for t in rope_table)
+        return cls(stack, embed.detach().contiguous(), final_norm.detach().contiguous(), float(final_eps), head,
+                   cos, sin)
+
+    def accepts(self, layer_caches: Sequence[tuple[Tensor, Tensor]]) -> bool:
+        """Whether a step now would run here: one thread, and every layer's caches as the C kernels read them."""
+        return (native.eligible(self.embed) and len(layer_caches) == len(self.stack.layers)
+                and all(caches_served(k, v) for k, v in layer_caches))
+
+    def __call__(self, first_tokens: Sequence[int], start_positions: Sequence[int], num_steps: Sequence[int],
+                 block_tables: Tensor, layer_caches: Sequence[tuple[Tensor, Tensor]], scale: float) -> list[list[int]]:
+        """Sequence j feeds first_tokens[j] at start_positions[j] and decodes num_steps[j] greedy tokens, its
+        draft KV written at those positions through its row of block_tables (int32 [num_seqs, width]).
+        Returns each sequence's tokens."""
+        num_seqs, max_steps = len(first_tokens), max(num_steps, default=0)
+        if max_steps <= 0:
+            return [[] for _ in first_tokens]
+        k_cache, v_cache = layer_caches[0]
+        layer, a = self.stack.layers[0], self.stack.addresses
+        k_addresses, v_addresses = self.stack.caches_of(layer_caches)
+        stack = _StackArgs(layer.post_norm.shape[0], len(self.stack.layers), layer.down.in_features, layer.num_heads,
+                           layer.num_kv_heads, layer.head_dim, k_cache.shape[0] * k_cache.shape[1], k_cache.shape[1],
+                           layer.eps, scale, int(layer.qkv.half), a["in_norm"].data_ptr(), a["post_norm"].data_ptr(),
+                           a["qkv"].data_ptr(), a["qkv_bias"].data_ptr(), a["o_proj"].data_ptr(),
+                           a["o_proj_bias"].data_ptr(), a["gate_up"].data_ptr(), a["gate_up_bias"].data_ptr(),
+                           a["down"].data_ptr(), a["down_bias"].data_ptr(), k_addresses.data_ptr(),
+                           v_addresses.data_ptr())
+        ends = _EndsArgs(self.embed.data_ptr(), self.final_norm.data_ptr(), self.final_eps, self.head.packed.data_ptr(),
+                         0 if self.head.bias is None else self.head.bias.data_ptr(), int(self.head.half),
+                         self.embed.shape[0], self.cos.data_ptr(), self.sin.data_ptr(), self.cos.shape[0])
+        tables = block_tables.to(torch.int32).contiguous()
+        first = torch.tensor(list(first_tokens), dtype=torch.int64)
+        starts = torch.tensor(list(start_positions), dtype=torch.int64)
+        steps = torch.tensor(list(num_steps), dtype=torch.int32)
+        out = torch.zeros(num_seqs, max_steps, dtype=torch.int64)
+        status = _library().draft_greedy_f32(ctypes.byref(stack), ctypes.byref(ends), num_seqs, tables.data_ptr(),
+                                             tables.shape[1], first.data_ptr(), starts.data_ptr(), steps.data_ptr(),
+                                             max_steps, out.data_ptr())
+        if status != 0:
+            what = {-2: "a token, position or block outside its table", -3: "no memory for the workspace"}
+            raise ValueError(f"native greedy draft loop: {what.get(status, f'status {status}')} (first tokens "
+                             f"{list(first_tokens)}, start positions {list(start_positions)}, steps {list(num_steps)}, "
+                             f"rope table {self.cos.shape[0]} positions)")
+        return [row[:n] for row, n in zip(out.tolist(), num_steps)]
