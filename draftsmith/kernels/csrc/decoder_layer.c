@@ -162,7 +162,10 @@ typedef struct {
 
 typedef struct {
     const float *embed;          /* [vocab, d] */
-    const float *final_norm;     /* [d] */
+    const void *fc;              /* EAGLE-1: packed [d, 2d], the step's input fc([embed ; feature]); NULL: embed */
+    const float *fc_bias;
+    int fc_f16;
+    const float *final_norm;     /* [d], NULL: the head reads the stack's output (EAGLE-1's predicted feature) */
     float final_eps;
     const void *head;            /* packed [vocab, d], fp16 panels when head_f16 */
     const float *head_bias;      /* [vocab] or NULL */
@@ -173,25 +176,30 @@ typedef struct {
 } greedy_ends_t;
 
 /* Up to max_steps greedy decode steps of a draft for num_seqs sequences, all in C: per step, the embedding rows of
- * the previous tokens, the rope rows, the slots from each block table, the whole stack (KV written), the final
- * norm, the head and the argmax (the first of equal maxima, as torch.argmax). Sequence j feeds first_tokens[j] at
- * start_positions[j] and runs num_steps[j] steps; out_tokens[j * max_steps + s] is its step s's token. Why: a
+ * the previous tokens (through fc with each sequence's feature, EAGLE-1), the rope rows, the slots from each block
+ * table, the whole stack (KV written), the final norm, the head and the argmax (the first of equal maxima, as
+ * torch.argmax). Sequence j feeds first_tokens[j] at rope position start_positions[j] and cache entry
+ * start_entries[j] (a standalone draft's entries are its positions; EAGLE's cache starts later) and runs
+ * num_steps[j] steps; out_tokens[j * max_steps + s] is its step s's token. features [num_seqs, d] (with fc): each
+ * sequence's feature, replaced by the stack's output at every step. Why: a
  * 1-layer draft's step is ~0.4 ms of C inside ~1 ms of per-step Python (metadata, tensors, embedding, rope, norm,
  * argmax). Returns 0, -2 for a token, position or block outside its table (nothing past that step is written),
  * -3 when the workspace could not be allocated, else the stack's status. */
 int draft_greedy_f32(const native_stack_t *s, const greedy_ends_t *e, long num_seqs, const int32_t *block_tables,
                      long table_width, const int64_t *first_tokens, const int64_t *start_positions,
-                     const int32_t *num_steps, long max_steps, int64_t *out_tokens) {
+                     const int64_t *start_entries, const int32_t *num_steps, long max_steps, float *features,
+                     int64_t *out_tokens) {
     long n_max = num_seqs, d = s->d, hd = s->head_dim, bs = s->block_size;
     if (n_max <= 0 || max_steps <= 0) return 0;
-    float *hidden = malloc(sizeof(float) * n_max * (2 * d + 2 * hd + e->vocab));
+    if (e->fc && !features) return -2;
+    float *hidden = malloc(sizeof(float) * n_max * (4 * d + 2 * hd + e->vocab));
     int64_t *slots = malloc(sizeof(int64_t) * n_max);
     int32_t *ints = malloc(sizeof(int32_t) * (n_max * (3 + table_width) + 1));
     if (!hidden || !slots || !ints) {
         free(hidden); free(slots); free(ints);
         return -3;
     }
-    float *x = hidden + n_max * d, *cos = x + n_max * d, *sin = cos + n_max * hd, *logits = sin + n_max * hd;
+    float *x = hidden + n_max * d, *cos = x + n_max * 2 * d, *sin = cos + n_max * hd, *logits = sin + n_max * hd;
     int32_t *group = ints, *seq_lens = group + n_max, *cu = seq_lens + n_max, *tables = cu + n_max + 1;
     int status = 0;
     for (long step = 0; step < max_steps && status == 0; step++) {
@@ -202,30 +210,38 @@ int draft_greedy_f32(const native_stack_t *s, const greedy_ends_t *e, long num_s
         for (long i = 0; i < n; i++) {
             long j = group[i];
             int64_t token = step ? out_tokens[j * max_steps + step - 1] : first_tokens[j];
-            int64_t pos = start_positions[j] + step;
-            if (token < 0 || token >= e->vocab || pos < 0 || pos >= e->max_positions || pos / bs >= table_width
-                || block_tables[j * table_width + pos / bs] < 0) {
+            int64_t pos = start_positions[j] + step, entry = start_entries[j] + step;
+            if (token < 0 || token >= e->vocab || pos < 0 || pos >= e->max_positions || entry < 0
+                || entry / bs >= table_width || block_tables[j * table_width + entry / bs] < 0) {
                 status = -2;
                 break;
             }
-            memcpy(hidden + i * d, e->embed + token * d, sizeof(float) * d);
+            if (e->fc) {  /* [embed ; feature] rows, projected below */
+                memcpy(x + i * 2 * d, e->embed + token * d, sizeof(float) * d);
+                memcpy(x + i * 2 * d + d, features + j * d, sizeof(float) * d);
+            } else {
+                memcpy(hidden + i * d, e->embed + token * d, sizeof(float) * d);
+            }
             memcpy(cos + i * hd, e->cos + pos * hd, sizeof(float) * hd);
             memcpy(sin + i * hd, e->sin + pos * hd, sizeof(float) * hd);
             memcpy(tables + i * table_width, block_tables + j * table_width, sizeof(int32_t) * table_width);
-            slots[i] = (int64_t)block_tables[j * table_width + pos / bs] * bs + pos % bs;
-            seq_lens[i] = (int32_t)(pos + 1);
+            slots[i] = (int64_t)block_tables[j * table_width + entry / bs] * bs + entry % bs;
+            seq_lens[i] = (int32_t)(entry + 1);
             cu[i] = (int32_t)i;
         }
         if (status) break;
         cu[n] = (int32_t)n;
+        if (e->fc) project(e->fc_f16, x, n, 2 * d, 2 * d, e->fc, d, e->fc_bias, hidden, d);
         status = decoder_stack_f32(hidden, n, d, s->num_layers, s->in_norm, s->post_norm, s->eps, s->weights_f16,
                                    s->qkv_w, s->qkv_b, s->o_w, s->o_b, s->gate_up_w, s->gate_up_b, s->down_w,
                                    s->down_b, s->inter, cos, sin, s->num_heads, s->kv_heads, hd, s->k_cache,
                                    s->v_cache, slots, s->num_slots, tables, table_width, seq_lens, cu, n, NULL, 0,
                                    bs, 1, s->scale, NULL);
         if (status) break;
-        rms_norm(hidden, n, d, e->final_norm, e->final_eps, x);
-        project(e->head_f16, x, n, d, d, e->head, e->vocab, e->head_bias, logits, e->vocab);
+        if (e->fc)
+            for (long i = 0; i < n; i++) memcpy(features + group[i] * d, hidden + i * d, sizeof(float) * d);
+        if (e->final_norm) rms_norm(hidden, n, d, e->final_norm, e->final_eps, x);
+        project(e->head_f16, e->final_norm ? x : hidden, n, d, d, e->head, e->vocab, e->head_bias, logits, e->vocab);
         for (long i = 0; i < n; i++) {
             const float *row = logits + i * e->vocab;
             long best = 0;

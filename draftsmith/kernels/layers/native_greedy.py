@@ -39,15 +39,20 @@ class _StackArgs(ctypes.Structure):
 
 
 class _EndsArgs(ctypes.Structure):
-    _fields_ = [("embed", _P), ("final_norm", _P), ("final_eps", _F), ("head", _P), ("head_bias", _P),
-                ("head_f16", _I), ("vocab", _L), ("cos", _P), ("sin", _P), ("max_positions", _L)]
+    _fields_ = [("embed", _P), ("fc", _P), ("fc_bias", _P), ("fc_f16", _I), ("final_norm", _P), ("final_eps", _F),
+                ("head", _P), ("head_bias", _P), ("head_f16", _I), ("vocab", _L), ("cos", _P), ("sin", _P),
+                ("max_positions", _L)]
 
 
 @lru_cache(maxsize=1)
 def _library() -> ctypes.CDLL | None:
     return native.kernel_library("DRAFTSMITH_NATIVE_LAYER", "the native greedy draft loop", {
-        "draft_greedy_f32": ([_P, _P, _L, _P, _L, _P, _P, _P, _L, _P], _I),
+        "draft_greedy_f32": ([_P, _P, _L, _P, _L, _P, _P, _P, _P, _L, _P, _P], _I),
     })
+
+
+def _address(tensor: Tensor | None) -> int:
+    return 0 if tensor is None else tensor.data_ptr()
 
 
 @dataclass
@@ -55,39 +60,53 @@ class NativeGreedyLoop:
     """A model's stack, embedding, final norm, packed head and rope table as the C loop reads them."""
 
     stack: NativeStack
-    embed: Tensor        # [vocab, d] fp32
-    final_norm: Tensor   # [d] fp32
+    embed: Tensor               # [vocab, d] fp32
+    final_norm: Tensor | None   # [d] fp32; None: the head reads the stack's output (EAGLE-1's predicted feature)
     final_eps: float
     head: PackedWeight
-    cos: Tensor          # [max_positions, head_dim] fp32, signed sin below
+    cos: Tensor                 # [max_positions, head_dim] fp32, signed sin below
     sin: Tensor
+    fc: PackedWeight | None = None   # EAGLE-1: a step's input is fc([embed(token) ; feature]) [d, 2d]
 
     @classmethod
-    def build(cls, stack: NativeStack | None, embed: Tensor, final_norm: Tensor, final_eps: float,
-              head: PackedWeight | None, rope_table: tuple[Tensor, Tensor]) -> "NativeGreedyLoop | None":
+    def build(cls, stack: NativeStack | None, embed: Tensor, final_norm: Tensor | None, final_eps: float,
+              head: PackedWeight | None, rope_table: tuple[Tensor, Tensor],
+              fc: PackedWeight | None = None) -> "NativeGreedyLoop | None":
         """The loop, or None where the C path cannot serve this model (no native stack or packed head, a dtype
-        other than fp32, a head not of the embedding's shape)."""
-        if (stack is None or head is None or _library() is None or embed.dtype != torch.float32
-                or final_norm.dtype != torch.float32 or head.in_features != embed.shape[1]
-                or head.out_features != embed.shape[0] or embed.shape[1] != stack.layers[0].post_norm.shape[0]):
+        other than fp32, a head or fc not of the embedding's width)."""
+        if stack is None or head is None or _library() is None or embed.dtype != torch.float32:
+            return None
+        d = embed.shape[1]
+        if (d != stack.layers[0].post_norm.shape[0] or (head.in_features, head.out_features) != (d, embed.shape[0])
+                or (final_norm is not None and final_norm.dtype != torch.float32)
+                or (fc is not None and (fc.in_features, fc.out_features) != (2 * d, d))):
             return None
         cos, sin = (t.detach().float().reshape(t.shape[0], -1).contiguous() for t in rope_table)
-        return cls(stack, embed.detach().contiguous(), final_norm.detach().contiguous(), float(final_eps), head,
-                   cos, sin)
+        norm = None if final_norm is None else final_norm.detach().contiguous()
+        return cls(stack, embed.detach().contiguous(), norm, float(final_eps), head, cos, sin, fc)
 
-    def accepts(self, layer_caches: Sequence[tuple[Tensor, Tensor]]) -> bool:
-        """Whether a step now would run here: one thread, and every layer's caches as the C kernels read them."""
+    def accepts(self, layer_caches: Sequence[tuple[Tensor, Tensor]], max_position: int) -> bool:
+        """Whether steps up to rope position max_position would run here now: one thread, every layer's caches as
+        the C kernels read them, and the position inside the rope table."""
         return (native.eligible(self.embed) and len(layer_caches) == len(self.stack.layers)
-                and all(caches_served(k, v) for k, v in layer_caches))
+                and max_position < self.cos.shape[0] and all(caches_served(k, v) for k, v in layer_caches))
 
     def __call__(self, first_tokens: Sequence[int], start_positions: Sequence[int], num_steps: Sequence[int],
-                 block_tables: Tensor, layer_caches: Sequence[tuple[Tensor, Tensor]], scale: float) -> list[list[int]]:
-        """Sequence j feeds first_tokens[j] at start_positions[j] and decodes num_steps[j] greedy tokens, its
-        draft KV written at those positions through its row of block_tables (int32 [num_seqs, width]).
-        Returns each sequence's tokens."""
+                 block_tables: Tensor, layer_caches: Sequence[tuple[Tensor, Tensor]], scale: float,
+                 start_entries: Sequence[int] | None = None, features: Tensor | None = None) -> list[list[int]]:
+        """Sequence j feeds first_tokens[j] at rope position start_positions[j] and decodes num_steps[j] greedy
+        tokens, its draft KV written from cache entry start_entries[j] on (default: the positions) through its row
+        of block_tables (int32 [num_seqs, width]). features [num_seqs, d] fp32 (with fc): each sequence's feature,
+        replaced in place by the step's predicted one. Returns each sequence's tokens."""
         num_seqs, max_steps = len(first_tokens), max(num_steps, default=0)
         if max_steps <= 0:
             return [[] for _ in first_tokens]
+        if (self.fc is None) != (features is None) or (features is not None and (
+                features.shape != (num_seqs, self.embed.shape[1]) or features.dtype != torch.float32
+                or not features.is_contiguous())):
+            raise ValueError(f"native greedy draft loop: {'fc' if self.fc is not None else 'no fc'} takes "
+                             f"{'contiguous fp32 features [' + str(num_seqs) + ', d]' if self.fc is not None else 'no features'}, "
+                             f"got {None if features is None else (features.dtype, tuple(features.shape))}")
         k_cache, v_cache = layer_caches[0]
         layer, a = self.stack.layers[0], self.stack.addresses
         k_addresses, v_addresses = self.stack.caches_of(layer_caches)
@@ -98,17 +117,21 @@ class NativeGreedyLoop:
                            a["o_proj_bias"].data_ptr(), a["gate_up"].data_ptr(), a["gate_up_bias"].data_ptr(),
                            a["down"].data_ptr(), a["down_bias"].data_ptr(), k_addresses.data_ptr(),
                            v_addresses.data_ptr())
-        ends = _EndsArgs(self.embed.data_ptr(), self.final_norm.data_ptr(), self.final_eps, self.head.packed.data_ptr(),
-                         0 if self.head.bias is None else self.head.bias.data_ptr(), int(self.head.half),
+        fc = self.fc
+        ends = _EndsArgs(self.embed.data_ptr(), _address(None if fc is None else fc.packed),
+                         _address(None if fc is None else fc.bias),
+                         int(fc is not None and fc.half), _address(self.final_norm), self.final_eps,
+                         self.head.packed.data_ptr(), _address(self.head.bias), int(self.head.half),
                          self.embed.shape[0], self.cos.data_ptr(), self.sin.data_ptr(), self.cos.shape[0])
         tables = block_tables.to(torch.int32).contiguous()
         first = torch.tensor(list(first_tokens), dtype=torch.int64)
         starts = torch.tensor(list(start_positions), dtype=torch.int64)
+        entries = starts if start_entries is None else torch.tensor(list(start_entries), dtype=torch.int64)
         steps = torch.tensor(list(num_steps), dtype=torch.int32)
         out = torch.zeros(num_seqs, max_steps, dtype=torch.int64)
         status = _library().draft_greedy_f32(ctypes.byref(stack), ctypes.byref(ends), num_seqs, tables.data_ptr(),
-                                             tables.shape[1], first.data_ptr(), starts.data_ptr(), steps.data_ptr(),
-                                             max_steps, out.data_ptr())
+                                             tables.shape[1], first.data_ptr(), starts.data_ptr(), entries.data_ptr(),
+                                             steps.data_ptr(), max_steps, _address(features), out.data_ptr())
         if status != 0:
             what = {-2: "a token, position or block outside its table", -3: "no memory for the workspace"}
             raise ValueError(f"native greedy draft loop: {what.get(status, f'status {status}')} (first tokens "

@@ -229,7 +229,9 @@ class ModelExecutor:
         None where that path cannot serve this model now (the caller then runs forward step by step)."""
         self._require_cache()
         loop = self.model.greedy_loop() if self.attn_backend == "torch" else None
-        if loop is None or any(w is not None for w in self.sliding_windows) or not loop.accepts(self._layer_caches):
+        last = max(p + n - 1 for p, n in zip(start_positions, num_steps))
+        if (loop is None or any(w is not None for w in self.sliding_windows)
+                or not loop.accepts(self._layer_caches, last)):
             return None
         width = max(len(t) for t in block_tables)
         tables = torch.tensor([t + [0] * (width - len(t)) for t in block_tables], dtype=torch.int32)

@@ -112,6 +112,34 @@ def test_chain_matches_dense_reference(kind, target_dir):
     proposer.check_integrity()
 
 
+@torch.inference_mode()
+def test_an_all_greedy_batchs_chains_run_in_one_c_call_with_the_reference_tokens(target_dir, monkeypatch):
+    """EAGLE-1, every request greedy: after each chain's first token, its remaining steps run in the draft's C
+    greedy loop (fc, the layer, the head and the argmax per step), once per propose, and the chains are still
+    the dense-cache unroll's tokens, for sequences of different lengths and K."""
+    from draftsmith.kernels.layers.native_greedy import NativeGreedyLoop
+
+    draft = make_draft("eagle", target_dir)
+    proposer = EagleProposer.from_draft(draft, num_blocks=32, block_size=4)
+    if proposer.draft.greedy_loop() is None:
+        pytest.skip("the native CPU kernels do not serve this draft here")
+    calls = []
+    loop_call = NativeGreedyLoop.__call__
+    monkeypatch.setattr(NativeGreedyLoop, "__call__", lambda self, *a, **k: calls.append(a[2]) or loop_call(self, *a, **k))
+    cases = [(11, 3), (6, 5), (17, 1), (9, 4)]
+    seqs, refs = [], []
+    for i, (length, k) in enumerate(cases):
+        hidden, aux = feature_table("eagle", length, seed=i)
+        tokens = torch.randint(0, VOCAB, (length,), generator=torch.Generator().manual_seed(20 + i)).tolist()
+        proposer.add_features(f"g{i}", feats(hidden, aux, 0, length - 1))
+        seqs.append(Seq(f"g{i}", tokens, params(), None))
+        refs.append(reference_chain(draft, "eagle", tokens, hidden, aux, k, params(), None)[0])
+    proposals = proposer.propose(seqs, [k for _, k in cases])
+    assert [p.tokens.tolist() for p in proposals] == refs
+    assert calls == [[k - 1 for _, k in cases]]
+    proposer.check_integrity()
+
+
 @pytest.mark.parametrize("kind", ["eagle", "eagle3"])
 @pytest.mark.parametrize("temperature", [0.0, 0.9])
 @torch.inference_mode()

@@ -36,6 +36,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from draftsmith.drafts.eagle import EagleDraft
 from draftsmith.kernels.attention import (
     AttentionMetadata,
 )
@@ -312,6 +313,8 @@ class EagleProposer(Proposer):
                 tokens[i].append(drawn_ids[j])
                 if probs is not None:
                     rows[i].append(probs[j])
+            if step == 0 and probs is None and self._greedy_rest(states, tokens, num_tokens, root_positions, feats):
+                break
             # grow the chain of sequences that want more tokens: input (own output, drafted token) at root + step
             keep = [j for j, i in enumerate(active) if len(tokens[i]) < num_tokens[i]
                     and self.cache.resize(states[i].record, states[i].record.num_computed_tokens + 1)]
@@ -323,6 +326,32 @@ class EagleProposer(Proposer):
             active = [active[j] for j in keep]
         return [Proposal(torch.tensor(t, dtype=torch.int64, device=self.device),
                          None if greedy[i] else torch.stack(rows[i])) for i, t in enumerate(tokens)]
+
+    def _greedy_rest(self, states, tokens, num_tokens, root_positions, feats: Tensor) -> bool:
+        """Every sequence greedy, its first token drawn: the chains' remaining steps in one C call (the draft's
+        greedy_loop), each record grown by the steps its pool allows, as the Python steps would. False where that
+        path does not serve, and nothing was done."""
+        loop = self.draft.greedy_loop() if isinstance(self.draft, EagleDraft) else None
+        last = max(p + n - 1 for p, n in zip(root_positions, num_tokens))
+        if loop is None or max(num_tokens) < 2 or not loop.accepts(self.cache.layers(), last):
+            return False
+        entries, steps = [], []
+        for state, n in zip(states, num_tokens):
+            record = state.record
+            entries.append(record.num_computed_tokens)
+            grown = 0
+            while grown < n - 1 and self.cache.resize(record, entries[-1] + grown + 1):
+                grown += 1
+            steps.append(grown)
+        tables = [self.cache.block_table(state.record) for state in states]
+        width = max(len(t) for t in tables)
+        more = loop([t[0] for t in tokens], root_positions, steps,
+                    torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32),
+                    self.cache.layers(), self.draft.config.decoder.head_dim ** -0.5, start_entries=entries,
+                    features=feats.float().contiguous().clone())
+        for chain, new in zip(tokens, more):
+            chain.extend(new)
+        return True
 
     # -- EAGLE-2 dynamic trees (serve_eval.speculative.proposers.eagle_tree) ---------------------
     def _trees(self, states, root_positions, root_feats: Tensor) -> list[Proposal]:
