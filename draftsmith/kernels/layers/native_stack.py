@@ -51,6 +51,7 @@ class NativeStack:
     # the caches' address arrays by the caches' addresses: an executor's caches stay where they are, so a step
     # builds none (a new allocation at new addresses gets its own entry; a few at most per stack)
     cache_addresses: dict[tuple[int, ...], tuple[Tensor, Tensor]] = field(default_factory=dict, compare=False)
+    served_placements: set[tuple] = field(default_factory=set, compare=False)   # caches accepts() has checked
 
     @classmethod
     def build(cls, layers: Sequence[NativeDecoderLayer | None], min_layers: int = 2) -> "NativeStack | None":
@@ -99,9 +100,21 @@ class NativeStack:
         if len(attn_fns) != len(self.layers) or not self.layers[0].accepts(hidden, attn_fns[0]):
             return False
         first: PagedAttention = attn_fns[0]  # type: ignore[assignment]
-        return all(isinstance(fn, PagedAttention) and fn.meta is first.meta and fn.backend is first.backend
-                   and fn.scale == first.scale and fn.k_cache.shape == first.k_cache.shape
-                   and caches_served(fn.k_cache, fn.v_cache) for fn in attn_fns[1:])
+        if not all(isinstance(fn, PagedAttention) and fn.meta is first.meta and fn.backend is first.backend
+                   and fn.scale == first.scale for fn in attn_fns[1:]):
+            return False
+        # The caches are checked once per placement (an executor's stay where they are; ~0.1 ms per 20-layer step)
+        placement = (tuple(fn.k_cache.data_ptr() for fn in attn_fns), tuple(fn.v_cache.data_ptr() for fn in attn_fns),
+                     first.k_cache.shape, first.k_cache.dtype)
+        if placement in self.served_placements:
+            return True
+        served = all(fn.k_cache.shape == first.k_cache.shape and caches_served(fn.k_cache, fn.v_cache)
+                     for fn in attn_fns[1:])
+        if served:
+            if len(self.served_placements) >= 4:
+                self.served_placements.clear()
+            self.served_placements.add(placement)
+        return served
 
     def __call__(self, hidden: Tensor, cos: Tensor, sin: Tensor, attn_fns: Sequence[PagedAttention],
                  aux_after: Sequence[int] = ()) -> tuple[Tensor, dict[int, Tensor]]:
