@@ -25,6 +25,8 @@ from draftsmith.kernels import native
 from draftsmith.kernels.layers.config import DecoderConfig, hf_config_dict
 from draftsmith.kernels.layers.decoder import AttnFn, DecoderLayer, mlp_residual, run_layer
 from draftsmith.kernels.layers.linear import Linear
+from draftsmith.kernels.layers.native_greedy import Eagle3Inputs, NativeGreedyLoop
+from draftsmith.kernels.layers.native_stack import NativeStack
 from draftsmith.kernels.layers.norm import RMSNorm
 from draftsmith.kernels.layers.rope import RotaryEmbedding
 
@@ -147,6 +149,7 @@ class Eagle3Draft(nn.Module):
         self.serving_fc: Linear | None = None  # serving forms (to_serving_)
         self.serving_head: Linear | None = None
         self.serving_norm = None
+        self._greedy_loop: NativeGreedyLoop | None | bool = False   # greedy_loop(), built on first use
         self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))
         t2d = torch.zeros(cfg.vocab_size, dtype=torch.bool)
         t2d[: cfg.draft_vocab_size] = True  # identity map until set_vocab_map
@@ -232,7 +235,27 @@ class Eagle3Draft(nn.Module):
         self.midlayer.to_serving_(pack)
         self.serving_norm = self.norm.serving()
         self.serving_head = Linear.fuse([self.lm_head], pack)
+        self._greedy_loop = False
         return self
+
+    def greedy_loop(self) -> NativeGreedyLoop | None:
+        """A greedy chain's steps in one C call (kernels.layers.native_greedy: the two input norms, the mid layer,
+        the final norm, the head over the draft vocabulary, argmax and d2t), for a draft in serving form whose
+        layer and head are native; None otherwise. Built on first use."""
+        if self._greedy_loop is False:
+            loop, layer = None, self.midlayer
+            native_layer = None if layer.serving_ops is None else layer.serving_ops.native
+            if (native_layer is not None and native_layer.input_norm is not None
+                    and isinstance(self.serving_head, Linear) and self.rotary.rope_type != "dynamic"):
+                length = self.config.decoder.max_position_embeddings
+                cos, sin = self.rotary(torch.arange(length), torch.float32, length - 1)
+                inputs = Eagle3Inputs.of(native_layer.input_norm, layer.hidden_norm.weight, layer.hidden_norm.eps,
+                                         layer.norm_before_residual)
+                loop = NativeGreedyLoop.build(NativeStack.build([native_layer], min_layers=1, reads_hidden=False),
+                                              self.embed_tokens.weight, self.norm.weight, self.norm.eps,
+                                              self.serving_head.small, (cos, sin), eagle3=inputs, d2t=self.d2t)
+            self._greedy_loop = loop
+        return self._greedy_loop
 
     def draft_to_target_ids(self, draft_ids: Tensor) -> Tensor:
         return draft_ids + self.d2t.to(draft_ids.device)[draft_ids]

@@ -165,20 +165,27 @@ typedef struct {
     const void *fc;              /* EAGLE-1: packed [d, 2d], the step's input fc([embed ; feature]); NULL: embed */
     const float *fc_bias;
     int fc_f16;
+    const float *hidden_norm;    /* EAGLE-3: [d], the feature's norm; the attention then reads            */
+    const float *embed_norm;     /* [embed_norm(embed) ; hidden_norm(feature)] (2d) and the residual stream */
+    int norm_before_residual;    /* starts from the feature (or its normed form); one layer, no fc         */
+    float input_eps;
     const float *final_norm;     /* [d], NULL: the head reads the stack's output (EAGLE-1's predicted feature) */
     float final_eps;
     const void *head;            /* packed [vocab, d], fp16 panels when head_f16 */
     const float *head_bias;      /* [vocab] or NULL */
     int head_f16;
-    long vocab;
+    long vocab;                  /* rows of embed: the token ids fed */
+    long head_vocab;             /* rows of head: the argmax's range */
+    const int64_t *d2t;          /* [head_vocab] or NULL: head row i is token i + d2t[i] (EAGLE-3's reduced vocabulary) */
     const float *cos, *sin;      /* [max_positions, head_dim]: the rope table, signed sin */
     long max_positions;
 } greedy_ends_t;
 
 /* Up to max_steps greedy decode steps of a draft for num_seqs sequences, all in C: per step, the embedding rows of
- * the previous tokens (through fc with each sequence's feature, EAGLE-1), the rope rows, the slots from each block
+ * the previous tokens (through fc with each sequence's feature, EAGLE-1; or EAGLE-3's normed [embed ; feature]
+ * as the one layer's attention input, its feature as the residual), the rope rows, the slots from each block
  * table, the whole stack (KV written), the final norm, the head and the argmax (the first of equal maxima, as
- * torch.argmax). Sequence j feeds first_tokens[j] at rope position start_positions[j] and cache entry
+ * torch.argmax; through d2t for a reduced vocabulary). Sequence j feeds first_tokens[j] at rope position start_positions[j] and cache entry
  * start_entries[j] (a standalone draft's entries are its positions; EAGLE's cache starts later) and runs
  * num_steps[j] steps; out_tokens[j * max_steps + s] is its step s's token. features [num_seqs, d] (with fc): each
  * sequence's feature, replaced by the stack's output at every step. Why: a
@@ -191,8 +198,9 @@ int draft_greedy_f32(const native_stack_t *s, const greedy_ends_t *e, long num_s
                      int64_t *out_tokens) {
     long n_max = num_seqs, d = s->d, hd = s->head_dim, bs = s->block_size;
     if (n_max <= 0 || max_steps <= 0) return 0;
-    if (e->fc && !features) return -2;
-    float *hidden = malloc(sizeof(float) * n_max * (4 * d + 2 * hd + e->vocab));
+    if ((e->fc || e->hidden_norm) && !features) return -2;
+    if (e->hidden_norm && s->num_layers != 1) return -2;
+    float *hidden = malloc(sizeof(float) * n_max * (4 * d + 2 * hd + e->head_vocab));
     int64_t *slots = malloc(sizeof(int64_t) * n_max);
     int32_t *ints = malloc(sizeof(int32_t) * (n_max * (3 + table_width) + 1));
     if (!hidden || !slots || !ints) {
@@ -216,7 +224,12 @@ int draft_greedy_f32(const native_stack_t *s, const greedy_ends_t *e, long num_s
                 status = -2;
                 break;
             }
-            if (e->fc) {  /* [embed ; feature] rows, projected below */
+            if (e->hidden_norm) {  /* EAGLE-3: the attention's input and the residual stream */
+                float *normed = x + i * 2 * d + d;
+                rms_norm(e->embed + token * d, 1, d, e->embed_norm, e->input_eps, x + i * 2 * d);
+                rms_norm(features + j * d, 1, d, e->hidden_norm, e->input_eps, normed);
+                memcpy(hidden + i * d, e->norm_before_residual ? normed : features + j * d, sizeof(float) * d);
+            } else if (e->fc) {  /* [embed ; feature] rows, projected below */
                 memcpy(x + i * 2 * d, e->embed + token * d, sizeof(float) * d);
                 memcpy(x + i * 2 * d + d, features + j * d, sizeof(float) * d);
             } else {
@@ -231,23 +244,32 @@ int draft_greedy_f32(const native_stack_t *s, const greedy_ends_t *e, long num_s
         }
         if (status) break;
         cu[n] = (int32_t)n;
-        if (e->fc) project(e->fc_f16, x, n, 2 * d, 2 * d, e->fc, d, e->fc_bias, hidden, d);
-        status = decoder_stack_f32(hidden, n, d, s->num_layers, s->in_norm, s->post_norm, s->eps, s->weights_f16,
-                                   s->qkv_w, s->qkv_b, s->o_w, s->o_b, s->gate_up_w, s->gate_up_b, s->down_w,
-                                   s->down_b, s->inter, cos, sin, s->num_heads, s->kv_heads, hd, s->k_cache,
-                                   s->v_cache, slots, s->num_slots, tables, table_width, seq_lens, cu, n, NULL, 0,
-                                   bs, 1, s->scale, NULL);
+        if (e->hidden_norm)
+            status = decoder_layer_f32(hidden, n, d, x, 2 * d, NULL, s->post_norm[0], s->eps, s->weights_f16,
+                                       s->qkv_w[0], s->qkv_b[0], s->o_w[0], s->o_b[0], s->gate_up_w[0],
+                                       s->gate_up_b[0], s->down_w[0], s->down_b[0], s->inter, cos, sin, s->num_heads,
+                                       s->kv_heads, hd, s->k_cache[0], s->v_cache[0], slots, s->num_slots, tables,
+                                       table_width, seq_lens, cu, n, NULL, 0, bs, 1, s->scale);
+        else {
+            if (e->fc) project(e->fc_f16, x, n, 2 * d, 2 * d, e->fc, d, e->fc_bias, hidden, d);
+            status = decoder_stack_f32(hidden, n, d, s->num_layers, s->in_norm, s->post_norm, s->eps, s->weights_f16,
+                                       s->qkv_w, s->qkv_b, s->o_w, s->o_b, s->gate_up_w, s->gate_up_b, s->down_w,
+                                       s->down_b, s->inter, cos, sin, s->num_heads, s->kv_heads, hd, s->k_cache,
+                                       s->v_cache, slots, s->num_slots, tables, table_width, seq_lens, cu, n, NULL, 0,
+                                       bs, 1, s->scale, NULL);
+        }
         if (status) break;
-        if (e->fc)
+        if (e->fc || e->hidden_norm)
             for (long i = 0; i < n; i++) memcpy(features + group[i] * d, hidden + i * d, sizeof(float) * d);
         if (e->final_norm) rms_norm(hidden, n, d, e->final_norm, e->final_eps, x);
-        project(e->head_f16, e->final_norm ? x : hidden, n, d, d, e->head, e->vocab, e->head_bias, logits, e->vocab);
+        project(e->head_f16, e->final_norm ? x : hidden, n, d, d, e->head, e->head_vocab, e->head_bias, logits,
+                e->head_vocab);
         for (long i = 0; i < n; i++) {
-            const float *row = logits + i * e->vocab;
+            const float *row = logits + i * e->head_vocab;
             long best = 0;
-            for (long v = 1; v < e->vocab; v++)
+            for (long v = 1; v < e->head_vocab; v++)
                 if (row[v] > row[best]) best = v;
-            out_tokens[group[i] * max_steps + step] = best;
+            out_tokens[group[i] * max_steps + step] = e->d2t ? best + e->d2t[best] : best;
         }
     }
     free(hidden); free(slots); free(ints);

@@ -5,7 +5,9 @@ sequence. Each decode step's arithmetic (a 1-layer draft with fp16 panels: ~0.4 
 as much per-step Python (attention metadata, input tensors, embedding, rope, final norm, argmax, token lists).
 For greedy requests nothing between the steps needs Python: the next input is the argmax of the last step's
 logits, the positions and slots follow from the block tables. So the loop runs in C, over the model's own
-native stack (the same C layers as its forward), its embedding, final norm and packed head.
+native stack (the same C layers as its forward), its embedding, final norm and packed head; EAGLE-1's step
+input goes through its fc with the carried feature, EAGLE-3's through its two input norms, and a reduced
+vocabulary's argmax through d2t.
 
 It serves what the native layers serve (fp32 on CPU, one thread, every layer native with one shape, paged
 caches the C kernels read) plus a tied or untied head packed for the small-row GEMM. The tokens are those of the
@@ -39,9 +41,10 @@ class _StackArgs(ctypes.Structure):
 
 
 class _EndsArgs(ctypes.Structure):
-    _fields_ = [("embed", _P), ("fc", _P), ("fc_bias", _P), ("fc_f16", _I), ("final_norm", _P), ("final_eps", _F),
-                ("head", _P), ("head_bias", _P), ("head_f16", _I), ("vocab", _L), ("cos", _P), ("sin", _P),
-                ("max_positions", _L)]
+    _fields_ = [("embed", _P), ("fc", _P), ("fc_bias", _P), ("fc_f16", _I), ("hidden_norm", _P), ("embed_norm", _P),
+                ("norm_before_residual", _I), ("input_eps", _F), ("final_norm", _P), ("final_eps", _F),
+                ("head", _P), ("head_bias", _P), ("head_f16", _I), ("vocab", _L), ("head_vocab", _L), ("d2t", _P),
+                ("cos", _P), ("sin", _P), ("max_positions", _L)]
 
 
 @lru_cache(maxsize=1)
@@ -49,6 +52,22 @@ def _library() -> ctypes.CDLL | None:
     return native.kernel_library("DRAFTSMITH_NATIVE_LAYER", "the native greedy draft loop", {
         "draft_greedy_f32": ([_P, _P, _L, _P, _L, _P, _P, _P, _P, _L, _P, _P], _I),
     })
+
+
+@dataclass(frozen=True)
+class Eagle3Inputs:
+    """EAGLE-3's step input: the attention reads [embed_norm(embed(token)) ; hidden_norm(feature)] and the residual
+    stream starts from the feature (or, with norm_before_residual, its normed form)."""
+
+    embed_norm: Tensor    # [d] fp32
+    hidden_norm: Tensor   # [d] fp32
+    eps: float
+    norm_before_residual: bool
+
+    @classmethod
+    def of(cls, embed_norm: Tensor, hidden_norm: Tensor, eps: float, norm_before_residual: bool) -> "Eagle3Inputs":
+        return cls(embed_norm.detach().float().contiguous(), hidden_norm.detach().float().contiguous(), float(eps),
+                   bool(norm_before_residual))
 
 
 def _address(tensor: Tensor | None) -> int:
@@ -67,23 +86,28 @@ class NativeGreedyLoop:
     cos: Tensor                 # [max_positions, head_dim] fp32, signed sin below
     sin: Tensor
     fc: PackedWeight | None = None   # EAGLE-1: a step's input is fc([embed(token) ; feature]) [d, 2d]
+    eagle3: "Eagle3Inputs | None" = None
+    d2t: Tensor | None = None        # int64 [head rows]: head row i is token i + d2t[i] (a reduced vocabulary)
 
     @classmethod
     def build(cls, stack: NativeStack | None, embed: Tensor, final_norm: Tensor | None, final_eps: float,
-              head: PackedWeight | None, rope_table: tuple[Tensor, Tensor],
-              fc: PackedWeight | None = None) -> "NativeGreedyLoop | None":
+              head: PackedWeight | None, rope_table: tuple[Tensor, Tensor], fc: PackedWeight | None = None,
+              eagle3: "Eagle3Inputs | None" = None, d2t: Tensor | None = None) -> "NativeGreedyLoop | None":
         """The loop, or None where the C path cannot serve this model (no native stack or packed head, a dtype
-        other than fp32, a head or fc not of the embedding's width)."""
+        other than fp32, a head or fc not of the embedding's width, a head of another vocabulary without d2t)."""
         if stack is None or head is None or _library() is None or embed.dtype != torch.float32:
             return None
         d = embed.shape[1]
-        if (d != stack.layers[0].post_norm.shape[0] or (head.in_features, head.out_features) != (d, embed.shape[0])
+        rows = embed.shape[0] if d2t is None else d2t.numel()
+        if (d != stack.layers[0].post_norm.shape[0] or (head.in_features, head.out_features) != (d, rows)
                 or (final_norm is not None and final_norm.dtype != torch.float32)
-                or (fc is not None and (fc.in_features, fc.out_features) != (2 * d, d))):
+                or (fc is not None and (fc.in_features, fc.out_features) != (2 * d, d))
+                or (eagle3 is not None and (fc is not None or len(stack.layers) != 1))):
             return None
         cos, sin = (t.detach().float().reshape(t.shape[0], -1).contiguous() for t in rope_table)
         norm = None if final_norm is None else final_norm.detach().contiguous()
-        return cls(stack, embed.detach().contiguous(), norm, float(final_eps), head, cos, sin, fc)
+        offsets = None if d2t is None else d2t.detach().to(torch.int64).contiguous()
+        return cls(stack, embed.detach().contiguous(), norm, float(final_eps), head, cos, sin, fc, eagle3, offsets)
 
     def accepts(self, layer_caches: Sequence[tuple[Tensor, Tensor]], max_position: int) -> bool:
         """Whether steps up to rope position max_position would run here now: one thread, every layer's caches as
@@ -101,12 +125,13 @@ class NativeGreedyLoop:
         num_seqs, max_steps = len(first_tokens), max(num_steps, default=0)
         if max_steps <= 0:
             return [[] for _ in first_tokens]
-        if (self.fc is None) != (features is None) or (features is not None and (
+        carries = self.fc is not None or self.eagle3 is not None
+        if carries != (features is not None) or (features is not None and (
                 features.shape != (num_seqs, self.embed.shape[1]) or features.dtype != torch.float32
                 or not features.is_contiguous())):
-            raise ValueError(f"native greedy draft loop: {'fc' if self.fc is not None else 'no fc'} takes "
-                             f"{'contiguous fp32 features [' + str(num_seqs) + ', d]' if self.fc is not None else 'no features'}, "
-                             f"got {None if features is None else (features.dtype, tuple(features.shape))}")
+            wanted = f"contiguous fp32 features [{num_seqs}, d]" if carries else "no features"
+            raise ValueError(f"native greedy draft loop: this draft takes {wanted}, got "
+                             f"{None if features is None else (features.dtype, tuple(features.shape))}")
         k_cache, v_cache = layer_caches[0]
         layer, a = self.stack.layers[0], self.stack.addresses
         k_addresses, v_addresses = self.stack.caches_of(layer_caches)
@@ -117,12 +142,14 @@ class NativeGreedyLoop:
                            a["o_proj_bias"].data_ptr(), a["gate_up"].data_ptr(), a["gate_up_bias"].data_ptr(),
                            a["down"].data_ptr(), a["down_bias"].data_ptr(), k_addresses.data_ptr(),
                            v_addresses.data_ptr())
-        fc = self.fc
+        fc, e3 = self.fc, self.eagle3
         ends = _EndsArgs(self.embed.data_ptr(), _address(None if fc is None else fc.packed),
-                         _address(None if fc is None else fc.bias),
-                         int(fc is not None and fc.half), _address(self.final_norm), self.final_eps,
-                         self.head.packed.data_ptr(), _address(self.head.bias), int(self.head.half),
-                         self.embed.shape[0], self.cos.data_ptr(), self.sin.data_ptr(), self.cos.shape[0])
+                         _address(None if fc is None else fc.bias), int(fc is not None and fc.half),
+                         _address(None if e3 is None else e3.hidden_norm), _address(None if e3 is None else e3.embed_norm),
+                         int(e3 is not None and e3.norm_before_residual), 0.0 if e3 is None else e3.eps,
+                         _address(self.final_norm), self.final_eps, self.head.packed.data_ptr(),
+                         _address(self.head.bias), int(self.head.half), self.embed.shape[0], self.head.out_features,
+                         _address(self.d2t), self.cos.data_ptr(), self.sin.data_ptr(), self.cos.shape[0])
         tables = block_tables.to(torch.int32).contiguous()
         first = torch.tensor(list(first_tokens), dtype=torch.int64)
         starts = torch.tensor(list(start_positions), dtype=torch.int64)

@@ -54,10 +54,13 @@ class NativeStack:
     served_placements: set[tuple] = field(default_factory=set, compare=False)   # caches accepts() has checked
 
     @classmethod
-    def build(cls, layers: Sequence[NativeDecoderLayer | None], min_layers: int = 2) -> "NativeStack | None":
+    def build(cls, layers: Sequence[NativeDecoderLayer | None], min_layers: int = 2,
+              reads_hidden: bool = True) -> "NativeStack | None":
         """The stack, or None unless every layer is native with one shape, eps and weight format (and there are
-        min_layers or more: for a forward, one layer's own call costs no more; the greedy loop takes one)."""
-        if (len(layers) < min_layers or not layers or any(layer is None or not layer.reads_hidden for layer in layers)
+        min_layers or more: for a forward, one layer's own call costs no more; the greedy loop takes one).
+        reads_hidden False: EAGLE-3's one layer, whose attention input the greedy loop builds (not callable)."""
+        if (len(layers) < min_layers or not layers
+                or any(layer is None or layer.reads_hidden != reads_hidden for layer in layers)
                 or _library() is None):
             return None
         first = layers[0]
@@ -82,7 +85,8 @@ class NativeStack:
     def __deepcopy__(self, memo: dict) -> "NativeStack | None":
         """A copy over copied layers, with its own address arrays (the originals point at the original's
         weights, which may be freed before the copy is)."""
-        return NativeStack.build(copy.deepcopy(self.layers, memo), min_layers=1)
+        return NativeStack.build(copy.deepcopy(self.layers, memo), min_layers=1,
+                                 reads_hidden=self.layers[0].reads_hidden)
 
     def caches_of(self, layer_caches: Sequence[tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor]:
         """The address arrays of each layer's (k, v) cache, built once per placement of the caches."""

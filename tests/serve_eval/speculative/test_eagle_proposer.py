@@ -37,13 +37,13 @@ def target_dir(family_checkpoint):
     return family_checkpoint("llama", **TARGET)
 
 
-def make_draft(kind, target_dir, seed=1):
+def make_draft(kind, target_dir, seed=1, **opts):
     """A draft with large random weights (so argmaxes are far from ties), embed/head copied from the target."""
     torch.manual_seed(seed)
     if kind == "eagle":
-        draft = EagleDraft.from_target_config(target_dir)
+        draft = EagleDraft.from_target_config(target_dir, **opts)
     else:
-        draft = Eagle3Draft.from_target_config(target_dir, draft_vocab_size=64)
+        draft = Eagle3Draft.from_target_config(target_dir, draft_vocab_size=64, **opts)
         counts = torch.rand(VOCAB)
         draft.set_vocab_map(*build_reduced_vocab(counts, 64))
     for name, p in draft.named_parameters():
@@ -112,15 +112,17 @@ def test_chain_matches_dense_reference(kind, target_dir):
     proposer.check_integrity()
 
 
+@pytest.mark.parametrize("kind,opts", [("eagle", {}), ("eagle3", {}), ("eagle3", {"norm_before_residual": True})])
 @torch.inference_mode()
-def test_an_all_greedy_batchs_chains_run_in_one_c_call_with_the_reference_tokens(target_dir, monkeypatch):
-    """EAGLE-1, every request greedy: after each chain's first token, its remaining steps run in the draft's C
-    greedy loop (fc, the layer, the head and the argmax per step), once per propose, and the chains are still
-    the dense-cache unroll's tokens, for sequences of different lengths and K."""
+def test_an_all_greedy_batchs_chains_run_in_one_c_call_with_the_reference_tokens(kind, opts, target_dir, monkeypatch):
+    """Every request greedy: after each chain's first token, its remaining steps run in the draft's C greedy loop
+    (EAGLE-1: fc, the layer, the head; EAGLE-3: the two input norms, the mid layer, the final norm, the head over
+    the reduced vocabulary and d2t; then the argmax), once per propose, and the chains are still the dense-cache
+    unroll's tokens, for sequences of different lengths and K."""
     from draftsmith.kernels.layers.native_greedy import NativeGreedyLoop
 
-    draft = make_draft("eagle", target_dir)
-    proposer = EagleProposer.from_draft(draft, num_blocks=32, block_size=4)
+    draft = make_draft(kind, target_dir, **opts)
+    proposer = PROPOSERS[kind].from_draft(draft, num_blocks=32, block_size=4)
     if proposer.draft.greedy_loop() is None:
         pytest.skip("the native CPU kernels do not serve this draft here")
     calls = []
@@ -129,11 +131,11 @@ def test_an_all_greedy_batchs_chains_run_in_one_c_call_with_the_reference_tokens
     cases = [(11, 3), (6, 5), (17, 1), (9, 4)]
     seqs, refs = [], []
     for i, (length, k) in enumerate(cases):
-        hidden, aux = feature_table("eagle", length, seed=i)
+        hidden, aux = feature_table(kind, length, seed=i)
         tokens = torch.randint(0, VOCAB, (length,), generator=torch.Generator().manual_seed(20 + i)).tolist()
         proposer.add_features(f"g{i}", feats(hidden, aux, 0, length - 1))
         seqs.append(Seq(f"g{i}", tokens, params(), None))
-        refs.append(reference_chain(draft, "eagle", tokens, hidden, aux, k, params(), None)[0])
+        refs.append(reference_chain(draft, kind, tokens, hidden, aux, k, params(), None)[0])
     proposals = proposer.propose(seqs, [k for _, k in cases])
     assert [p.tokens.tolist() for p in proposals] == refs
     assert calls == [[k - 1 for _, k in cases]]

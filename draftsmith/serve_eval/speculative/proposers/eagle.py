@@ -36,7 +36,6 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from draftsmith.drafts.eagle import EagleDraft
 from draftsmith.kernels.attention import (
     AttentionMetadata,
 )
@@ -331,7 +330,7 @@ class EagleProposer(Proposer):
         """Every sequence greedy, its first token drawn: the chains' remaining steps in one C call (the draft's
         greedy_loop), each record grown by the steps its pool allows, as the Python steps would. False where that
         path does not serve, and nothing was done."""
-        loop = self.draft.greedy_loop() if isinstance(self.draft, EagleDraft) else None
+        loop = self.draft.greedy_loop()   # EagleDraft's or Eagle3Draft's (None where C does not serve it)
         last = max(p + n - 1 for p, n in zip(root_positions, num_tokens))
         if loop is None or max(num_tokens) < 2 or not loop.accepts(self.cache.layers(), last):
             return False
