@@ -24,7 +24,7 @@ from draftsmith.drafts.common import (causal_attn_fn, copy_from_target, count_pa
 from draftsmith.kernels.layers.config import DecoderConfig, hf_config_dict
 from draftsmith.kernels.layers.decoder import AttnFn, DecoderLayer, run_layer
 from draftsmith.kernels.layers.linear import Linear
-from draftsmith.kernels.layers.native_greedy import NativeGreedyLoop
+from draftsmith.kernels.layers.native_greedy import NativeGreedyLoop, loop_rope_table
 from draftsmith.kernels.layers.native_stack import NativeStack
 from draftsmith.kernels.layers.rope import RotaryEmbedding
 
@@ -124,12 +124,10 @@ class EagleDraft(nn.Module):
         for a draft in serving form whose projections and layer are native; None otherwise. Built on first use."""
         if self._greedy_loop is False:
             loop, ops = None, self.layers[0].serving_ops
-            if (isinstance(self.serving_fc, Linear) and isinstance(self.serving_head, Linear) and ops is not None
-                    and self.rotary.rope_type != "dynamic"):
-                length = self.config.decoder.max_position_embeddings
-                cos, sin = self.rotary(torch.arange(length), torch.float32, length - 1)
+            if isinstance(self.serving_fc, Linear) and isinstance(self.serving_head, Linear) and ops is not None:
                 loop = NativeGreedyLoop.build(NativeStack.build([ops.native], min_layers=1), self.embed_tokens.weight,
-                                              None, 0.0, self.serving_head.small, (cos, sin), fc=self.serving_fc.small)
+                                              None, 0.0, self.serving_head.small, loop_rope_table(self.rotary),
+                                              fc=self.serving_fc.small)
             self._greedy_loop = loop
         return self._greedy_loop
 

@@ -25,7 +25,7 @@ from draftsmith.kernels import native
 from draftsmith.kernels.layers.config import DecoderConfig, hf_config_dict
 from draftsmith.kernels.layers.decoder import AttnFn, DecoderLayer, mlp_residual, run_layer
 from draftsmith.kernels.layers.linear import Linear
-from draftsmith.kernels.layers.native_greedy import Eagle3Inputs, NativeGreedyLoop
+from draftsmith.kernels.layers.native_greedy import Eagle3Inputs, NativeGreedyLoop, loop_rope_table
 from draftsmith.kernels.layers.native_stack import NativeStack
 from draftsmith.kernels.layers.norm import RMSNorm
 from draftsmith.kernels.layers.rope import RotaryEmbedding
@@ -246,14 +246,14 @@ class Eagle3Draft(nn.Module):
             loop, layer = None, self.midlayer
             native_layer = None if layer.serving_ops is None else layer.serving_ops.native
             if (native_layer is not None and native_layer.input_norm is not None
-                    and isinstance(self.serving_head, Linear) and self.rotary.rope_type != "dynamic"):
-                length = self.config.decoder.max_position_embeddings
-                cos, sin = self.rotary(torch.arange(length), torch.float32, length - 1)
+                    and isinstance(self.serving_head, Linear) and bool((self.d2t[1:] >= self.d2t[:-1]).all())):
+                # (a monotone d2t keeps the first of equal maxima the one torch's argmax over target ids picks)
                 inputs = Eagle3Inputs.of(native_layer.input_norm, layer.hidden_norm.weight, layer.hidden_norm.eps,
                                          layer.norm_before_residual)
                 loop = NativeGreedyLoop.build(NativeStack.build([native_layer], min_layers=1, reads_hidden=False),
                                               self.embed_tokens.weight, self.norm.weight, self.norm.eps,
-                                              self.serving_head.small, (cos, sin), eagle3=inputs, d2t=self.d2t)
+                                              self.serving_head.small, loop_rope_table(self.rotary), eagle3=inputs,
+                                              d2t=self.d2t)
             self._greedy_loop = loop
         return self._greedy_loop
 

@@ -18,7 +18,7 @@ from draftsmith.kernels.layers.decoder import AttnFn, DecoderLayer, decoder_bloc
 from draftsmith.kernels.layers.family import LayerVariant, layer_variants
 from draftsmith.kernels.layers.linear import Linear
 from draftsmith.kernels.layers.moe import fuse_expert_weights
-from draftsmith.kernels.layers.native_greedy import NativeGreedyLoop
+from draftsmith.kernels.layers.native_greedy import NativeGreedyLoop, loop_rope_table
 from draftsmith.kernels.layers.native_stack import NativeStack
 from draftsmith.kernels.layers.norm import RMSNorm
 from draftsmith.kernels.layers.rope import RotaryEmbedding
@@ -123,11 +123,12 @@ class CausalLM(nn.Module):
             layer.to_serving_(pack)
         self.serving_head = Linear.fuse([self.lm_head], pack, alias=not self.tied)
         self.serving_norm = self.model.norm.serving()
-        self.native_stack = NativeStack.build(self._native_layers())
+        self.native_stack = NativeStack.build(self.native_layers())
         self._greedy_loop = False
         return self
 
-    def _native_layers(self) -> list:
+    def native_layers(self) -> list:
+        """Each layer's native form (None where it has none)."""
         return [None if layer.serving_ops is None else layer.serving_ops.native for layer in self.model.layers]
 
     def greedy_loop(self) -> NativeGreedyLoop | None:
@@ -135,12 +136,10 @@ class CausalLM(nn.Module):
         and head are native; None otherwise. Built on first use: only drafts decode this way."""
         if self._greedy_loop is False:
             loop = None
-            if isinstance(self.serving_head, Linear) and self.rotary.rope_type != "dynamic":
-                length = self.shape.decoder.max_position_embeddings
-                cos, sin = self.rotary(torch.arange(length), torch.float32, length - 1)
-                loop = NativeGreedyLoop.build(self.native_stack or NativeStack.build(self._native_layers(), min_layers=1),
+            if isinstance(self.serving_head, Linear):
+                loop = NativeGreedyLoop.build(self.native_stack or NativeStack.build(self.native_layers(), min_layers=1),
                                               self.model.embed_tokens.weight, self.model.norm.weight,
-                                              self.model.norm.eps, self.serving_head.small, (cos, sin))
+                                              self.model.norm.eps, self.serving_head.small, loop_rope_table(self.rotary))
             self._greedy_loop = loop
         return self._greedy_loop
 

@@ -27,7 +27,8 @@ from torch import Tensor, nn
 from draftsmith.kernels import native, small_gemm
 
 # Rows up to which the packed small-row kernel beats MKL here (one target's matmuls in sequence, weights from
-# memory, 1 thread, ms, MKL vs it: 1 row 8.9 vs 6.6, 5 rows 22.4 vs 10.4, 8 rows 25.3 vs 17.0; 64 rows 1.6x slower).
+# memory, 1 thread, ms, MKL vs it: 1 row 8.9 vs 6.6, 5 rows 22.4 vs 10.4, 8 rows 25.3 vs 17.0; 64 rows 1.6x slower, before
+# the accumulators moved to registers).
 # With the accumulators kept in registers (scripts/bench_small_gemm.py, the embedded target's 20 layers): 8 rows
 # 16.2 vs 9.8, 9 rows 17.8 vs 10.7 (a K=8 block round's verify), 16 rows 22.6 vs 16.5, 24 rows 29.9 vs 23.3,
 # 32 rows 39.0 vs 32.2, 48 rows 52.7 vs 45.4. In the engine (the native layer: one C call per layer, no per-op

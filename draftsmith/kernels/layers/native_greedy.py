@@ -27,6 +27,7 @@ from torch import Tensor
 from draftsmith.kernels import native
 from draftsmith.kernels.attention.native_paged import caches_served
 from draftsmith.kernels.layers.native_stack import NativeStack
+from draftsmith.kernels.layers.rope import RotaryEmbedding
 from draftsmith.kernels.small_gemm import PackedWeight
 
 _P, _L, _F, _I = ctypes.c_void_p, ctypes.c_long, ctypes.c_float, ctypes.c_int
@@ -70,6 +71,27 @@ class Eagle3Inputs:
                    bool(norm_before_residual))
 
 
+# The loop's rope table stops here (a draft config may carry 128k positions: 128 MiB of table at head_dim 128);
+# steps past it take the Python path, whose table grows on demand.
+MAX_LOOP_POSITIONS = 8192
+
+
+def loop_rope_table(rotary: RotaryEmbedding) -> tuple[Tensor, Tensor] | None:
+    """(cos, signed sin) [n, head_dim] fp32 for positions 0 .. n - 1 (n = the model's positions, at most
+    MAX_LOOP_POSITIONS); None for dynamic rope, whose table depends on the sequence length."""
+    if rotary.rope_type == "dynamic":
+        return None
+    length = min(rotary.max_position_embeddings, MAX_LOOP_POSITIONS)
+    cos, sin = rotary(torch.arange(length), torch.float32, length - 1)
+    return cos.squeeze(1), sin.squeeze(1)
+
+
+def padded_tables(block_tables: Sequence[Sequence[int]]) -> Tensor:
+    """int32 [num_seqs, widest]: each sequence's blocks, -1 past its own (the C loop refuses a step there)."""
+    width = max(len(table) for table in block_tables)
+    return torch.tensor([list(table) + [-1] * (width - len(table)) for table in block_tables], dtype=torch.int32)
+
+
 def _address(tensor: Tensor | None) -> int:
     return 0 if tensor is None else tensor.data_ptr()
 
@@ -91,11 +113,11 @@ class NativeGreedyLoop:
 
     @classmethod
     def build(cls, stack: NativeStack | None, embed: Tensor, final_norm: Tensor | None, final_eps: float,
-              head: PackedWeight | None, rope_table: tuple[Tensor, Tensor], fc: PackedWeight | None = None,
+              head: PackedWeight | None, rope_table: tuple[Tensor, Tensor] | None, fc: PackedWeight | None = None,
               eagle3: "Eagle3Inputs | None" = None, d2t: Tensor | None = None) -> "NativeGreedyLoop | None":
         """The loop, or None where the C path cannot serve this model (no native stack or packed head, a dtype
         other than fp32, a head or fc not of the embedding's width, a head of another vocabulary without d2t)."""
-        if stack is None or head is None or _library() is None or embed.dtype != torch.float32:
+        if stack is None or head is None or rope_table is None or _library() is None or embed.dtype != torch.float32:
             return None
         d = embed.shape[1]
         rows = embed.shape[0] if d2t is None else d2t.numel()
@@ -112,8 +134,11 @@ class NativeGreedyLoop:
     def accepts(self, layer_caches: Sequence[tuple[Tensor, Tensor]], max_position: int) -> bool:
         """Whether steps up to rope position max_position would run here now: one thread, every layer's caches as
         the C kernels read them, and the position inside the rope table."""
+        layer = self.stack.layers[0]
         return (native.eligible(self.embed) and len(layer_caches) == len(self.stack.layers)
-                and max_position < self.cos.shape[0] and all(caches_served(k, v) for k, v in layer_caches))
+                and max_position < self.cos.shape[0]
+                and all(k.shape == layer_caches[0][0].shape and k.shape[2:] == (layer.num_kv_heads, layer.head_dim)
+                        and caches_served(k, v) for k, v in layer_caches))
 
     def __call__(self, first_tokens: Sequence[int], start_positions: Sequence[int], num_steps: Sequence[int],
                  block_tables: Tensor, layer_caches: Sequence[tuple[Tensor, Tensor]], scale: float,

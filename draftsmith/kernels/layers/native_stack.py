@@ -101,7 +101,8 @@ class NativeStack:
 
     def accepts(self, hidden: Tensor, attn_fns: Sequence[object]) -> bool:
         """What one native layer accepts, for every layer's attention (one metadata, caches of one shape)."""
-        if len(attn_fns) != len(self.layers) or not self.layers[0].accepts(hidden, attn_fns[0]):
+        if (len(attn_fns) != len(self.layers) or not self.layers[0].reads_hidden   # (EAGLE-3's: greedy loop only)
+                or not self.layers[0].accepts(hidden, attn_fns[0])):
             return False
         first: PagedAttention = attn_fns[0]  # type: ignore[assignment]
         if not all(isinstance(fn, PagedAttention) and fn.meta is first.meta and fn.backend is first.backend

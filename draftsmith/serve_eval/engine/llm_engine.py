@@ -49,7 +49,8 @@ class LLMEngine:
         self.executor = executor or ModelExecutor(config.model, config.dtype, config.device, config.attn_backend)
         self.tokenizer = self._load_tokenizer(config.model)
         model_cfg = self.executor.config
-        self.threads: ThreadChoice = choose_threads(config.num_threads, estimate_num_params(model_cfg), config.device)
+        self.threads: ThreadChoice = choose_threads(config.num_threads, estimate_num_params(model_cfg), config.device,
+                                                    native_rows=self.executor.native_rows)
         apply_threads(self.threads)
         self.max_model_len = config.max_model_len or int(model_cfg.max_position_embeddings)
         if self.max_model_len > model_cfg.max_position_embeddings:

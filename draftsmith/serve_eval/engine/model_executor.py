@@ -19,7 +19,8 @@ from draftsmith.kernels.attention import AttentionMetadata, get_attention_backen
 from draftsmith.kernels.attention.window import sliding_window_attention
 from draftsmith.kernels.layers.causal_lm import CausalLM, causal_lm_from_state_dict
 from draftsmith.kernels.layers.checkpoint import load_config, read_state_dict
-from draftsmith.kernels.layers.linear import should_pack
+from draftsmith.kernels.layers.native_greedy import padded_tables
+from draftsmith.kernels.layers.linear import SMALL_GEMM_MAX_ROWS, should_pack
 from draftsmith.kernels.precision import AUTO, bf16_is_fast
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -221,6 +222,15 @@ class ModelExecutor:
         logits, hidden, aux = body(input_ids, positions, meta, logits_indices, aux_layers)
         return ForwardOutput(logits=logits, hidden=hidden, aux_hidden=aux)
 
+    @property
+    def native_rows(self) -> int:
+        """Rows up to which a one-thread forward runs the native C layers (fp32 CPU, every layer native, full
+        attention, the torch paged backend); 0: none."""
+        layers = self.model.native_layers()
+        served = (layers and all(layer is not None for layer in layers) and self.attn_backend == "torch"
+                  and all(window is None for window in self.sliding_windows))
+        return SMALL_GEMM_MAX_ROWS if served else 0
+
     @torch.no_grad()
     def greedy_decode(self, first_tokens: list[int], start_positions: list[int], num_steps: list[int],
                       block_tables: list[list[int]]) -> list[list[int]] | None:
@@ -233,9 +243,8 @@ class ModelExecutor:
         if (loop is None or any(w is not None for w in self.sliding_windows)
                 or not loop.accepts(self._layer_caches, last)):
             return None
-        width = max(len(t) for t in block_tables)
-        tables = torch.tensor([t + [0] * (width - len(t)) for t in block_tables], dtype=torch.int32)
-        return loop(first_tokens, start_positions, num_steps, tables, self._layer_caches, self.scale)
+        return loop(first_tokens, start_positions, num_steps, padded_tables(block_tables), self._layer_caches,
+                    self.scale)
 
     def _run(self, input_ids: Tensor, positions: Tensor, meta: AttentionMetadata, logits_indices: Tensor | None,
              aux_layers: tuple[int, ...]) -> tuple[Tensor, Tensor, dict[int, Tensor]]:

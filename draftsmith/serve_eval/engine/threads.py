@@ -20,17 +20,17 @@ from typing import Any
 
 import torch
 
-from draftsmith.kernels.layers.linear import SMALL_GEMM_MAX_ROWS
 
 log = logging.getLogger(__name__)
 
 AUTO = "auto"
 # Below this many parameters a CPU decode step is dominated by per-op overhead, not arithmetic.
 SMALL_MODEL_PARAMS = 100_000_000
-# From this many tokens in one step (every sequence's new tokens and draft slots), a small model's matmuls
-# have enough rows for every core. Below it, a one-thread step takes the native C layers (fp32), which beat
-# MKL on 2 threads up to about 64 rows (kernels/layers/linear.py has the figures).
-WIDE_STEP_TOKENS = SMALL_GEMM_MAX_ROWS + 1
+# From this many tokens in one step (every sequence's new tokens and draft slots), a small model's torch matmuls
+# have enough rows for every core (2 threads lost at 16 rows and won from 32). A model the native C layers serve
+# (fp32 on CPU) stays on one thread up to their SMALL_GEMM_MAX_ROWS rows, where they beat MKL on 2 threads
+# (kernels/layers/linear.py has the figures): choose_threads' native_rows.
+WIDE_STEP_TOKENS = 32
 
 
 @dataclass(frozen=True)
@@ -48,7 +48,7 @@ class ThreadChoice:
         return self.count
 
     def describe(self) -> str:
-        """e.g. "1" or "1 (2 from 32 tokens per step)": the counts the reports print."""
+        """e.g. "1" or "1 (2 from 65 tokens per step)": the counts the reports print."""
         if self.wide_count is None or self.wide_count == self.count:
             return str(self.count)
         return f"{self.count} ({self.wide_count} from {self.wide_from_tokens} tokens per step)"
@@ -79,8 +79,10 @@ def estimate_num_params(model_config: Any) -> int:
     return layers * (attention + 3 * hidden * inter) + embeddings
 
 
-def choose_threads(setting: int | str, num_params: int, device: str, cores: int | None = None) -> ThreadChoice:
-    """The count for `setting`: a positive int is taken as is; "auto" applies the module's rule."""
+def choose_threads(setting: int | str, num_params: int, device: str, cores: int | None = None,
+                   native_rows: int = 0) -> ThreadChoice:
+    """The count for `setting`: a positive int is taken as is; "auto" applies the module's rule. native_rows: the
+    rows up to which the model's forward runs the one-thread native C layers (0: it does not)."""
     if setting != AUTO:
         if isinstance(setting, bool) or not isinstance(setting, int) or setting <= 0:
             raise ValueError(f"num_threads must be a positive int or {AUTO!r}, got {setting!r}")
@@ -90,10 +92,13 @@ def choose_threads(setting: int | str, num_params: int, device: str, cores: int 
         return ThreadChoice(min(cores, torch.get_num_threads()), AUTO,
                             f"{device}: the CPU only schedules, torch's default kept")
     if num_params < SMALL_MODEL_PARAMS:
-        wide = f", a step of {WIDE_STEP_TOKENS}+ tokens has rows enough for every core" if cores > 1 else ""
+        wide_from = max(WIDE_STEP_TOKENS, native_rows + 1)
+        wide = f", a step of {wide_from}+ tokens has rows enough for every core" if cores > 1 else ""
+        native = f" (the native C layers serve up to {native_rows} rows)" if native_rows else ""
         return ThreadChoice(1, AUTO, f"small model on CPU ({num_params / 1e6:.1f}M params < "
                                      f"{SMALL_MODEL_PARAMS / 1e6:.0f}M): a small step's per-op work is below a "
-                                     f"thread hand-off{wide}", wide_count=cores if cores > 1 else None)
+                                     f"thread hand-off{wide}{native}", wide_count=cores if cores > 1 else None,
+                            wide_from_tokens=wide_from)
     return ThreadChoice(cores, AUTO, f"{num_params / 1e6:.0f}M params on CPU: one thread per core ({cores})")
 
 

@@ -97,7 +97,7 @@ class _Bucket:
     steps: int = 0
     explore_interval: int = 0      # steps of the winning arm between re-tries (0: not set yet)
     steps_since_explore: int = 0
-    retries: int = 0               # re-tries since the winner last changed: whose turn is next
+    tried: set[int] = field(default_factory=set)   # losers re-tried (and lost again) in the current turn
     retry_arm: int | None = None   # the arm of the re-try burst under way
     retry_left: int = 0            # its steps still to run
     retry_burst: bool = False      # the re-try's first step would have won: confirming on fresh steps
@@ -190,8 +190,11 @@ class BatchGate:
         if b.steps_since_explore >= (b.explore_interval or self.config.explore_every):
             winner = self._winner(b)
             losers = [key for key in b.arms if key != winner]
-            arm = losers[b.retries % len(losers)]
-            if b.steps_since_explore >= self._affordable_after(b, arm, winner):
+            # the first arm not yet re-tried this turn whose re-try is affordable now (a dear one waits longer,
+            # without holding up a cheap one)
+            arm = next((key for key in losers if key not in b.tried
+                        and b.steps_since_explore >= self._affordable_after(b, key, winner)), None)
+            if arm is not None:
                 b.retry_arm, b.retry_from = arm, winner
                 b.retry_left, b.retry_burst = 1, False
 
@@ -237,11 +240,13 @@ class BatchGate:
     def _end_retry(self, b: _Bucket) -> None:
         cfg = self.config
         if self._winner(b) == b.retry_from:   # the re-tried arm lost again
-            b.retries += 1
-            if b.retries % (len(b.arms) - 1) == 0:   # a full turn confirmed the winner: re-try half as often
+            b.tried.add(b.retry_arm)
+            if len(b.tried) >= len(b.arms) - 1:   # a full turn confirmed the winner: re-try half as often
                 b.explore_interval = min(2 * (b.explore_interval or cfg.explore_every), cfg.max_explore_every)
+                b.tried.clear()
         else:                                 # it won: back to the base rate, a new turn
-            b.explore_interval, b.retries = cfg.explore_every, 0
+            b.explore_interval = cfg.explore_every
+            b.tried.clear()
         b.steps_since_explore = 0
 
     def to_dict(self) -> dict:

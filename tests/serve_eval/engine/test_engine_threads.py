@@ -55,6 +55,8 @@ def test_auto_rule_widens_large_steps_of_a_small_model():
     or a configured count never widens."""
     small = choose_threads("auto", SMALL_MODEL_PARAMS - 1, "cpu", cores=2)
     assert [small.for_step(n) for n in (1, 5, WIDE_STEP_TOKENS - 1, WIDE_STEP_TOKENS, 512)] == [1, 1, 1, 2, 2]
+    native = choose_threads("auto", SMALL_MODEL_PARAMS - 1, "cpu", cores=2, native_rows=64)   # the C layers' rows
+    assert [native.for_step(n) for n in (1, WIDE_STEP_TOKENS, 64, 65, 512)] == [1, 1, 1, 2, 2]
     assert small.describe() == f"1 (2 from {WIDE_STEP_TOKENS} tokens per step)"
     assert choose_threads("auto", SMALL_MODEL_PARAMS - 1, "cpu", cores=1).for_step(512) == 1
     assert choose_threads(1, 10, "cpu", cores=2).for_step(512) == 1
@@ -76,7 +78,9 @@ def test_engine_sets_each_steps_count(tmp_path, restore_threads, monkeypatch):
         return execute(eng, out)
 
     monkeypatch.setattr(engine.strategy, "execute", recording)
-    engine.add_request("long", list(range(1, WIDE_STEP_TOKENS + 9)), SamplingParams(max_tokens=3, ignore_eos=True))
+    wide = engine.threads.wide_from_tokens   # 65 where the native C layers serve the model, else 32
+    assert wide == engine.executor.native_rows + 1 or wide == WIDE_STEP_TOKENS
+    engine.add_request("long", list(range(1, wide + 9)), SamplingParams(max_tokens=3, ignore_eos=True))
     while engine.has_unfinished_requests():
         engine.step()
-    assert seen == [(WIDE_STEP_TOKENS + 8, 2), (1, 1), (1, 1)]
+    assert seen == [(wide + 8, 2), (1, 1), (1, 1)]

@@ -340,3 +340,8 @@ def test_greedy_decode_in_one_c_call_equals_the_forward_steps(layers, tied):
     assert torch.equal(mine.k_cache, reference.k_cache) and torch.equal(mine.v_cache, reference.v_cache)
     with pytest.raises(ValueError, match="outside its table"):
         mine.greedy_decode([first["c"]], [len(prompts["c"]) + 40], [1], [stepping.tables["c"]])
+    # a shorter table beside a longer one: its steps past its own blocks are refused, not written into block 0
+    assert len(stepping.tables["c"]) < len(stepping.tables["b"])
+    with pytest.raises(ValueError, match="outside its table"):
+        mine.greedy_decode([first["b"], first["c"]], [len(prompts["b"]), 1], [1, 4 * len(stepping.tables["b"])],
+                           [stepping.tables["b"], stepping.tables["c"]])

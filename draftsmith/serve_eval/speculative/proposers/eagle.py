@@ -39,6 +39,8 @@ from torch import Tensor
 from draftsmith.kernels.attention import (
     AttentionMetadata,
 )
+from draftsmith.kernels.attention.torch_paged import paged_attention as torch_paged_attention
+from draftsmith.kernels.layers.native_greedy import padded_tables
 from draftsmith.kernels.sampling import logits_to_probs
 from draftsmith.serve_eval.engine.kv_cache_manager import cdiv
 from draftsmith.serve_eval.speculative.proposers.base import (
@@ -328,11 +330,13 @@ class EagleProposer(Proposer):
 
     def _greedy_rest(self, states, tokens, num_tokens, root_positions, feats: Tensor) -> bool:
         """Every sequence greedy, its first token drawn: the chains' remaining steps in one C call (the draft's
-        greedy_loop), each record grown by the steps its pool allows, as the Python steps would. False where that
+        greedy_loop), each record grown first by the steps the pool allows it (sequence by sequence, where the
+        Python steps grow them step by step: on a nearly full pool the first ones get the room). False where that
         path does not serve, and nothing was done."""
         loop = self.draft.greedy_loop()   # EagleDraft's or Eagle3Draft's (None where C does not serve it)
         last = max(p + n - 1 for p, n in zip(root_positions, num_tokens))
-        if loop is None or max(num_tokens) < 2 or not loop.accepts(self.cache.layers(), last):
+        if (loop is None or max(num_tokens) < 2 or self.cache.attention is not torch_paged_attention
+                or not loop.accepts(self.cache.layers(), last)):
             return False
         entries, steps = [], []
         for state, n in zip(states, num_tokens):
@@ -342,10 +346,8 @@ class EagleProposer(Proposer):
             while grown < n - 1 and self.cache.resize(record, entries[-1] + grown + 1):
                 grown += 1
             steps.append(grown)
-        tables = [self.cache.block_table(state.record) for state in states]
-        width = max(len(t) for t in tables)
         more = loop([t[0] for t in tokens], root_positions, steps,
-                    torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32),
+                    padded_tables([self.cache.block_table(state.record) for state in states]),
                     self.cache.layers(), self.draft.config.decoder.head_dim ** -0.5, start_entries=entries,
                     features=feats.float().contiguous().clone())
         for chain, new in zip(tokens, more):
