@@ -192,86 +192,119 @@ typedef struct {
  * 1-layer draft's step is ~0.4 ms of C inside ~1 ms of per-step Python (metadata, tensors, embedding, rope, norm,
  * argmax). Returns 0, -2 for a token, position or block outside its table (nothing past that step is written),
  * -3 when the workspace could not be allocated, else the stack's status. */
+/* The loop's sequences (the caller's arrays) and its workspace: a step's rows for the n sequences still going. */
+typedef struct {
+    const int32_t *block_tables;
+    long table_width, max_steps;
+    const int64_t *first_tokens, *start_positions, *start_entries;
+    float *features;
+    int64_t *out_tokens;
+} greedy_seqs_t;
+
+typedef struct {
+    float *hidden, *x, *cos, *sin, *logits;
+    int64_t *slots;
+    int32_t *group, *seq_lens, *cu, *tables;
+} greedy_work_t;
+
+/* Step `step`'s input rows, rope rows, slots and metadata for the n sequences in w->group; -2 for a token,
+ * position or cache entry outside its table. */
+static int greedy_rows(const native_stack_t *s, const greedy_ends_t *e, const greedy_seqs_t *q, greedy_work_t *w,
+                       long step, long n) {
+    long d = s->d, hd = s->head_dim, bs = s->block_size, tw = q->table_width;
+    for (long i = 0; i < n; i++) {
+        long j = w->group[i];
+        int64_t token = step ? q->out_tokens[j * q->max_steps + step - 1] : q->first_tokens[j];
+        int64_t pos = q->start_positions[j] + step, entry = q->start_entries[j] + step;
+        if (token < 0 || token >= e->vocab || pos < 0 || pos >= e->max_positions || entry < 0 || entry / bs >= tw
+            || q->block_tables[j * tw + entry / bs] < 0)
+            return -2;
+        const float *embed = e->embed + token * d, *feature = q->features ? q->features + j * d : NULL;
+        if (e->hidden_norm) {  /* EAGLE-3: the attention's input and the residual stream */
+            float *normed = w->x + i * 2 * d + d;
+            rms_norm(embed, 1, d, e->embed_norm, e->input_eps, w->x + i * 2 * d);
+            rms_norm(feature, 1, d, e->hidden_norm, e->input_eps, normed);
+            memcpy(w->hidden + i * d, e->norm_before_residual ? normed : feature, sizeof(float) * d);
+        } else if (e->fc) {  /* [embed ; feature] rows, projected by greedy_forward */
+            memcpy(w->x + i * 2 * d, embed, sizeof(float) * d);
+            memcpy(w->x + i * 2 * d + d, feature, sizeof(float) * d);
+        } else {
+            memcpy(w->hidden + i * d, embed, sizeof(float) * d);
+        }
+        memcpy(w->cos + i * hd, e->cos + pos * hd, sizeof(float) * hd);
+        memcpy(w->sin + i * hd, e->sin + pos * hd, sizeof(float) * hd);
+        memcpy(w->tables + i * tw, q->block_tables + j * tw, sizeof(int32_t) * tw);
+        w->slots[i] = (int64_t)q->block_tables[j * tw + entry / bs] * bs + entry % bs;
+        w->seq_lens[i] = (int32_t)(entry + 1);
+        w->cu[i] = (int32_t)i;
+    }
+    w->cu[n] = (int32_t)n;
+    return 0;
+}
+
+/* The draft's layers over the step's rows (KV written): EAGLE-3's one layer with its built attention input, else
+ * fc (EAGLE-1) and the stack. */
+static int greedy_forward(const native_stack_t *s, const greedy_ends_t *e, greedy_work_t *w, long n, long tw) {
+    long d = s->d;
+    if (e->hidden_norm)
+        return decoder_layer_f32(w->hidden, n, d, w->x, 2 * d, NULL, s->post_norm[0], s->eps, s->weights_f16,
+                                 s->qkv_w[0], s->qkv_b[0], s->o_w[0], s->o_b[0], s->gate_up_w[0], s->gate_up_b[0],
+                                 s->down_w[0], s->down_b[0], s->inter, w->cos, w->sin, s->num_heads, s->kv_heads,
+                                 s->head_dim, s->k_cache[0], s->v_cache[0], w->slots, s->num_slots, w->tables, tw,
+                                 w->seq_lens, w->cu, n, NULL, 0, s->block_size, 1, s->scale);
+    if (e->fc) project(e->fc_f16, w->x, n, 2 * d, 2 * d, e->fc, d, e->fc_bias, w->hidden, d);
+    return decoder_stack_f32(w->hidden, n, d, s->num_layers, s->in_norm, s->post_norm, s->eps, s->weights_f16,
+                             s->qkv_w, s->qkv_b, s->o_w, s->o_b, s->gate_up_w, s->gate_up_b, s->down_w, s->down_b,
+                             s->inter, w->cos, w->sin, s->num_heads, s->kv_heads, s->head_dim, s->k_cache, s->v_cache,
+                             w->slots, s->num_slots, w->tables, tw, w->seq_lens, w->cu, n, NULL, 0, s->block_size, 1,
+                             s->scale, NULL);
+}
+
+/* The carried features, then final norm, head and argmax (through d2t) into each sequence's step token. */
+static void greedy_pick(const greedy_ends_t *e, const greedy_seqs_t *q, greedy_work_t *w, long d, long n, long step) {
+    if (q->features)
+        for (long i = 0; i < n; i++) memcpy(q->features + w->group[i] * d, w->hidden + i * d, sizeof(float) * d);
+    if (e->final_norm) rms_norm(w->hidden, n, d, e->final_norm, e->final_eps, w->x);
+    project(e->head_f16, e->final_norm ? w->x : w->hidden, n, d, d, e->head, e->head_vocab, e->head_bias, w->logits,
+            e->head_vocab);
+    for (long i = 0; i < n; i++) {
+        const float *row = w->logits + i * e->head_vocab;
+        long best = 0;
+        for (long v = 1; v < e->head_vocab; v++)
+            if (row[v] > row[best]) best = v;
+        q->out_tokens[w->group[i] * q->max_steps + step] = e->d2t ? best + e->d2t[best] : best;
+    }
+}
+
 int draft_greedy_f32(const native_stack_t *s, const greedy_ends_t *e, long num_seqs, const int32_t *block_tables,
                      long table_width, const int64_t *first_tokens, const int64_t *start_positions,
                      const int64_t *start_entries, const int32_t *num_steps, long max_steps, float *features,
                      int64_t *out_tokens) {
-    long n_max = num_seqs, d = s->d, hd = s->head_dim, bs = s->block_size;
+    long n_max = num_seqs, d = s->d, hd = s->head_dim;
     if (n_max <= 0 || max_steps <= 0) return 0;
-    if ((e->fc || e->hidden_norm) && !features) return -2;
-    if (e->hidden_norm && s->num_layers != 1) return -2;
-    float *hidden = malloc(sizeof(float) * n_max * (4 * d + 2 * hd + e->head_vocab));
-    int64_t *slots = malloc(sizeof(int64_t) * n_max);
-    int32_t *ints = malloc(sizeof(int32_t) * (n_max * (3 + table_width) + 1));
-    if (!hidden || !slots || !ints) {
-        free(hidden); free(slots); free(ints);
+    if (((e->fc || e->hidden_norm) && !features) || (e->hidden_norm && s->num_layers != 1)) return -2;
+    greedy_seqs_t q = {block_tables, table_width, max_steps, first_tokens, start_positions, start_entries,
+                       (e->fc || e->hidden_norm) ? features : NULL, out_tokens};
+    greedy_work_t w;
+    w.hidden = malloc(sizeof(float) * n_max * (3 * d + 2 * hd + e->head_vocab));
+    w.slots = malloc(sizeof(int64_t) * n_max);
+    w.group = malloc(sizeof(int32_t) * (n_max * (3 + table_width) + 1));
+    if (!w.hidden || !w.slots || !w.group) {
+        free(w.hidden); free(w.slots); free(w.group);
         return -3;
     }
-    float *x = hidden + n_max * d, *cos = x + n_max * 2 * d, *sin = cos + n_max * hd, *logits = sin + n_max * hd;
-    int32_t *group = ints, *seq_lens = group + n_max, *cu = seq_lens + n_max, *tables = cu + n_max + 1;
+    w.x = w.hidden + n_max * d, w.cos = w.x + n_max * 2 * d, w.sin = w.cos + n_max * hd, w.logits = w.sin + n_max * hd;
+    w.seq_lens = w.group + n_max, w.cu = w.seq_lens + n_max, w.tables = w.cu + n_max + 1;
     int status = 0;
     for (long step = 0; step < max_steps && status == 0; step++) {
         long n = 0;
         for (long j = 0; j < num_seqs; j++)
-            if (num_steps[j] > step) group[n++] = (int32_t)j;
+            if (num_steps[j] > step) w.group[n++] = (int32_t)j;
         if (n == 0) break;
-        for (long i = 0; i < n; i++) {
-            long j = group[i];
-            int64_t token = step ? out_tokens[j * max_steps + step - 1] : first_tokens[j];
-            int64_t pos = start_positions[j] + step, entry = start_entries[j] + step;
-            if (token < 0 || token >= e->vocab || pos < 0 || pos >= e->max_positions || entry < 0
-                || entry / bs >= table_width || block_tables[j * table_width + entry / bs] < 0) {
-                status = -2;
-                break;
-            }
-            if (e->hidden_norm) {  /* EAGLE-3: the attention's input and the residual stream */
-                float *normed = x + i * 2 * d + d;
-                rms_norm(e->embed + token * d, 1, d, e->embed_norm, e->input_eps, x + i * 2 * d);
-                rms_norm(features + j * d, 1, d, e->hidden_norm, e->input_eps, normed);
-                memcpy(hidden + i * d, e->norm_before_residual ? normed : features + j * d, sizeof(float) * d);
-            } else if (e->fc) {  /* [embed ; feature] rows, projected below */
-                memcpy(x + i * 2 * d, e->embed + token * d, sizeof(float) * d);
-                memcpy(x + i * 2 * d + d, features + j * d, sizeof(float) * d);
-            } else {
-                memcpy(hidden + i * d, e->embed + token * d, sizeof(float) * d);
-            }
-            memcpy(cos + i * hd, e->cos + pos * hd, sizeof(float) * hd);
-            memcpy(sin + i * hd, e->sin + pos * hd, sizeof(float) * hd);
-            memcpy(tables + i * table_width, block_tables + j * table_width, sizeof(int32_t) * table_width);
-            slots[i] = (int64_t)block_tables[j * table_width + entry / bs] * bs + entry % bs;
-            seq_lens[i] = (int32_t)(entry + 1);
-            cu[i] = (int32_t)i;
-        }
-        if (status) break;
-        cu[n] = (int32_t)n;
-        if (e->hidden_norm)
-            status = decoder_layer_f32(hidden, n, d, x, 2 * d, NULL, s->post_norm[0], s->eps, s->weights_f16,
-                                       s->qkv_w[0], s->qkv_b[0], s->o_w[0], s->o_b[0], s->gate_up_w[0],
-                                       s->gate_up_b[0], s->down_w[0], s->down_b[0], s->inter, cos, sin, s->num_heads,
-                                       s->kv_heads, hd, s->k_cache[0], s->v_cache[0], slots, s->num_slots, tables,
-                                       table_width, seq_lens, cu, n, NULL, 0, bs, 1, s->scale);
-        else {
-            if (e->fc) project(e->fc_f16, x, n, 2 * d, 2 * d, e->fc, d, e->fc_bias, hidden, d);
-            status = decoder_stack_f32(hidden, n, d, s->num_layers, s->in_norm, s->post_norm, s->eps, s->weights_f16,
-                                       s->qkv_w, s->qkv_b, s->o_w, s->o_b, s->gate_up_w, s->gate_up_b, s->down_w,
-                                       s->down_b, s->inter, cos, sin, s->num_heads, s->kv_heads, hd, s->k_cache,
-                                       s->v_cache, slots, s->num_slots, tables, table_width, seq_lens, cu, n, NULL, 0,
-                                       bs, 1, s->scale, NULL);
-        }
-        if (status) break;
-        if (e->fc || e->hidden_norm)
-            for (long i = 0; i < n; i++) memcpy(features + group[i] * d, hidden + i * d, sizeof(float) * d);
-        if (e->final_norm) rms_norm(hidden, n, d, e->final_norm, e->final_eps, x);
-        project(e->head_f16, e->final_norm ? x : hidden, n, d, d, e->head, e->head_vocab, e->head_bias, logits,
-                e->head_vocab);
-        for (long i = 0; i < n; i++) {
-            const float *row = logits + i * e->head_vocab;
-            long best = 0;
-            for (long v = 1; v < e->head_vocab; v++)
-                if (row[v] > row[best]) best = v;
-            out_tokens[group[i] * max_steps + step] = e->d2t ? best + e->d2t[best] : best;
-        }
+        status = greedy_rows(s, e, &q, &w, step, n);
+        if (status == 0) status = greedy_forward(s, e, &w, n, table_width);
+        if (status == 0) greedy_pick(e, &q, &w, d, n, step);
     }
-    free(hidden); free(slots); free(ints);
+    free(w.hidden); free(w.slots); free(w.group);
     return status;
 }
