@@ -6,7 +6,7 @@ one new target row fed per round (one accepted token), propose K, verification d
 Weights are untrained (cost does not depend on their values), shaped from the target's config; serving form,
 fp32, one intra-op thread (the engine's choice for small models) on the CPU; on a GPU (--device cuda) each
 round is timed between two synchronizations. Prints ms per round, that ratio, and the number of draft
-forwards per round (counted by a forward hook).
+forwards per round (counted by a forward hook; a greedy chain's steps in the C loop count one each).
 
     scripts/bench_block_cost.py --target artifacts/target-cache/<key> --ks 4 8 --block-layers 1 2
     scripts/bench_block_cost.py --target /ckpt/llama --device cuda --dtype bfloat16
@@ -34,6 +34,20 @@ from draftsmith.serve_eval.speculative.proposers.eagle3 import Eagle3Proposer  #
 from draftsmith.serve_eval.speculative.verify import VerifyResult  # noqa: E402
 
 
+class _CountedLoop:
+    """A draft's C greedy loop (kernels.layers.native_greedy) that adds each of its steps to a runner's forwards."""
+
+    def __init__(self, loop, runner: "Runner") -> None:
+        self.loop, self.runner = loop, runner
+
+    def accepts(self, *args, **kwargs) -> bool:
+        return self.loop.accepts(*args, **kwargs)
+
+    def __call__(self, first_tokens, start_positions, num_steps, *args, **kwargs):
+        self.runner.forwards += sum(num_steps)
+        return self.loop(first_tokens, start_positions, num_steps, *args, **kwargs)
+
+
 class Runner:
     """One sequence driven through steady-state rounds of one proposer (one new target row per round)."""
 
@@ -41,6 +55,9 @@ class Runner:
         self.proposer, self.width, self.k, self.sync = proposer, width, k, sync
         self.forwards, self.times = 0, []
         proposer.draft.register_forward_hook(lambda *_: setattr(self, "forwards", self.forwards + 1))
+        loop = proposer.draft.greedy_loop() if isinstance(proposer.draft, Eagle3Draft) else None
+        if loop is not None:   # greedy chain steps after the first run in one C call: each counts as a forward
+            proposer.draft._greedy_loop = _CountedLoop(loop, self)
         self.seq = SimpleNamespace(request_id="r", token_ids=list(range(1, prompt_len + 1)),
                                    params=SimpleNamespace(temperature=0.0, top_k=0, top_p=1.0), generator=None)
         proposer.add_features("r", TargetFeatures(0, torch.zeros(prompt_len - 1, 1), torch.randn(prompt_len - 1, width)))
