@@ -238,10 +238,9 @@ class ModelExecutor:
         written through block_tables[j] (slots already allocated), all in one C call (kernels.layers.native_greedy);
         None where that path cannot serve this model now (the caller then runs forward step by step)."""
         self._require_cache()
-        loop = self.model.greedy_loop() if self.attn_backend == "torch" else None
+        loop = self.model.greedy_loop() if self.native_rows else None   # the layers' C path serves this model
         last = max(p + n - 1 for p, n in zip(start_positions, num_steps))
-        if (loop is None or any(w is not None for w in self.sliding_windows)
-                or not loop.accepts(self._layer_caches, last)):
+        if loop is None or not loop.accepts(self._layer_caches, last):
             return None
         return loop(first_tokens, start_positions, num_steps, padded_tables(block_tables), self._layer_caches,
                     self.scale)

@@ -3,12 +3,13 @@
 Why a rule: torch defaults to one thread per core, but a decode step of a small model at a small batch is
 hundreds of small matmuls; handing each to a second thread costs more than the work it saves. Measured on
 the embedded target (8 layers, hidden 256, bf16, 2 cores), 2 threads ran about 2x slower than 1 at batch 1
-and at batch 16. A step of many tokens (a prefill chunk, a batch of 128) has enough rows per matmul
-for every core to pay; below about 64 rows the one-thread native C layers win instead: on the 20-layer
-embedded target (fp32, 2 cores) greedy decoding of 32 prompts ran 1.56 ms/token at 1 thread against
-2.05-2.30 at 2, 64 prompts about even, 128 prompts 1.41-1.46 against 1.18-1.26. So a small model runs steps below ``WIDE_STEP_TOKENS`` tokens on one thread and larger
-ones on every core (switching costs nothing measurable: torch keeps its thread pool). Larger models use
-every core for every step.
+and at batch 16. A step of many tokens (a prefill chunk, a large batch) has enough rows per matmul for every
+core to pay: with torch's matmuls from ``WIDE_STEP_TOKENS`` (32) tokens. Where the one-thread native C layers
+serve the model (fp32 on CPU), they win up to their ``SMALL_GEMM_MAX_ROWS`` rows instead: on the 20-layer
+embedded target (2 cores) greedy decoding of 32 prompts ran 1.56 ms/token at 1 thread against 2.05-2.30 at 2,
+64 prompts about even, 128 prompts 1.41-1.46 against 1.18-1.26. So a small model runs smaller steps on one
+thread and larger ones on every core (switching costs nothing measurable: torch keeps its thread pool).
+Larger models use every core for every step.
 """
 
 from __future__ import annotations
