@@ -35,7 +35,7 @@ from draftsmith.serve_eval.speculative.verify import VerifyResult  # noqa: E402
 
 
 class _CountedLoop:
-    """A draft's C greedy loop (kernels.layers.native_greedy) that adds each of its steps to a runner's forwards."""
+    """A draft's C loop (kernels.layers.native_draft_loop) that adds each of its steps to a runner's forwards."""
 
     def __init__(self, loop, runner: "Runner") -> None:
         self.loop, self.runner = loop, runner
@@ -55,9 +55,10 @@ class Runner:
         self.proposer, self.width, self.k, self.sync = proposer, width, k, sync
         self.forwards, self.times = 0, []
         proposer.draft.register_forward_hook(lambda *_: setattr(self, "forwards", self.forwards + 1))
-        loop = proposer.draft.greedy_loop() if isinstance(proposer.draft, Eagle3Draft) else None
+        loop = proposer.draft.draft_loop() if isinstance(proposer.draft, Eagle3Draft) else None
         if loop is not None:   # greedy chain steps after the first run in one C call: each counts as a forward
-            proposer.draft._greedy_loop = _CountedLoop(loop, self)
+            counted = _CountedLoop(loop, self)
+            proposer.draft.draft_loop = lambda: counted
         self.seq = SimpleNamespace(request_id="r", token_ids=list(range(1, prompt_len + 1)),
                                    params=SimpleNamespace(temperature=0.0, top_k=0, top_p=1.0), generator=None)
         proposer.add_features("r", TargetFeatures(0, torch.zeros(prompt_len - 1, 1), torch.randn(prompt_len - 1, width)))

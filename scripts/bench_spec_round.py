@@ -1,6 +1,7 @@
 """One speculative round, by component, per method, beside a plain decode step (one run, interleaved).
 
-Batch 1, T = 0, K drafts per round (policy fallback off, so every step speculates). For each method it
+Batch 1, T = 0 (or --temperature, sampled and seeded), K drafts per round (policy fallback off, so every step
+speculates). For each method it
 prints ms per step split into: draft (proposer.propose + on_accepted + add_features), target forward
 (executor.forward), verify (the strategy's _verify: target rows -> accepted tokens; for plain decoding,
 engine.sample) and the rest (the step minus those: scheduling, batch building, masks, compaction,
@@ -15,6 +16,7 @@ says: their acceptance is ~0, so the rounds measure cost, not speedup.
 
   python scripts/bench_spec_round.py                                   # embedded shape, all methods
   python scripts/bench_spec_round.py --methods standalone,eagle --steps 8 --repeats 3 --layers 2  # quick
+  python scripts/bench_spec_round.py --methods nospec,standalone,eagle --temperature 1   # sampled rounds
 """
 from __future__ import annotations
 
@@ -111,6 +113,8 @@ def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--methods", default=",".join(METHODS), help=f"comma list of {METHODS}")
     ap.add_argument("--k", type=int, default=4, help="drafts per round (tree: depth; 16-node budget)")
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="0: greedy rounds; > 0: sampled rounds (seeded; drafts drawn from their rows)")
     ap.add_argument("--steps", type=int, default=24, help="decode steps per repetition")
     ap.add_argument("--repeats", type=int, default=5, help="interleaved repetitions (median + spread)")
     ap.add_argument("--threads", default="1,auto", help="comma list: thread counts or 'auto' (engine's choice)")
@@ -157,7 +161,7 @@ def main() -> None:
     print(f"target {'random weights, embedded shape' if not args.target else target} ({shape.num_hidden_layers} "
           f"layers, hidden {shape.hidden_size}, vocab {shape.vocab_size}, {target_params / 1e6:.2f}M params), "
           f"{args.dtype} on {args.device}, batch 1, "
-          f"T=0, K={args.k}, {args.steps} steps x {args.repeats} repetitions, engine-chosen threads {chosen}")
+          f"T={args.temperature:g}, K={args.k}, {args.steps} steps x {args.repeats} repetitions, engine-chosen threads {chosen}")
     for kind, src in sorted(sources.items()):
         print(f"  draft {kind}: {src}")
     print(f"load average before: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
@@ -169,7 +173,8 @@ def main() -> None:
             continue
         measured.add(count)
         torch.set_num_threads(count)
-        rows = step_cost.interleaved(engines, timers, prompt, args.steps, args.repeats)
+        rows = step_cost.interleaved(engines, timers, prompt, args.steps, args.repeats,
+                                     temperature=args.temperature)
         label = f"{count} torch thread(s)" + (" = the engine's choice" if count == chosen else "")
         print_table(label, rows, ratios, args.k)
     print(f"\nload average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())} ({os.cpu_count()} CPUs)")

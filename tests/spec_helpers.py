@@ -21,12 +21,12 @@ TEST_DEVICE = os.environ.get("DRAFTSMITH_TEST_DEVICE", "cpu")
 
 
 def make_llama(path: Path, vocab: int = VOCAB, hidden: int = 64, layers: int = 2, seed: int = 0,
-               max_pos: int = 256, init: float = 0.1) -> Path:
+               max_pos: int = 256, init: float = 0.1, **fields) -> Path:
     """A random HF Llama checkpoint dir (fp32): the engine tests' target and draft shape (wide init, so greedy
-    argmaxes are decisive; EOS the last id)."""
+    argmaxes are decisive; EOS the last id); fields: other config fields (e.g. num_attention_heads)."""
     return save_tiny_model(path, "llama", seed, vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
                            num_hidden_layers=layers, max_position_embeddings=max_pos, initializer_range=init,
-                           eos_token_id=vocab - 1, bos_token_id=0, pad_token_id=0)
+                           eos_token_id=vocab - 1, bos_token_id=0, pad_token_id=0, **fields)
 
 
 def feature_draft(kind: str, target_dir: Path, out_dir: Path, seed: int = 0, init=None, block_opts=None) -> Path:

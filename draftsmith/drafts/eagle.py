@@ -24,7 +24,7 @@ from draftsmith.drafts.common import (causal_attn_fn, copy_from_target, count_pa
 from draftsmith.kernels.layers.config import DecoderConfig, hf_config_dict
 from draftsmith.kernels.layers.decoder import AttnFn, DecoderLayer, run_layer
 from draftsmith.kernels.layers.linear import Linear
-from draftsmith.kernels.layers.native_greedy import NativeGreedyLoop, loop_rope_table
+from draftsmith.kernels.layers.native_draft_loop import DraftLoopSlot, NativeDraftLoop, loop_rope_table
 from draftsmith.kernels.layers.native_stack import NativeStack
 from draftsmith.kernels.layers.rope import RotaryEmbedding
 
@@ -71,7 +71,7 @@ class EagleDraft(nn.Module):
         self.rotary = RotaryEmbedding(cfg.decoder)
         self.serving_fc: Linear | None = None  # serving forms (to_serving_)
         self.serving_head: Linear | None = None
-        self._greedy_loop: NativeGreedyLoop | None | bool = False   # greedy_loop(), built on first use
+        self._draft_loop = DraftLoopSlot()
         for module in self.modules():
             if isinstance(module, (nn.Linear, nn.Embedding)):
                 nn.init.normal_(module.weight, std=0.02)
@@ -116,20 +116,21 @@ class EagleDraft(nn.Module):
         self.serving_fc = Linear.fuse([self.fc], pack)
         self.layers[0].to_serving_(pack)
         self.serving_head = Linear.fuse([self.lm_head], pack)
-        self._greedy_loop = False
+        self._draft_loop.clear()
         return self
 
-    def greedy_loop(self) -> NativeGreedyLoop | None:
-        """A greedy chain's steps in one C call (kernels.layers.native_greedy: fc, the layer, the head, argmax),
-        for a draft in serving form whose projections and layer are native; None otherwise. Built on first use."""
-        if self._greedy_loop is False:
-            loop, ops = None, self.layers[0].serving_ops
-            if isinstance(self.serving_fc, Linear) and isinstance(self.serving_head, Linear) and ops is not None:
-                loop = NativeGreedyLoop.build(NativeStack.build([ops.native], min_layers=1), self.embed_tokens.weight,
-                                              None, 0.0, self.serving_head.small, loop_rope_table(self.rotary),
-                                              fc=self.serving_fc.small)
-            self._greedy_loop = loop
-        return self._greedy_loop
+    def draft_loop(self) -> NativeDraftLoop | None:
+        """A chain's steps in one C call (kernels.layers.native_draft_loop: fc, the layer, the head, the token), for
+        a draft in serving form whose projections and layer are native; None otherwise."""
+        return self._draft_loop.get(self._build_draft_loop)
+
+    def _build_draft_loop(self) -> NativeDraftLoop | None:
+        ops = self.layers[0].serving_ops
+        if not (isinstance(self.serving_fc, Linear) and isinstance(self.serving_head, Linear) and ops is not None):
+            return None
+        return NativeDraftLoop.build(NativeStack.build([ops.native], min_layers=1), self.embed_tokens.weight, None,
+                                     0.0, self.serving_head.small, loop_rope_table(self.rotary),
+                                     fc=self.serving_fc.small)
 
     def forward_batch(self, input_ids: Tensor, features: Tensor) -> tuple[Tensor, Tensor]:
         """Training API: input_ids [B, S], features [B, S, d] -> (predicted features [B,S,d], logits [B,S,V])."""

@@ -25,7 +25,7 @@ from draftsmith.kernels import native
 from draftsmith.kernels.layers.config import DecoderConfig, hf_config_dict
 from draftsmith.kernels.layers.decoder import AttnFn, DecoderLayer, mlp_residual, run_layer
 from draftsmith.kernels.layers.linear import Linear
-from draftsmith.kernels.layers.native_greedy import Eagle3Inputs, NativeGreedyLoop, loop_rope_table
+from draftsmith.kernels.layers.native_draft_loop import DraftLoopSlot, Eagle3Inputs, NativeDraftLoop, loop_rope_table
 from draftsmith.kernels.layers.native_stack import NativeStack
 from draftsmith.kernels.layers.norm import RMSNorm
 from draftsmith.kernels.layers.rope import RotaryEmbedding
@@ -149,7 +149,7 @@ class Eagle3Draft(nn.Module):
         self.serving_fc: Linear | None = None  # serving forms (to_serving_)
         self.serving_head: Linear | None = None
         self.serving_norm = None
-        self._greedy_loop: NativeGreedyLoop | None | bool = False   # greedy_loop(), built on first use
+        self._draft_loop = DraftLoopSlot()
         self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))
         t2d = torch.zeros(cfg.vocab_size, dtype=torch.bool)
         t2d[: cfg.draft_vocab_size] = True  # identity map until set_vocab_map
@@ -235,36 +235,41 @@ class Eagle3Draft(nn.Module):
         self.midlayer.to_serving_(pack)
         self.serving_norm = self.norm.serving()
         self.serving_head = Linear.fuse([self.lm_head], pack)
-        self._greedy_loop = False
+        self._draft_loop.clear()
         return self
 
-    def greedy_loop(self) -> NativeGreedyLoop | None:
-        """A greedy chain's steps in one C call (kernels.layers.native_greedy: the two input norms, the mid layer,
-        the final norm, the head over the draft vocabulary, argmax and d2t), for a draft in serving form whose
-        layer and head are native; None otherwise. Built on first use."""
-        if self._greedy_loop is False:
-            loop, layer = None, self.midlayer
-            native_layer = None if layer.serving_ops is None else layer.serving_ops.native
-            if (native_layer is not None and native_layer.input_norm is not None
-                    and isinstance(self.serving_head, Linear) and bool((self.d2t[1:] >= self.d2t[:-1]).all())):
-                # (a monotone d2t keeps the first of equal maxima the one torch's argmax over target ids picks)
-                inputs = Eagle3Inputs.of(native_layer.input_norm, layer.hidden_norm.weight, layer.hidden_norm.eps,
-                                         layer.norm_before_residual)
-                loop = NativeGreedyLoop.build(NativeStack.build([native_layer], min_layers=1, reads_hidden=False),
-                                              self.embed_tokens.weight, self.norm.weight, self.norm.eps,
-                                              self.serving_head.small, loop_rope_table(self.rotary), eagle3=inputs,
-                                              d2t=self.d2t)
-            self._greedy_loop = loop
-        return self._greedy_loop
+    def draft_loop(self) -> NativeDraftLoop | None:
+        """A chain's steps in one C call (kernels.layers.native_draft_loop: the two input norms, the mid layer, the
+        final norm, the head over the draft vocabulary, the token through d2t), for a draft in serving form whose
+        layer and head are native; None otherwise."""
+        return self._draft_loop.get(self._build_draft_loop)
+
+    def _build_draft_loop(self) -> NativeDraftLoop | None:
+        layer = self.midlayer
+        native_layer = None if layer.serving_ops is None else layer.serving_ops.native
+        # (a monotone d2t keeps the first of equal maxima the one torch's argmax over target ids picks)
+        if (native_layer is None or native_layer.input_norm is None or not isinstance(self.serving_head, Linear)
+                or not bool((self.d2t[1:] >= self.d2t[:-1]).all())):
+            return None
+        inputs = Eagle3Inputs.of(native_layer.input_norm, layer.hidden_norm.weight, layer.hidden_norm.eps,
+                                 layer.norm_before_residual)
+        return NativeDraftLoop.build(NativeStack.build([native_layer], min_layers=1, reads_hidden=False),
+                                     self.embed_tokens.weight, self.norm.weight, self.norm.eps, self.serving_head.small,
+                                     loop_rope_table(self.rotary), eagle3=inputs, d2t=self.d2t)
 
     def draft_to_target_ids(self, draft_ids: Tensor) -> Tensor:
         return draft_ids + self.d2t.to(draft_ids.device)[draft_ids]
 
     def to_target_logits(self, draft_logits: Tensor) -> Tensor:
         """Scatter draft-vocab logits into the target vocab; tokens outside the draft vocab get -inf."""
-        out = draft_logits.new_full((*draft_logits.shape[:-1], self.config.vocab_size), float("-inf"))
-        ids = self.draft_to_target_ids(torch.arange(self.config.draft_vocab_size, device=draft_logits.device))
-        out[..., ids] = draft_logits
+        return self.to_target_vocab(draft_logits, float("-inf"))
+
+    def to_target_vocab(self, draft_rows: Tensor, fill: float) -> Tensor:
+        """Scatter rows over the draft vocab [..., draft V] into the target vocab [..., V], `fill` outside it (-inf
+        for logits, 0 for probabilities)."""
+        out = draft_rows.new_full((*draft_rows.shape[:-1], self.config.vocab_size), fill)
+        ids = self.draft_to_target_ids(torch.arange(self.config.draft_vocab_size, device=draft_rows.device))
+        out[..., ids] = draft_rows
         return out
 
     def forward_batch(self, input_ids: Tensor, aux_hidden: Tensor) -> tuple[Tensor, Tensor]:

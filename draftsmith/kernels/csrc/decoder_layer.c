@@ -142,8 +142,8 @@ int decoder_stack_f32(float *hidden, long rows, long d, long num_layers, const f
     return 0;
 }
 
-/* What the greedy draft loop needs of a model besides its stack (the argument lists above grew past what a reader
- * can check by eye, so the loop takes two structs; kernels/layers/native_greedy.py mirrors them). */
+/* What the draft loop needs of a model besides its stack (the argument lists above grew past what a reader
+ * can check by eye, so the loop takes two structs; kernels/layers/native_draft_loop.py mirrors them). */
 typedef struct {
     long d, num_layers, inter, num_heads, kv_heads, head_dim, num_slots, block_size;
     float eps, scale;
@@ -179,38 +179,46 @@ typedef struct {
     const int64_t *d2t;          /* [head_vocab] or NULL: head row i is token i + d2t[i] (EAGLE-3's reduced vocabulary) */
     const float *cos, *sin;      /* [max_positions, head_dim]: the rope table, signed sin */
     long max_positions;
-} greedy_ends_t;
+} draft_ends_t;
 
-/* Up to max_steps greedy decode steps of a draft for num_seqs sequences, all in C: per step, the embedding rows of
- * the previous tokens (through fc with each sequence's feature, EAGLE-1; or EAGLE-3's normed [embed ; feature]
- * as the one layer's attention input, its feature as the residual), the rope rows, the slots from each block
- * table, the whole stack (KV written), the final norm, the head and the argmax (the first of equal maxima, as
- * torch.argmax; through d2t for a reduced vocabulary). Sequence j feeds first_tokens[j] at rope position start_positions[j] and cache entry
- * start_entries[j] (a standalone draft's entries are its positions; EAGLE's cache starts later) and runs
- * num_steps[j] steps; out_tokens[j * max_steps + s] is its step s's token. features [num_seqs, d] (with fc): each
- * sequence's feature, replaced by the stack's output at every step. Why: a
- * 1-layer draft's step is ~0.4 ms of C inside ~1 ms of per-step Python (metadata, tensors, embedding, rope, norm,
- * argmax). Returns 0, -2 for a token, position or block outside its table (nothing past that step is written),
- * -3 when the workspace could not be allocated, else the stack's status. */
+/* Up to max_steps decode steps of a draft for num_seqs sequences, all in C: per step, the embedding rows of the
+ * previous tokens (through fc with each sequence's feature, EAGLE-1; or EAGLE-3's normed [embed ; feature] as the
+ * one layer's attention input, its feature as the residual), the rope rows, the slots from each block table, the
+ * whole stack (KV written), the final norm, the head and the step's token (through d2t for a reduced vocabulary):
+ * - greedy (inv_temperatures NULL, or 0 for the sequence): the argmax, the first of equal maxima as torch.argmax;
+ * - sampled: the row softmax(logits * inv_temperature) is written to out_probs[(j * max_steps + s) * head_vocab]
+ *   and the token drawn from exactly that row by inverting its float64 CDF at uniforms[j * max_steps + s] (the
+ *   first v with cdf_v > u * sum, never a zero-probability entry), the rule of kernels/sampling.py's sample. The
+ *   verifier's q is the row returned, so the draw follows q whatever the rounding of the exp.
+ * Sequence j feeds first_tokens[j] at rope position start_positions[j] and cache entry start_entries[j] (a
+ * standalone draft's entries are its positions; EAGLE's cache starts later) and runs num_steps[j] steps;
+ * out_tokens[j * max_steps + s] is its step s's token. features [num_seqs, d] (with fc): each sequence's feature,
+ * replaced by the stack's output at every step. Why: a 1-layer draft's step is ~0.4 ms of C inside ~1 ms of
+ * per-step Python (metadata, tensors, embedding, rope, norm, sampling). Returns 0, -2 for a token, position or
+ * block outside its table (nothing past that step is written), -3 when the workspace could not be allocated,
+ * else the stack's status. */
 /* The loop's sequences (the caller's arrays) and its workspace: a step's rows for the n sequences still going. */
 typedef struct {
     const int32_t *block_tables;
     long table_width, max_steps;
     const int64_t *first_tokens, *start_positions, *start_entries;
     float *features;
+    const float *inv_temperatures;   /* [num_seqs] or NULL (all greedy): 0 = greedy */
+    const double *uniforms;          /* [num_seqs, max_steps]: a sampled sequence's draws */
+    float *out_probs;                /* [num_seqs, max_steps, head_vocab]: a sampled step's row */
     int64_t *out_tokens;
-} greedy_seqs_t;
+} draft_seqs_t;
 
 typedef struct {
     float *hidden, *x, *cos, *sin, *logits;
     int64_t *slots;
     int32_t *group, *seq_lens, *cu, *tables;
-} greedy_work_t;
+} draft_work_t;
 
 /* Step `step`'s input rows, rope rows, slots and metadata for the n sequences in w->group; -2 for a token,
  * position or cache entry outside its table. */
-static int greedy_rows(const native_stack_t *s, const greedy_ends_t *e, const greedy_seqs_t *q, greedy_work_t *w,
-                       long step, long n) {
+static int draft_rows(const native_stack_t *s, const draft_ends_t *e, const draft_seqs_t *q, draft_work_t *w,
+                      long step, long n) {
     long d = s->d, hd = s->head_dim, bs = s->block_size, tw = q->table_width;
     for (long i = 0; i < n; i++) {
         long j = w->group[i];
@@ -225,7 +233,7 @@ static int greedy_rows(const native_stack_t *s, const greedy_ends_t *e, const gr
             rms_norm(embed, 1, d, e->embed_norm, e->input_eps, w->x + i * 2 * d);
             rms_norm(feature, 1, d, e->hidden_norm, e->input_eps, normed);
             memcpy(w->hidden + i * d, e->norm_before_residual ? normed : feature, sizeof(float) * d);
-        } else if (e->fc) {  /* [embed ; feature] rows, projected by greedy_forward */
+        } else if (e->fc) {  /* [embed ; feature] rows, projected by draft_forward */
             memcpy(w->x + i * 2 * d, embed, sizeof(float) * d);
             memcpy(w->x + i * 2 * d + d, feature, sizeof(float) * d);
         } else {
@@ -244,7 +252,7 @@ static int greedy_rows(const native_stack_t *s, const greedy_ends_t *e, const gr
 
 /* The draft's layers over the step's rows (KV written): EAGLE-3's one layer with its built attention input, else
  * fc (EAGLE-1) and the stack. */
-static int greedy_forward(const native_stack_t *s, const greedy_ends_t *e, greedy_work_t *w, long n, long tw) {
+static int draft_forward(const native_stack_t *s, const draft_ends_t *e, draft_work_t *w, long n, long tw) {
     long d = s->d;
     if (e->hidden_norm)
         return decoder_layer_f32(w->hidden, n, d, w->x, 2 * d, NULL, s->post_norm[0], s->eps, s->weights_f16,
@@ -260,32 +268,73 @@ static int greedy_forward(const native_stack_t *s, const greedy_ends_t *e, greed
                              s->scale, NULL);
 }
 
-/* The carried features, then final norm, head and argmax (through d2t) into each sequence's step token. */
-static void greedy_pick(const greedy_ends_t *e, const greedy_seqs_t *q, greedy_work_t *w, long d, long n, long step) {
+/* The first of equal maxima, as torch.argmax. */
+static long row_argmax(const float *row, long n) {
+    long best = 0;
+    for (long v = 1; v < n; v++)
+        if (row[v] > row[best]) best = v;
+    return best;
+}
+
+/* probs = softmax(row * inv_temperature), then the draw at u: the first v with cdf_v > u * sum(probs) (float64
+ * sums of the fp32 probs), stepping back to the last positive entry where rounding would land on a zero. */
+static long row_sample(const float *row, long n, float inv_temperature, double u, float *probs) {
+    float top = row[row_argmax(row, n)] * inv_temperature;
+    float total = 0.0f;
+    for (long v = 0; v < n; v++) {
+        probs[v] = expf(row[v] * inv_temperature - top);
+        total += probs[v];
+    }
+    float scale = 1.0f / total;
+    double sum = 0.0;
+    for (long v = 0; v < n; v++) {
+        probs[v] *= scale;
+        sum += probs[v];
+    }
+    double threshold = u * sum, cdf = 0.0;
+    long picked = -1, last_positive = 0;
+    for (long v = 0; v < n; v++) {
+        if (probs[v] > 0.0f) last_positive = v;
+        cdf += probs[v];
+        if (cdf > threshold && probs[v] > 0.0f) {
+            picked = v;
+            break;
+        }
+    }
+    return picked < 0 ? last_positive : picked;
+}
+
+/* The carried features, then final norm, head and each sequence's step token (argmax or draw, through d2t). */
+static void draft_pick(const draft_ends_t *e, const draft_seqs_t *q, draft_work_t *w, long d, long n, long step) {
     if (q->features)
         for (long i = 0; i < n; i++) memcpy(q->features + w->group[i] * d, w->hidden + i * d, sizeof(float) * d);
     if (e->final_norm) rms_norm(w->hidden, n, d, e->final_norm, e->final_eps, w->x);
     project(e->head_f16, e->final_norm ? w->x : w->hidden, n, d, d, e->head, e->head_vocab, e->head_bias, w->logits,
             e->head_vocab);
     for (long i = 0; i < n; i++) {
+        long j = w->group[i], at = j * q->max_steps + step;
         const float *row = w->logits + i * e->head_vocab;
-        long best = 0;
-        for (long v = 1; v < e->head_vocab; v++)
-            if (row[v] > row[best]) best = v;
-        q->out_tokens[w->group[i] * q->max_steps + step] = e->d2t ? best + e->d2t[best] : best;
+        float inv_temperature = q->inv_temperatures ? q->inv_temperatures[j] : 0.0f;
+        long best = inv_temperature > 0.0f
+                        ? row_sample(row, e->head_vocab, inv_temperature, q->uniforms[at],
+                                     q->out_probs + at * e->head_vocab)
+                        : row_argmax(row, e->head_vocab);
+        q->out_tokens[at] = e->d2t ? best + e->d2t[best] : best;
     }
 }
 
-int draft_greedy_f32(const native_stack_t *s, const greedy_ends_t *e, long num_seqs, const int32_t *block_tables,
+int draft_decode_f32(const native_stack_t *s, const draft_ends_t *e, long num_seqs, const int32_t *block_tables,
                      long table_width, const int64_t *first_tokens, const int64_t *start_positions,
                      const int64_t *start_entries, const int32_t *num_steps, long max_steps, float *features,
-                     int64_t *out_tokens) {
+                     const float *inv_temperatures, const double *uniforms, float *out_probs, int64_t *out_tokens) {
     long n_max = num_seqs, d = s->d, hd = s->head_dim;
     if (n_max <= 0 || max_steps <= 0) return 0;
-    if (((e->fc || e->hidden_norm) && !features) || (e->hidden_norm && s->num_layers != 1)) return -2;
-    greedy_seqs_t q = {block_tables, table_width, max_steps, first_tokens, start_positions, start_entries,
-                       (e->fc || e->hidden_norm) ? features : NULL, out_tokens};
-    greedy_work_t w;
+    if (((e->fc || e->hidden_norm) && !features) || (e->hidden_norm && s->num_layers != 1)
+        || (inv_temperatures && (!uniforms || !out_probs)))
+        return -2;
+    draft_seqs_t q = {block_tables, table_width, max_steps, first_tokens, start_positions, start_entries,
+                      (e->fc || e->hidden_norm) ? features : NULL, inv_temperatures, uniforms, out_probs, out_tokens};
+    draft_work_t w;
     w.hidden = malloc(sizeof(float) * n_max * (3 * d + 2 * hd + e->head_vocab));
     w.slots = malloc(sizeof(int64_t) * n_max);
     w.group = malloc(sizeof(int32_t) * (n_max * (3 + table_width) + 1));
@@ -301,9 +350,9 @@ int draft_greedy_f32(const native_stack_t *s, const greedy_ends_t *e, long num_s
         for (long j = 0; j < num_seqs; j++)
             if (num_steps[j] > step) w.group[n++] = (int32_t)j;
         if (n == 0) break;
-        status = greedy_rows(s, e, &q, &w, step, n);
-        if (status == 0) status = greedy_forward(s, e, &w, n, table_width);
-        if (status == 0) greedy_pick(e, &q, &w, d, n, step);
+        status = draft_rows(s, e, &q, &w, step, n);
+        if (status == 0) status = draft_forward(s, e, &w, n, table_width);
+        if (status == 0) draft_pick(e, &q, &w, d, n, step);
     }
     free(w.hidden); free(w.slots); free(w.group);
     return status;

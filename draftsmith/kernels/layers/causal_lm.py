@@ -18,7 +18,7 @@ from draftsmith.kernels.layers.decoder import AttnFn, DecoderLayer, decoder_bloc
 from draftsmith.kernels.layers.family import LayerVariant, layer_variants
 from draftsmith.kernels.layers.linear import Linear
 from draftsmith.kernels.layers.moe import fuse_expert_weights
-from draftsmith.kernels.layers.native_greedy import NativeGreedyLoop, loop_rope_table
+from draftsmith.kernels.layers.native_draft_loop import DraftLoopSlot, NativeDraftLoop, loop_rope_table
 from draftsmith.kernels.layers.native_stack import NativeStack
 from draftsmith.kernels.layers.norm import RMSNorm
 from draftsmith.kernels.layers.rope import RotaryEmbedding
@@ -71,7 +71,7 @@ class CausalLM(nn.Module):
         self.serving_head: Linear | None = None  # serving form of lm_head (to_serving_)
         self.serving_norm: Callable[[Tensor], Tensor] | None = None  # serving form of the final norm
         self.native_stack: NativeStack | None = None  # every layer in one C call (to_serving_, native_stack)
-        self._greedy_loop: NativeGreedyLoop | None | bool = False  # built on first use (greedy_loop); False: not yet
+        self._draft_loop = DraftLoopSlot()
 
     @property
     def num_layers(self) -> int:
@@ -124,24 +124,24 @@ class CausalLM(nn.Module):
         self.serving_head = Linear.fuse([self.lm_head], pack, alias=not self.tied)
         self.serving_norm = self.model.norm.serving()
         self.native_stack = NativeStack.build(self.native_layers())
-        self._greedy_loop = False
+        self._draft_loop.clear()
         return self
 
     def native_layers(self) -> list:
         """Each layer's native form (None where it has none)."""
         return [None if layer.serving_ops is None else layer.serving_ops.native for layer in self.model.layers]
 
-    def greedy_loop(self) -> NativeGreedyLoop | None:
-        """Greedy decode steps in one C call (kernels.layers.native_greedy), for a model in serving form whose layers
-        and head are native; None otherwise. Built on first use: only drafts decode this way."""
-        if self._greedy_loop is False:
-            loop = None
-            if isinstance(self.serving_head, Linear):
-                loop = NativeGreedyLoop.build(self.native_stack or NativeStack.build(self.native_layers(), min_layers=1),
-                                              self.model.embed_tokens.weight, self.model.norm.weight,
-                                              self.model.norm.eps, self.serving_head.small, loop_rope_table(self.rotary))
-            self._greedy_loop = loop
-        return self._greedy_loop
+    def draft_loop(self) -> NativeDraftLoop | None:
+        """Decode steps in one C call (kernels.layers.native_draft_loop), for a model in serving form whose layers
+        and head are native; None otherwise."""
+        return self._draft_loop.get(self._build_draft_loop)
+
+    def _build_draft_loop(self) -> NativeDraftLoop | None:
+        if not isinstance(self.serving_head, Linear):
+            return None
+        return NativeDraftLoop.build(self.native_stack or NativeStack.build(self.native_layers(), min_layers=1),
+                                     self.model.embed_tokens.weight, self.model.norm.weight, self.model.norm.eps,
+                                     self.serving_head.small, loop_rope_table(self.rotary))
 
     def repack(self, pack: bool) -> None:
         """Rebuild the serving form with packing on or off (torch.compile needs plain matmuls)."""

@@ -108,13 +108,21 @@ class NativeStack:
         if not all(isinstance(fn, PagedAttention) and fn.meta is first.meta and fn.backend is first.backend
                    and fn.scale == first.scale for fn in attn_fns[1:]):
             return False
-        # The caches are checked once per placement (an executor's stay where they are; ~0.1 ms per 20-layer step)
-        placement = (tuple(fn.k_cache.data_ptr() for fn in attn_fns), tuple(fn.v_cache.data_ptr() for fn in attn_fns),
-                     first.k_cache.shape, first.k_cache.dtype)
+        return self.serves_caches([(fn.k_cache, fn.v_cache) for fn in attn_fns])
+
+    def serves_caches(self, layer_caches: Sequence[tuple[Tensor, Tensor]]) -> bool:
+        """Whether every layer's (k, v) cache is one the C kernels read for this stack: one shape, the layers' KV
+        heads and head width, as native_paged.caches_served. Checked once per placement (an executor's caches stay
+        where they are; ~0.1 ms per 20-layer step)."""
+        if len(layer_caches) != len(self.layers):
+            return False
+        first, layer = layer_caches[0][0], self.layers[0]
+        placement = (tuple(k.data_ptr() for k, _ in layer_caches), tuple(v.data_ptr() for _, v in layer_caches),
+                     first.shape, first.dtype)
         if placement in self.served_placements:
             return True
-        served = all(fn.k_cache.shape == first.k_cache.shape and caches_served(fn.k_cache, fn.v_cache)
-                     for fn in attn_fns[1:])
+        served = (first.shape[2:] == (layer.num_kv_heads, layer.head_dim)
+                  and all(k.shape == first.shape and caches_served(k, v) for k, v in layer_caches))
         if served:
             if len(self.served_placements) >= 4:
                 self.served_placements.clear()

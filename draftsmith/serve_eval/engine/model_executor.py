@@ -19,7 +19,7 @@ from draftsmith.kernels.attention import AttentionMetadata, get_attention_backen
 from draftsmith.kernels.attention.window import sliding_window_attention
 from draftsmith.kernels.layers.causal_lm import CausalLM, causal_lm_from_state_dict
 from draftsmith.kernels.layers.checkpoint import load_config, read_state_dict
-from draftsmith.kernels.layers.native_greedy import padded_tables
+from draftsmith.kernels.layers.native_draft_loop import LoopSampling, LoopTokens, padded_tables
 from draftsmith.kernels.layers.linear import SMALL_GEMM_MAX_ROWS, should_pack
 from draftsmith.kernels.precision import AUTO, bf16_is_fast
 
@@ -232,18 +232,19 @@ class ModelExecutor:
         return SMALL_GEMM_MAX_ROWS if served else 0
 
     @torch.no_grad()
-    def greedy_decode(self, first_tokens: list[int], start_positions: list[int], num_steps: list[int],
-                      block_tables: list[list[int]]) -> list[list[int]] | None:
-        """num_steps[j] greedy decode steps of sequence j from first_tokens[j] at start_positions[j], its KV
-        written through block_tables[j] (slots already allocated), all in one C call (kernels.layers.native_greedy);
-        None where that path cannot serve this model now (the caller then runs forward step by step)."""
+    def draft_decode(self, first_tokens: list[int], start_positions: list[int], num_steps: list[int],
+                     block_tables: list[list[int]], sampling: LoopSampling | None = None) -> LoopTokens | None:
+        """num_steps[j] decode steps of sequence j from first_tokens[j] at start_positions[j] (greedy, or as
+        sampling says), its KV written through block_tables[j] (slots already allocated), all in one C call
+        (kernels.layers.native_draft_loop); None where that path cannot serve this model now (the caller then runs
+        forward step by step)."""
         self._require_cache()
-        loop = self.model.greedy_loop() if self.native_rows else None   # the layers' C path serves this model
+        loop = self.model.draft_loop() if self.native_rows else None   # the layers' C path serves this model
         last = max(p + n - 1 for p, n in zip(start_positions, num_steps))
         if loop is None or not loop.accepts(self._layer_caches, last):
             return None
         return loop(first_tokens, start_positions, num_steps, padded_tables(block_tables), self._layer_caches,
-                    self.scale)
+                    self.scale, sampling=sampling)
 
     def _run(self, input_ids: Tensor, positions: Tensor, meta: AttentionMetadata, logits_indices: Tensor | None,
              aux_layers: tuple[int, ...]) -> tuple[Tensor, Tensor, dict[int, Tensor]]:

@@ -89,9 +89,12 @@ def instrument(engine: LLMEngine) -> Timers:
     return timers
 
 
-def one_repetition(engine: LLMEngine, timers: Timers, prompt: list[int], steps: int, tag: str) -> dict[str, float]:
-    """ms per decode step by component over `steps` steps of one request (prefill excluded)."""
-    params = SamplingParams(temperature=0.0, max_tokens=steps * 32 + 8, ignore_eos=True)
+def one_repetition(engine: LLMEngine, timers: Timers, prompt: list[int], steps: int, tag: str,
+                   temperature: float = 0.0) -> dict[str, float]:
+    """ms per decode step by component over `steps` steps of one request (prefill excluded), greedy or sampled
+    at `temperature` (seeded: every repetition draws the same way)."""
+    params = SamplingParams(temperature=temperature, max_tokens=steps * 32 + 8, ignore_eos=True,
+                            seed=0 if temperature > 0 else None)
     rid = f"{tag}-{time.perf_counter_ns()}"
     engine.add_request(rid, prompt, params)
     engine.step()  # prefill
@@ -118,14 +121,15 @@ def summarize(samples: list[dict[str, float]]) -> dict[str, tuple[float, float]]
 
 
 def interleaved(engines: dict[str, LLMEngine], timers: dict[str, Timers], prompt: list[int], steps: int,
-                repeats: int, warmup_steps: int = 2) -> dict[str, dict[str, tuple[float, float]]]:
+                repeats: int, warmup_steps: int = 2,
+                temperature: float = 0.0) -> dict[str, dict[str, tuple[float, float]]]:
     """Warm every engine, then `repeats` interleaved rounds over the methods (serve_eval.eval.interleave)."""
     for m, engine in engines.items():
-        one_repetition(engine, timers[m], prompt, warmup_steps, "warm")
+        one_repetition(engine, timers[m], prompt, warmup_steps, "warm", temperature)
     tags = {m: iter(range(repeats)) for m in engines}   # each repetition's requests get fresh ids
 
     def run(m: str) -> Callable[[], dict[str, float]]:
-        return lambda: one_repetition(engines[m], timers[m], prompt, steps, f"{m}{next(tags[m])}")
+        return lambda: one_repetition(engines[m], timers[m], prompt, steps, f"{m}{next(tags[m])}", temperature)
 
     samples = interleave({m: run(m) for m in engines}, repeats)
     return {m: summarize(s) for m, s in samples.items()}

@@ -314,13 +314,13 @@ def test_a_verify_block_gives_the_decode_steps_logits_bit_for_bit():
 
 
 @pytest.mark.parametrize("layers,tied", [(1, True), (2, False)])
-def test_greedy_decode_in_one_c_call_equals_the_forward_steps(layers, tied):
-    """executor.greedy_decode (the draft's K - 1 greedy steps in C: embedding, stack, final norm, head, argmax) gives
+def test_greedy_draft_decode_in_one_c_call_equals_the_forward_steps(layers, tied):
+    """executor.draft_decode (the draft's K - 1 greedy steps in C: embedding, stack, final norm, head, argmax) gives
     the tokens of step-by-step forwards with argmax, for sequences of different lengths and step counts, and leaves
     the same KV cache behind, bit for bit."""
     model = tiny_model(shape=dict(SHAPE, num_hidden_layers=layers), tie_word_embeddings=tied)
     reference, mine = ModelExecutor.from_hf_model(model), ModelExecutor.from_hf_model(model)
-    if mine.model.greedy_loop() is None:
+    if mine.model.draft_loop() is None:
         pytest.skip("the native CPU kernels do not build or run here")
     stepping, looping = PagedRunner(reference, seed=2), PagedRunner(mine, seed=2)
     prompts, steps = {"a": [5, 17, 3, 99, 41, 8, 60], "b": list(range(20, 33)), "c": [7]}, {"a": 4, "b": 2, "c": 5}
@@ -334,14 +334,61 @@ def test_greedy_decode_in_one_c_call_equals_the_forward_steps(layers, tied):
             token[name] = int(r[-1].argmax())
             expected[name].append(token[name])
     names = list(prompts)
-    got = mine.greedy_decode([first[n] for n in names], [len(prompts[n]) for n in names], [steps[n] for n in names],
-                             [stepping.tables[n] for n in names])   # the blocks the forwards wrote
-    assert got == [expected[n] for n in names]
+    got = mine.draft_decode([first[n] for n in names], [len(prompts[n]) for n in names], [steps[n] for n in names],
+                            [stepping.tables[n] for n in names])   # the blocks the forwards wrote
+    assert got.tokens == [expected[n] for n in names] and got.probs == [None] * len(names)
     assert torch.equal(mine.k_cache, reference.k_cache) and torch.equal(mine.v_cache, reference.v_cache)
     with pytest.raises(ValueError, match="outside its table"):
-        mine.greedy_decode([first["c"]], [len(prompts["c"]) + 40], [1], [stepping.tables["c"]])
+        mine.draft_decode([first["c"]], [len(prompts["c"]) + 40], [1], [stepping.tables["c"]])
     # a shorter table beside a longer one: its steps past its own blocks are refused, not written into block 0
     assert len(stepping.tables["c"]) < len(stepping.tables["b"])
     with pytest.raises(ValueError, match="outside its table"):
-        mine.greedy_decode([first["b"], first["c"]], [len(prompts["b"]), 1], [1, 4 * len(stepping.tables["b"])],
+        mine.draft_decode([first["b"], first["c"]], [len(prompts["b"]), 1], [1, 4 * len(stepping.tables["b"])],
                            [stepping.tables["b"], stepping.tables["c"]])
+
+
+def test_sampled_draft_decode_draws_each_token_from_the_row_it_returns():
+    """Sampled at a plain temperature, executor.draft_decode returns per step the row softmax(logits / T) of the
+    step-by-step forwards (to fp32 rounding) and the token kernels.sampling.sample draws from exactly that row with
+    the request's generator (one uniform per step, the same stream); a greedy sequence beside them keeps its argmax,
+    and the KV cache is the forwards', bit for bit. A top-p request is not served (None: the Python steps)."""
+    from draftsmith.kernels.layers.native_draft_loop import LoopSampling
+    from draftsmith.kernels.sampling import sample
+
+    model = tiny_model(shape=dict(SHAPE, num_hidden_layers=1))
+    reference, mine = ModelExecutor.from_hf_model(model), ModelExecutor.from_hf_model(model)
+    if mine.model.draft_loop() is None:
+        pytest.skip("the native CPU kernels do not build or run here")
+    stepping, looping = PagedRunner(reference, seed=2), PagedRunner(mine, seed=2)
+    prompts, steps = {"a": [5, 17, 3, 99, 41], "b": list(range(20, 31)), "c": [7, 8]}, {"a": 5, "b": 3, "c": 4}
+    temperatures, seeds = {"a": 0.7, "b": 0.0, "c": 1.3}, {"a": 11, "b": None, "c": 12}
+    rows, _ = stepping.step(prompts)
+    looping.step(prompts)
+    names = list(prompts)
+    first = {name: int(r[-1].argmax()) for name, r in rows.items()}
+    generators = [None if seeds[n] is None else torch.Generator().manual_seed(seeds[n]) for n in names]
+    plain = LoopSampling.of([temperatures[n] for n in names], [0] * 3, [1.0] * 3, VOCAB, generators)
+    assert LoopSampling.of([0.7], [0], [0.9], VOCAB, [None]) is None   # top-p: logits_to_probs' filters only
+    for name in names:   # the blocks the loop writes, which the replaying forwards then use
+        while len(stepping.tables[name]) * BLOCK_SIZE < len(prompts[name]) + steps[name]:
+            stepping.tables[name].append(stepping.free.pop())
+    got = mine.draft_decode([first[n] for n in names], [len(prompts[n]) for n in names], [steps[n] for n in names],
+                            [stepping.tables[n] for n in names], plain)
+    replay = {n: torch.Generator().manual_seed(seeds[n]) for n in names if seeds[n] is not None}
+    token = dict(first)
+    for s in range(max(steps.values())):
+        rows, _ = stepping.step({name: [token[name]] for name in names if steps[name] > s})
+        for j, name in enumerate(names):
+            if steps[name] <= s:
+                continue
+            logits = rows[name][-1]
+            if temperatures[name] == 0:
+                assert got.probs[j] is None and got.tokens[j][s] == int(logits.argmax())
+            else:
+                row = got.probs[j][s]
+                assert torch.allclose(row, torch.softmax(logits / temperatures[name], -1), rtol=1e-4, atol=1e-7)
+                assert got.tokens[j][s] == int(sample(row[None], replay[name])[0])
+            token[name] = got.tokens[j][s]
+    assert [len(t) for t in got.tokens] == [steps[n] for n in names]
+    assert len({tuple(t) for t in got.tokens}) == 3 and len(set(got.tokens[0])) > 1   # draws, not a fixed point
+    assert torch.equal(mine.k_cache, reference.k_cache) and torch.equal(mine.v_cache, reference.v_cache)

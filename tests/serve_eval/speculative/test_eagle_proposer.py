@@ -112,33 +112,45 @@ def test_chain_matches_dense_reference(kind, target_dir):
     proposer.check_integrity()
 
 
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
 @pytest.mark.parametrize("kind,opts", [("eagle", {}), ("eagle3", {}), ("eagle3", {"norm_before_residual": True})])
 @torch.inference_mode()
-def test_an_all_greedy_batchs_chains_run_in_one_c_call_with_the_reference_tokens(kind, opts, target_dir, monkeypatch):
-    """Every request greedy: after each chain's first token, its remaining steps run in the draft's C greedy loop
-    (EAGLE-1: fc, the layer, the head; EAGLE-3: the two input norms, the mid layer, the final norm, the head over
-    the reduced vocabulary and d2t; then the argmax), once per propose, and the chains are still the dense-cache
-    unroll's tokens, for sequences of different lengths and K."""
-    from draftsmith.kernels.layers.native_greedy import NativeGreedyLoop
+def test_a_batchs_chains_run_in_one_c_call_with_the_reference_tokens(kind, opts, temperature, target_dir, monkeypatch):
+    """Every request greedy, or sampled at a plain temperature with its own generator: after each chain's first
+    token, its remaining steps run in the draft's C loop (EAGLE-1: fc, the layer, the head; EAGLE-3: the two input
+    norms, the mid layer, the final norm, the head over the reduced vocabulary and d2t; then the argmax or the draw),
+    once per propose, and the chains are still the dense-cache unroll's tokens (sampled: drawn with the same
+    generators, from rows equal to the unroll's within fp32 rounding, scattered into the target vocabulary), for
+    sequences of different lengths and K."""
+    from draftsmith.kernels.layers.native_draft_loop import NativeDraftLoop
 
     draft = make_draft(kind, target_dir, **opts)
     proposer = PROPOSERS[kind].from_draft(draft, num_blocks=32, block_size=4)
-    if proposer.draft.greedy_loop() is None:
+    if proposer.draft.draft_loop() is None:
         pytest.skip("the native CPU kernels do not serve this draft here")
     calls = []
-    loop_call = NativeGreedyLoop.__call__
-    monkeypatch.setattr(NativeGreedyLoop, "__call__", lambda self, *a, **k: calls.append(a[2]) or loop_call(self, *a, **k))
+    loop_call = NativeDraftLoop.__call__
+    monkeypatch.setattr(NativeDraftLoop, "__call__", lambda self, *a, **k: calls.append(a[2]) or loop_call(self, *a, **k))
     cases = [(11, 3), (6, 5), (17, 1), (9, 4)]
     seqs, refs = [], []
     for i, (length, k) in enumerate(cases):
         hidden, aux = feature_table(kind, length, seed=i)
         tokens = torch.randint(0, VOCAB, (length,), generator=torch.Generator().manual_seed(20 + i)).tolist()
         proposer.add_features(f"g{i}", feats(hidden, aux, 0, length - 1))
-        seqs.append(Seq(f"g{i}", tokens, params(), None))
-        refs.append(reference_chain(draft, kind, tokens, hidden, aux, k, params(), None)[0])
+        seqs.append(Seq(f"g{i}", tokens, params(temperature), torch.Generator().manual_seed(50 + i)))
+        refs.append(reference_chain(draft, kind, tokens, hidden, aux, k, params(temperature),
+                                    torch.Generator().manual_seed(50 + i)))
     proposals = proposer.propose(seqs, [k for _, k in cases])
-    assert [p.tokens.tolist() for p in proposals] == refs
+    assert [p.tokens.tolist() for p in proposals] == [tokens for tokens, _ in refs]
     assert calls == [[k - 1 for _, k in cases]]
+    for proposal, (_, rows) in zip(proposals, refs):
+        if temperature == 0:
+            assert proposal.draft_probs is None
+        else:
+            torch.testing.assert_close(proposal.draft_probs, rows, atol=1e-6, rtol=1e-4)
+            proposal.validate(VOCAB)
+    if temperature > 0:
+        assert len({tuple(p.tokens.tolist()) for p in proposals if p.num_tokens > 2}) > 1
     proposer.check_integrity()
 
 

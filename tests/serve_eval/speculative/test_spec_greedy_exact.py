@@ -117,28 +117,33 @@ def test_greedy_equals_non_speculative(models, reference, method, extra, batch):
         assert stats.total.alpha == 1.0
 
 
-def test_the_standalone_drafts_greedy_steps_run_in_one_c_call(models, reference, monkeypatch):
-    """With every proposing request greedy, a round's K - 1 draft decode steps are one greedy_decode call in C, so
-    the draft runs one forward per round (the catch-up); the output is still plain greedy decoding's. A sampled
-    request's round runs the steps in Python (its draws need the draft's probabilities)."""
+def test_the_standalone_drafts_steps_run_in_one_c_call(models, reference, monkeypatch):
+    """With every proposing request greedy or sampled at a plain temperature, a round's K - 1 draft decode steps are
+    one draft_decode call in C, so the draft runs one forward per round (the catch-up); greedy output is still plain
+    greedy decoding's. A top-p request's round runs the steps in Python (logits_to_probs holds the filters)."""
     prompts, lengths, ref = reference(1, seed=1)
     engine = build_engine(models, "standalone", {}, BIG_POOL)
     executor = engine.strategy.proposer.executor
-    if executor.model.greedy_loop() is None:
+    if executor.model.draft_loop() is None:
         pytest.skip("the native CPU kernels do not serve this draft here")
-    calls = {"forward": 0, "greedy": 0}
-    forward, greedy = executor.forward, executor.greedy_decode
+    calls = {"forward": 0, "loop": 0}
+    forward, loop = executor.forward, executor.draft_decode
 
     def counted(name, fn):
         return lambda *a, **k: calls.__setitem__(name, calls[name] + 1) or fn(*a, **k)
 
     monkeypatch.setattr(executor, "forward", counted("forward", forward))
-    monkeypatch.setattr(executor, "greedy_decode", counted("greedy", greedy))
+    monkeypatch.setattr(executor, "draft_decode", counted("loop", loop))
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lengths]
     outs = run_engine(engine, prompts, params)
     assert outs["r0"].output_token_ids == ref["r0"]
     rounds = engine.stats().spec.total.num_rounds
-    assert calls["forward"] == rounds and 0 < calls["greedy"] <= rounds
-    calls.update(forward=0, greedy=0)
+    assert calls["forward"] == rounds and 0 < calls["loop"] <= rounds
+    before = engine.stats().spec.total.num_rounds
+    calls.update(forward=0, loop=0)
     run_engine(engine, prompts, [SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True, seed=0)])
-    assert calls["greedy"] == 0 and calls["forward"] > 0
+    rounds = engine.stats().spec.total.num_rounds - before
+    assert calls["forward"] == rounds and 0 < calls["loop"] <= rounds
+    calls.update(forward=0, loop=0)
+    run_engine(engine, prompts, [SamplingParams(temperature=1.0, top_p=0.9, max_tokens=8, ignore_eos=True, seed=0)])
+    assert calls["loop"] == 0 and calls["forward"] > 0

@@ -19,7 +19,10 @@ Configurations, one engine run per proposer, every request with its own seed:
 - block: the block-parallel proposer (an untrained block draft with the target's embedding and head; both
   drafts come from one forward, each SAMPLED from its own offset's row);
 each at T = 1.0 and T = 0.7, both with top-p 0.8, with the policy's fallback off (every round
-speculates). Both drafts accept often but not always (measured fractions of rounds accepting >= 1 /
+speculates);
+- loop: the standalone proposer at a plain T = 1.0 (no top-k / top-p) on one thread, over a target and noisy
+  copy whose heads are 8 wide, so the draft's second token comes from the C draft loop
+  (kernels.layers.native_draft_loop: the row and the draw in C); the test checks the loop served the rounds. Both drafts accept often but not always (measured fractions of rounds accepting >= 1 /
 2 drafts: chain 0.40 / 0.29, tree 0.68 / 0.32), so every path above is taken thousands of times.
 
 Test: Pearson chi-square (tests/stats_helpers.py: zero-probability cells must get no samples, cells of
@@ -59,6 +62,8 @@ MIN_POWER = 0.9
 CONTROL_TV = 0.03
 # name -> (temperature, top_p, number of requests)
 SETTINGS = {"T1.0-top_p0.8": (1.0, 0.8, 24_000), "T0.7-top_p0.8": (0.7, 0.8, 22_000)}
+# The C draft loop's setting (mode "loop", its own target): a plain temperature, so every cell can occur
+LOOP_SETTINGS = {"T1.0-plain": (1.0, 1.0, 40_000)}
 TREE_BRANCHING = [3, 2]
 TREE_NODES = 9
 BAD = "bad-scaling"  # negative-control group, in the chain run
@@ -81,7 +86,11 @@ def models(tmp_path_factory):
 
     block = feature_draft("block", target, root / "block", seed=5, block_opts={"block_size": K + 1},
                           init=lambda d: d.init_from_target(*load_target_embed_and_head(target)))
-    return target, draft, medusa, block
+    # heads 8 wide: the native C layers and draft loop serve these two (the models above have 4-wide heads)
+    loop_target = make_llama(root / "loop_target", vocab=V, hidden=16, layers=1, seed=1, init=0.6,
+                             num_attention_heads=2, num_key_value_heads=2)
+    loop_draft = noisy_copy(loop_target, root / "loop_draft", noise=0.06, seed=3)
+    return target, draft, medusa, block, loop_target, loop_draft
 
 
 def exact_pair_joint(target_dir, temperature: float, top_p: float) -> np.ndarray:
@@ -97,7 +106,7 @@ def exact_pair_joint(target_dir, temperature: float, top_p: float) -> np.ndarray
         # cumulative mass could be cut differently there and show up as an "impossible" sample.
         probs = torch.softmax(logits / temperature, dim=-1).sort(dim=-1, descending=True).values
         margin = float((probs.cumsum(-1) - probs - top_p).abs().min())
-        assert margin > 1e-5, f"top-p {top_p} is within {margin:.1e} of a cumulative mass: pick another model"
+        assert top_p == 1 or margin > 1e-5, f"top-p {top_p} is within {margin:.1e} of a cumulative mass: pick another model"
         return logits_to_probs(logits, temperature, 0, top_p).double()
 
     p1 = next_probs([PROMPT])[0]  # [x1]
@@ -145,10 +154,14 @@ def sample_pairs(engine: LLMEngine, groups: dict[str, tuple[float, float, int]])
 
 def run_mode(models, mode: str) -> tuple[dict[str, np.ndarray], dict]:
     """One engine run over every setting's requests (chains: plus the negative-control group)."""
-    target, draft, medusa, block = models
+    target, draft, medusa, block, loop_target, loop_draft = models
     groups = dict(SETTINGS)
     policy = SpecPolicyConfig(fallback=False)  # every request speculates, whatever the running alpha
-    if mode == "chain":
+    threads: dict = {}
+    if mode == "loop":   # one thread: the C kernels' condition
+        target, groups, threads = loop_target, dict(LOOP_SETTINGS), {"num_threads": 1}
+        spec = SpecConfig("standalone", draft_path=str(loop_draft), num_speculative_tokens=K, policy=policy)
+    elif mode == "chain":
         spec = SpecConfig("standalone", draft_path=str(draft), num_speculative_tokens=K, policy=policy)
         groups[BAD] = BAD_GROUP
     elif mode == "block":  # one non-causal forward drafts both tokens, each from its own row
@@ -158,12 +171,32 @@ def run_mode(models, mode: str) -> tuple[dict[str, np.ndarray], dict]:
                           tree_branching=TREE_BRANCHING, max_draft_nodes=TREE_NODES, policy=policy)
     cfg = EngineConfig(str(target), block_size=BLOCK_SIZE, max_model_len=BLOCK_SIZE, num_gpu_blocks=WAVE + 16,
                        num_cpu_blocks=16, max_num_seqs=WAVE, max_num_batched_tokens=16 * WAVE,
-                       enable_prefix_caching=False, device=TEST_DEVICE)
+                       enable_prefix_caching=False, device=TEST_DEVICE, **threads)
     engine = LLMEngine(cfg, speculative=spec)
     if mode == "chain":
         misreport_draft_rows(engine.strategy.proposer, BAD + "/", BAD_POWER)
+    served = count_loop_rounds(engine.strategy.proposer) if mode == "loop" else None
     pairs = sample_pairs(engine, groups)
-    return pairs, engine.stats().spec.total
+    total = engine.stats().spec.total
+    if served is not None:
+        assert served["calls"] > 0 and served["sequences"] >= total.num_rounds // 2, (served, total.num_rounds)
+    return pairs, total
+
+
+def count_loop_rounds(proposer) -> dict[str, int]:
+    """Counts the standalone draft's decode calls the C loop served and the sequences in them."""
+    served = {"calls": 0, "sequences": 0}
+    inner = proposer.executor.draft_decode
+
+    def draft_decode(first_tokens, *args, **kwargs):
+        out = inner(first_tokens, *args, **kwargs)
+        if out is not None:
+            served["calls"] += 1
+            served["sequences"] += len(first_tokens)
+        return out
+
+    proposer.executor.draft_decode = draft_decode
+    return served
 
 
 @pytest.fixture(scope="module")
@@ -180,19 +213,21 @@ def runs(models):
 
 @pytest.fixture(scope="module")
 def exact(models):
-    return {name: exact_pair_joint(models[0], t, p) for name, (t, p, _) in SETTINGS.items()}
+    joints = {name: exact_pair_joint(models[0], t, p) for name, (t, p, _) in SETTINGS.items()}
+    return joints | {name: exact_pair_joint(models[4], t, p) for name, (t, p, _) in LOOP_SETTINGS.items()}
 
 
 def pair_counts(pairs: np.ndarray) -> np.ndarray:  # [n, 2] -> [V, V]
     return np.bincount(pairs[:, 0] * V + pairs[:, 1], minlength=V * V).reshape(V, V)
 
 
-@pytest.mark.parametrize("setting", list(SETTINGS))
-@pytest.mark.parametrize("mode", ["chain", "tree", "block"])
+@pytest.mark.parametrize("mode,setting", [(mode, setting) for mode in ("chain", "tree", "block") for setting in SETTINGS]
+                         + [("loop", setting) for setting in LOOP_SETTINGS])
 def test_first_two_speculated_tokens_follow_the_target_joint(runs, exact, mode, setting):
-    """(x2, x3) under speculation, chain and tree, T 1.0 / 0.7 with top-p 0.8, match the target's exact
-    joint: chi-square at alpha 0.001 with power >= 0.9 against any TV-0.02 error (see the module
-    docstring); the same samples against a joint moved by TV 0.03 the worst way are rejected."""
+    """(x2, x3) under speculation, chain, tree and block at T 1.0 / 0.7 with top-p 0.8 and the C draft loop at a
+    plain T 1.0, match the target's exact joint: chi-square at alpha 0.001 with power >= 0.9 against any TV-0.02
+    error (see the module docstring); the same samples against a joint moved by TV 0.03 the worst way are
+    rejected."""
     pairs, total = runs(mode)
     assert total.num_rounds >= sum(len(p) for p in pairs.values()), "some requests did not speculate"
     a1, a2 = total.acceptance_by_position

@@ -12,6 +12,8 @@ Per propose call, for all sequences at once:
    drafted token, one step per further draft position. These entries are speculative: they are dropped on
    the next on_accepted / propose, and the accepted positions come back as true features and are ingested.
    chain: T = 0 -> argmax point masses; T > 0 -> tokens sampled from logits_to_probs rows (draft_probs).
+   After the first token, a chain's steps run in one C call (the draft's draft_loop) where its layers are
+   native and every request is greedy or sampled at a plain temperature (rows softmax(logits / T)).
    tree (EAGLE-2): DynamicTreeBuilder expands the top_k most valuable frontier nodes per depth (value: the
    calibrated acceptance of serve_eval.speculative.tree_budget under tree_budget='cost'); each depth runs
    the draft only on its new frontier nodes, which attend to the committed entries plus their tree
@@ -40,7 +42,7 @@ from draftsmith.kernels.attention import (
     AttentionMetadata,
 )
 from draftsmith.kernels.attention.torch_paged import paged_attention as torch_paged_attention
-from draftsmith.kernels.layers.native_greedy import padded_tables
+from draftsmith.kernels.layers.native_draft_loop import LoopSampling, padded_tables
 from draftsmith.kernels.sampling import logits_to_probs
 from draftsmith.serve_eval.engine.kv_cache_manager import cdiv
 from draftsmith.serve_eval.speculative.proposers.base import (
@@ -189,6 +191,9 @@ class EagleProposer(Proposer):
     def _logits(self, hidden_out: Tensor) -> Tensor:  # -> target-vocab logits [n, V] float32
         return self.draft.compute_logits(hidden_out).float()
 
+    def _target_rows(self, draft_probs: Tensor) -> Tensor:  # the draft loop's rows over its head -> target vocab
+        return draft_probs
+
     # -- features and verification outcome ----------------------------------------------------
     def add_features(self, request_id: str, feats: TargetFeatures) -> None:
         self._ensure_cache()
@@ -314,7 +319,8 @@ class EagleProposer(Proposer):
                 tokens[i].append(drawn_ids[j])
                 if probs is not None:
                     rows[i].append(probs[j])
-            if step == 0 and probs is None and self._greedy_rest(states, tokens, num_tokens, root_positions, feats):
+            if step == 0 and self._loop_rest(seqs, states, tokens, rows, num_tokens, root_positions, feats,
+                                             logits.shape[-1]):
                 break
             # grow the chain of sequences that want more tokens: input (own output, drafted token) at root + step
             keep = [j for j, i in enumerate(active) if len(tokens[i]) < num_tokens[i]
@@ -328,15 +334,20 @@ class EagleProposer(Proposer):
         return [Proposal(torch.tensor(t, dtype=torch.int64, device=self.device),
                          None if greedy[i] else torch.stack(rows[i])) for i, t in enumerate(tokens)]
 
-    def _greedy_rest(self, states, tokens, num_tokens, root_positions, feats: Tensor) -> bool:
-        """Every sequence greedy, its first token drawn: the chains' remaining steps in one C call (the draft's
-        greedy_loop), each record grown first by the steps the pool allows it (sequence by sequence, where the
-        Python steps grow them step by step: on a nearly full pool the first ones get the room). False where that
-        path does not serve, and nothing was done."""
-        loop = self.draft.greedy_loop()   # EagleDraft's or Eagle3Draft's (None where C does not serve it)
+    def _loop_rest(self, seqs, states, tokens, rows, num_tokens, root_positions, feats: Tensor,
+                   vocab_size: int) -> bool:
+        """Every sequence's first token drawn, each greedy or sampled at a plain temperature: the chains' remaining
+        steps in one C call (the draft's draft_loop), each record grown first by the steps the pool allows it
+        (sequence by sequence, where the Python steps grow them step by step: on a nearly full pool the first ones
+        get the room). False where that path does not serve, and nothing was done."""
+        loop = self.draft.draft_loop()   # EagleDraft's or Eagle3Draft's (None where C does not serve it)
         last = max(p + n - 1 for p, n in zip(root_positions, num_tokens))
         if (loop is None or max(num_tokens) < 2 or self.cache.attention is not torch_paged_attention
                 or not loop.accepts(self.cache.layers(), last)):
+            return False
+        sampling = LoopSampling.of([s.params.temperature for s in seqs], [s.params.top_k for s in seqs],
+                                   [s.params.top_p for s in seqs], vocab_size, [s.generator for s in seqs])
+        if sampling is None:
             return False
         entries, steps = [], []
         for state, n in zip(states, num_tokens):
@@ -349,9 +360,11 @@ class EagleProposer(Proposer):
         more = loop([t[0] for t in tokens], root_positions, steps,
                     padded_tables([self.cache.block_table(state.record) for state in states]),
                     self.cache.layers(), self.draft.config.decoder.head_dim ** -0.5, start_entries=entries,
-                    features=feats.float().contiguous().clone())
-        for chain, new in zip(tokens, more):
+                    features=feats.float().contiguous().clone(), sampling=sampling)
+        for chain, row_list, new, probs in zip(tokens, rows, more.tokens, more.probs):
             chain.extend(new)
+            if probs is not None:
+                row_list.extend(self._target_rows(probs).unbind(0))
         return True
 
     # -- EAGLE-2 dynamic trees (serve_eval.speculative.proposers.eagle_tree) ---------------------

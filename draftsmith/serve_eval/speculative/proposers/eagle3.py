@@ -39,3 +39,6 @@ class Eagle3Proposer(EagleProposer):
 
     def _logits(self, hidden_out: Tensor) -> Tensor:  # -> target-vocab logits [n, V], -inf outside the draft vocab
         return self.draft.to_target_logits(self.draft.compute_logits(hidden_out).float())
+
+    def _target_rows(self, draft_probs: Tensor) -> Tensor:  # draft-vocab probabilities -> target vocab, 0 outside
+        return self.draft.to_target_vocab(draft_probs, 0.0)

@@ -5,9 +5,12 @@ block pool. Per step, for all proposing sequences at once:
 - catch-up: one forward over the tokens the draft cache lacks (the last step's accepted drafts, the
   correction / bonus token, or the whole prompt on first sight), ending at the root; its last row
   gives the first draft distribution;
-- K - 1 batched decode steps, each feeding the previous draft token.
+- K - 1 batched decode steps, each feeding the previous draft token: in one C call
+  (kernels.layers.native_draft_loop) where the draft's layers are native and every request is greedy or
+  sampled at a plain temperature, else step by step.
 Draft tokens are drawn from logits_to_probs rows with the request's params and generator (argmax
-and point masses for temperature 0). on_accepted rolls the draft cache back to the accepted prefix.
+and point masses for temperature 0; the C loop's rows are softmax(logits / T), returned as the rows its
+draws inverted). on_accepted rolls the draft cache back to the accepted prefix.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from draftsmith.kernels.attention import AttentionMetadata
+from draftsmith.kernels.layers.native_draft_loop import LoopSampling
 from draftsmith.kernels.sampling import logits_to_probs, sample
 from draftsmith.serve_eval.engine.kv_cache_manager import KVCacheManager, cdiv
 from draftsmith.serve_eval.engine.model_executor import ModelExecutor
@@ -192,7 +196,7 @@ class StandaloneProposer(Proposer):
         for state in states:
             state.num_computed_tokens = state.root + 1
         picked = self._pick([seqs[b] for b in active], logits, active, drafted, rows)
-        if max(ks) > 1 and self._greedy_steps(seqs, active, states, ks, drafted, picked):
+        if max(ks) > 1 and self._loop_steps(seqs, active, states, ks, drafted, rows, picked, logits.shape[-1]):
             return
         # K - 1 decode steps over the sequences that want more drafts.
         for step in range(1, max(ks)):
@@ -208,18 +212,24 @@ class StandaloneProposer(Proposer):
             for j, tok in zip(group, new):
                 picked[j] = tok
 
-    def _greedy_steps(self, seqs, active, states, ks, drafted, picked) -> bool:
-        """The K - 1 decode steps in one C call when every proposing request is greedy (the executor's
-        greedy_decode); False where that path does not serve, and nothing was done."""
-        if any(seqs[b].params.temperature != 0 for b in active):
+    def _loop_steps(self, seqs, active, states, ks, drafted, rows, picked, vocab_size: int) -> bool:
+        """The K - 1 decode steps in one C call (the executor's draft_decode) when every proposing request is
+        greedy or sampled at a plain temperature; False where that path does not serve, and nothing was done."""
+        params = [seqs[b].params for b in active]
+        sampling = LoopSampling.of([p.temperature for p in params], [p.top_k for p in params],
+                                   [p.top_p for p in params], vocab_size,
+                                   [seqs[b].generator or self.generator for b in active])
+        if sampling is None:
             return False
-        tokens = self.executor.greedy_decode(picked, [state.root + 1 for state in states], [k - 1 for k in ks],
-                                             [self.kv.get_block_ids(state) for state in states])
-        if tokens is None:
+        out = self.executor.draft_decode(picked, [state.root + 1 for state in states], [k - 1 for k in ks],
+                                         [self.kv.get_block_ids(state) for state in states], sampling)
+        if out is None:
             return False
-        for b, state, k, new in zip(active, states, ks, tokens):
+        for b, state, k, new, probs in zip(active, states, ks, out.tokens, out.probs):
             state.num_computed_tokens += k - 1
             drafted[b].extend(new)
+            if probs is not None:
+                rows[b].extend(probs.unbind(0))
         return True
 
     def _pick(self, seqs, logits, batch_index, drafted, rows) -> list[int]:
