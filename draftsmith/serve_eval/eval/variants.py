@@ -4,9 +4,11 @@ A variant is a quantized draft dir (drafts.quant: quantization.json) evaluated a
 labelled ``<source label>@<quantization>`` (e.g. ``standalone@int4-g64``). It is matched to the draft it
 was quantized from by the source path its quantization.json records. The int kernels take bf16
 activations (kernels.quant; any other dtype dequantizes at load), so where bf16 is fast a variant runs its draft
-at bf16, and so does the draft it is compared with; where bf16 is slow (an AVX2-only CPU emulates it, ~9x a fp32
-matmul) both run fp32 and the variant dequantizes. Either way the rows differ by the weights only, and neither
-row is slowed by a dtype the machine runs badly.
+at bf16; where bf16 is slow (an AVX2-only CPU emulates it, ~9x a fp32 matmul) it runs fp32 and dequantizes. The
+source draft runs as it is served without a variant (the engine's dtype): its row is the one the recommendations
+judge, and moving it to bf16 would take it off the engine's fp32 C paths (on an AMX CPU a 1-layer standalone
+draft's round went from 1.4 ms in the fp32 C loop to 7.2 ms at bf16). So the side-by-side compares the two as
+each would serve, and says the dtypes.
 
 The comparison, per (domain, temperature, K) and source draft: alpha and tau beside the source's, the
 alpha points the variant costs, draft ms per round and its ratio to the source's (the draft step
@@ -24,7 +26,7 @@ VARIANT_DRAFT_DTYPE = "bfloat16"   # what torch's CPU int8/int4 weight kernels m
 
 
 def variant_draft_dtype(device: str = "cpu") -> str:
-    """The dtype a variant and its source draft run at here: the int kernels' bf16 where bf16 is fast, else fp32."""
+    """The dtype a variant runs at here: the int kernels' bf16 where bf16 is fast, else fp32."""
     from draftsmith.kernels.precision import bf16_is_fast
 
     return VARIANT_DRAFT_DTYPE if bf16_is_fast(device) else "float32"
@@ -35,7 +37,7 @@ def variant_label(source_label: str, quantization: str) -> str:
 
 
 def mark_variants(sources: list[DraftSource], device: str = "cpu") -> list[str]:
-    """Fill quantization / variant_of / draft_dtype of quantized drafts and of their sources, in place;
+    """Fill quantization / variant_of / draft_dtype of quantized drafts (their sources keep theirs), in place;
     returns notes (a variant whose source is not in this run is still measured, without a comparison)."""
     from draftsmith.drafts.quant import QuantRecord
 
@@ -53,11 +55,12 @@ def mark_variants(sources: list[DraftSource], device: str = "cpu") -> list[str]:
             notes.append(f"{source.method}: a {record.config.label} draft whose source {record.source} is not in "
                          "this run; measured without a side-by-side row")
             continue
-        source.variant_of, base.draft_dtype = base.method, dtype
+        source.variant_of = base.method
     if any(s.variant_of for s in sources):
-        notes.append(f"quantized variants and their source drafts run the draft at {dtype} "
+        notes.append(f"quantized variants run the draft at {dtype} "
                      + ("(the int kernels' activation dtype)" if dtype == VARIANT_DRAFT_DTYPE else
-                        "(bf16 is slow here, so the variants dequantize)") + ", so their rows differ by the weights only")
+                        "(bf16 is slow here, so the variants dequantize)")
+                     + "; their source drafts at the engine's dtype, as they serve")
     return notes
 
 
