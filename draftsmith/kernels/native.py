@@ -42,7 +42,7 @@ def cache_dir() -> Path:
 
 def _build(compiler: str) -> Path:
     digest = hashlib.sha256(" ".join([compiler, *FLAGS, *LIBS]).encode())
-    for source in sources():
+    for source in sources() + sorted(CSRC.glob("*.h")):   # the headers they include count too
         digest.update(source.name.encode() + source.read_bytes())
     target = cache_dir() / f"draftsmith_native-{digest.hexdigest()[:16]}.so"
     if not target.exists():

@@ -55,6 +55,12 @@ def check_sampling_values(temperature: float, top_k: int, top_p: float, seed: in
 _FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 
 
+def is_plain_temperature(temperature: float, top_k: int, top_p: float, vocab_size: int) -> bool:
+    """Whether logits_to_probs gives this row softmax(logits / temperature) and nothing else: sampled (T > 0),
+    top-k off (0 or >= the vocabulary) and top-p off (1). The C sampler and draft loop serve only these rows."""
+    return temperature > 0 and not 0 < top_k < vocab_size and top_p >= 1
+
+
 def _per_row(value, num_rows: int, name: str, dtype: torch.dtype, device) -> Tensor:
     """Broadcast a scalar / sequence / tensor parameter to a [num_rows] tensor, checking its length."""
     tensor = torch.as_tensor(value, dtype=dtype, device=device)

@@ -22,6 +22,8 @@ void small_gemm(const float *x, long m, long k, long ldx, const float *packed, l
                 long ldy);
 void small_gemm_f16(const float *x, long m, long k, long ldx, const uint16_t *packed, long n, const float *bias,
                     float *y, long ldy);
+long row_argmax_f32(const float *row, long n);   /* sampling.c */
+long row_sample_f32(const float *row, long n, float inv_temperature, double u, float *probs);
 
 /* The layer's four projections, all fp32 panels or all fp16 panels (a draft's, small_gemm.c). */
 static void project(int f16, const float *x, long m, long k, long ldx, const void *packed, long n, const float *bias,
@@ -187,8 +189,8 @@ typedef struct {
  * whole stack (KV written), the final norm, the head and the step's token (through d2t for a reduced vocabulary):
  * - greedy (inv_temperatures NULL, or 0 for the sequence): the argmax, the first of equal maxima as torch.argmax;
  * - sampled: the row softmax(logits * inv_temperature) is written to out_probs[(j * max_steps + s) * head_vocab]
- *   and the token drawn from exactly that row by inverting its float64 CDF at uniforms[j * max_steps + s] (the
- *   first v with cdf_v > u * sum, never a zero-probability entry), the rule of kernels/sampling.py's sample. The
+ *   and the token drawn from exactly that row by inverting its float64 CDF at uniforms[j * max_steps + s]
+ *   (sampling.c's row_sample_f32: the rule of kernels/sampling.py's sample). The
  *   verifier's q is the row returned, so the draw follows q whatever the rounding of the exp.
  * Sequence j feeds first_tokens[j] at rope position start_positions[j] and cache entry start_entries[j] (a
  * standalone draft's entries are its positions; EAGLE's cache starts later) and runs num_steps[j] steps;
@@ -268,42 +270,6 @@ static int draft_forward(const native_stack_t *s, const draft_ends_t *e, draft_w
                              s->scale, NULL);
 }
 
-/* The first of equal maxima, as torch.argmax. */
-static long row_argmax(const float *row, long n) {
-    long best = 0;
-    for (long v = 1; v < n; v++)
-        if (row[v] > row[best]) best = v;
-    return best;
-}
-
-/* probs = softmax(row * inv_temperature), then the draw at u: the first v with cdf_v > u * sum(probs) (float64
- * sums of the fp32 probs), stepping back to the last positive entry where rounding would land on a zero. */
-static long row_sample(const float *row, long n, float inv_temperature, double u, float *probs) {
-    float top = row[row_argmax(row, n)] * inv_temperature;
-    float total = 0.0f;
-    for (long v = 0; v < n; v++) {
-        probs[v] = expf(row[v] * inv_temperature - top);
-        total += probs[v];
-    }
-    float scale = 1.0f / total;
-    double sum = 0.0;
-    for (long v = 0; v < n; v++) {
-        probs[v] *= scale;
-        sum += probs[v];
-    }
-    double threshold = u * sum, cdf = 0.0;
-    long picked = -1, last_positive = 0;
-    for (long v = 0; v < n; v++) {
-        if (probs[v] > 0.0f) last_positive = v;
-        cdf += probs[v];
-        if (cdf > threshold && probs[v] > 0.0f) {
-            picked = v;
-            break;
-        }
-    }
-    return picked < 0 ? last_positive : picked;
-}
-
 /* The carried features, then final norm, head and each sequence's step token (argmax or draw, through d2t). */
 static void draft_pick(const draft_ends_t *e, const draft_seqs_t *q, draft_work_t *w, long d, long n, long step) {
     if (q->features)
@@ -316,9 +282,9 @@ static void draft_pick(const draft_ends_t *e, const draft_seqs_t *q, draft_work_
         const float *row = w->logits + i * e->head_vocab;
         float inv_temperature = q->inv_temperatures ? q->inv_temperatures[j] : 0.0f;
         long best = inv_temperature > 0.0f
-                        ? row_sample(row, e->head_vocab, inv_temperature, q->uniforms[at],
-                                     q->out_probs + at * e->head_vocab)
-                        : row_argmax(row, e->head_vocab);
+                        ? row_sample_f32(row, e->head_vocab, inv_temperature, q->uniforms[at],
+                                         q->out_probs + at * e->head_vocab)
+                        : row_argmax_f32(row, e->head_vocab);
         q->out_tokens[at] = e->d2t ? best + e->d2t[best] : best;
     }
 }

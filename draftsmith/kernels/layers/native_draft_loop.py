@@ -32,7 +32,7 @@ from torch import Tensor
 from draftsmith.kernels import native
 from draftsmith.kernels.layers.native_stack import NativeStack
 from draftsmith.kernels.layers.rope import RotaryEmbedding
-from draftsmith.kernels.sampling import uniforms
+from draftsmith.kernels.sampling import is_plain_temperature, uniforms
 from draftsmith.kernels.small_gemm import PackedWeight
 
 _P, _L, _F, _I = ctypes.c_void_p, ctypes.c_long, ctypes.c_float, ctypes.c_int
@@ -115,7 +115,8 @@ class LoopSampling:
            generators: Sequence[torch.Generator | None]) -> "LoopSampling | None":
         """None where a sampled sequence filters its distribution (top-k below the vocabulary or top-p below 1):
         kernels.sampling.logits_to_probs is the one place those filters live, so that draft takes the Python steps."""
-        if any(t > 0 and (0 < k < vocab_size or p < 1) for t, k, p in zip(temperatures, top_ks, top_ps)):
+        if any(t > 0 and not is_plain_temperature(t, k, p, vocab_size)
+               for t, k, p in zip(temperatures, top_ks, top_ps)):
             return None
         inverse = torch.tensor([1.0 / t if t > 0 else 0.0 for t in temperatures], dtype=torch.float32)
         return cls(inverse, list(generators))

@@ -1,7 +1,9 @@
 """One step's verification: the target's logits rows of every speculating sequence -> accepted tokens.
 
 Greedy sequences (temperature 0) are verified from argmaxes alone: no probabilities are computed for
-them (logits_to_probs would turn each of their rows into a one-hot at that same argmax). Sampling
+them (logits_to_probs would turn each of their rows into a one-hot at that same argmax). Chains all sampled
+at a plain temperature (no top-k / top-p) on fp32 CPU logits are verified in C (kernels.native_sampling:
+the closed form's rules and uniforms, the softmax only of the rows the tests reach). Other sampling
 sequences get `logits_to_probs` on their own verified rows only, with their parameters repeated per row
 by tensor ops, then the exact verifier (closed form for chains, the general one for trees).
 """
@@ -16,6 +18,7 @@ import torch
 from torch import Tensor
 from torch.nn.utils.rnn import pad_sequence
 
+from draftsmith.kernels.native_sampling import verify_plain_chains
 from draftsmith.kernels.row_ops import argmax_rows
 from draftsmith.kernels.sampling import logits_to_probs
 from draftsmith.serve_eval.speculative.tree import DraftTree
@@ -138,7 +141,36 @@ def _rows(tokens: Tensor, num_accepted: Tensor, nodes: Tensor) -> list:
             for row, count, path in zip(tokens.tolist(), num_accepted.tolist(), nodes.tolist())]
 
 
+def _plain_chains(logits: Tensor, packed: _Packed, seqs: Sequence, generators: list):
+    """Chains all sampled at a plain temperature: verified in C from the logits (kernels.native_sampling), or None."""
+    trees, vocab = packed.trees, logits.shape[1]
+    params = [seqs[i].params for i in packed.ids]
+    if not packed.chains or any(t.draft_probs is not None and t.draft_probs.shape[-1] != vocab for t in trees):
+        return None
+    draft_probs = point_mass = None
+    if len(trees) == 1 and trees[0].draft_probs is not None and trees[0].point_mass is None:
+        draft_probs = trees[0].draft_probs[None]   # one chain: its own rows, no copy
+    elif any(t.draft_probs is not None for t in trees):
+        draft_probs = torch.zeros(len(trees), packed.width, vocab)
+        point_mass = torch.ones(len(trees), packed.width, dtype=torch.bool)
+        for b, tree in enumerate(trees):
+            if tree.draft_probs is not None:
+                draft_probs[b, :tree.num_nodes] = tree.draft_probs
+                point_mass[b, :tree.num_nodes] = False if tree.point_mass is None else tree.point_mass
+    found = verify_plain_chains(logits, packed.starts, packed.tokens, packed.counts, draft_probs, point_mass,
+                                [p.temperature for p in params], [p.top_k for p in params], [p.top_p for p in params],
+                                [generators[i] for i in packed.ids])
+    if found is None:
+        return None
+    tokens, num_accepted = found
+    nodes = torch.arange(packed.width)[None].expand(len(trees), -1)
+    return _rows(tokens, num_accepted, torch.where(nodes < num_accepted[:, None], nodes, -1)), None
+
+
 def _sampled(logits: Tensor, packed: _Packed, drafts: dict[int, SpecDraft], seqs: Sequence, generators: list):
+    fast = _plain_chains(logits, packed, seqs, generators)
+    if fast is not None:
+        return fast
     dev, vocab = logits.device, logits.shape[1]
     per_row = packed.num_nodes + 1  # verified rows per sequence
     params = [seqs[i].params for i in packed.ids]

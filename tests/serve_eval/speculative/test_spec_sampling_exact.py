@@ -22,7 +22,8 @@ each at T = 1.0 and T = 0.7, both with top-p 0.8, with the policy's fallback off
 speculates);
 - loop: the standalone proposer at a plain T = 1.0 (no top-k / top-p) on one thread, over a target and noisy
   copy whose heads are 8 wide, so the draft's second token comes from the C draft loop
-  (kernels.layers.native_draft_loop: the row and the draw in C); the test checks the loop served the rounds. Both drafts accept often but not always (measured fractions of rounds accepting >= 1 /
+  (kernels.layers.native_draft_loop: the row and the draw in C), the chains are verified in C and x1 is drawn
+  by the C sampler (kernels.native_sampling); the test checks the loop and the C verifier served the rounds. Both drafts accept often but not always (measured fractions of rounds accepting >= 1 /
 2 drafts: chain 0.40 / 0.29, tree 0.68 / 0.32), so every path above is taken thousands of times.
 
 Test: Pearson chi-square (tests/stats_helpers.py: zero-probability cells must get no samples, cells of
@@ -40,6 +41,8 @@ draft distribution; its output is ~0.06 TV off), is rejected by the same test on
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import numpy as np
 import pytest
@@ -176,11 +179,32 @@ def run_mode(models, mode: str) -> tuple[dict[str, np.ndarray], dict]:
     if mode == "chain":
         misreport_draft_rows(engine.strategy.proposer, BAD + "/", BAD_POWER)
     served = count_loop_rounds(engine.strategy.proposer) if mode == "loop" else None
-    pairs = sample_pairs(engine, groups)
+    with count_c_verified() as verified:
+        pairs = sample_pairs(engine, groups)
     total = engine.stats().spec.total
     if served is not None:
         assert served["calls"] > 0 and served["sequences"] >= total.num_rounds // 2, (served, total.num_rounds)
+        assert verified["chains"] >= total.num_rounds // 2, (verified, total.num_rounds)
     return pairs, total
+
+
+@contextlib.contextmanager
+def count_c_verified():
+    """Counts the chains the C verifier (round_verify's plain-temperature path) settled."""
+    from draftsmith.serve_eval.speculative import round_verify
+
+    verified, inner = {"chains": 0}, round_verify.verify_plain_chains
+
+    def counted(logits, root_rows, *args, **kwargs):
+        out = inner(logits, root_rows, *args, **kwargs)
+        verified["chains"] += 0 if out is None else len(root_rows)
+        return out
+
+    round_verify.verify_plain_chains = counted
+    try:
+        yield verified
+    finally:
+        round_verify.verify_plain_chains = inner
 
 
 def count_loop_rounds(proposer) -> dict[str, int]:

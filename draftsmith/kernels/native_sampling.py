@@ -1,0 +1,102 @@
+"""Plain-temperature sampling and chain verification in C (csrc/sampling.c), for fp32 CPU logits rows.
+
+A row sampled at a temperature with no top-k or top-p filter (kernels.sampling.is_plain_temperature) needs only
+softmax(logits / T) and one inverse-CDF draw; a speculative chain of such rows needs those, K accept tests and the
+stop row's residual. The arithmetic is microseconds; the torch ops around it (checks, softmax, float64 cumsum,
+gathers, searchsorted) cost ~0.3 ms for one decode row and ~0.8 ms for a K=4 chain at batch 1. These functions
+run the same rules in C with the same uniforms from the same generators (drawn in the order the torch path draws
+them), so a seeded request's stream is unchanged and only fp32 rounding of the softmax differs.
+
+Each returns None where it does not apply (no native library, not fp32 on the CPU, a filtered or greedy row), and
+the caller keeps its torch path.
+"""
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Sequence
+from functools import lru_cache
+
+import torch
+from torch import Tensor
+
+from draftsmith.kernels import native
+from draftsmith.kernels.sampling import GeneratorArg, is_plain_temperature, uniforms
+
+_P, _L = ctypes.c_void_p, ctypes.c_long
+
+
+@lru_cache(maxsize=1)
+def _library() -> ctypes.CDLL | None:
+    return native.kernel_library("DRAFTSMITH_NATIVE_SAMPLING", "the native sampler", {
+        "sample_rows_f32": ([_P, _L, _L, _P, _P, _P, _P], None),
+        "verify_chains_f32": ([_P, _L, _L, _L, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P], ctypes.c_int),
+    })
+
+
+def _address(tensor: Tensor | None) -> int:
+    return 0 if tensor is None else tensor.data_ptr()
+
+
+def _inverse_temperatures(logits: Tensor, temperatures: Sequence[float], top_ks: Sequence[int],
+                          top_ps: Sequence[float]) -> Tensor | None:
+    """fp32 [N] 1 / T, or None unless every row is plain-temperature sampling of fp32 CPU logits here."""
+    vocab = logits.shape[-1]
+    if (_library() is None or logits.dtype != torch.float32 or logits.device.type != "cpu"
+            or not all(is_plain_temperature(t, k, p, vocab) for t, k, p in zip(temperatures, top_ks, top_ps))):
+        return None
+    return torch.tensor([1.0 / t for t in temperatures], dtype=torch.float32)
+
+
+def sample_plain_rows(logits: Tensor, temperatures: Sequence[float], top_ks: Sequence[int], top_ps: Sequence[float],
+                      generators: GeneratorArg) -> Tensor | None:
+    """int64 [N]: one token per row of logits [N, V] drawn from softmax(row / T) at one uniform of its generator
+    (kernels.sampling.sample_logits' draw); None where this path does not apply."""
+    inverse = _inverse_temperatures(logits, temperatures, top_ks, top_ps)
+    if inverse is None:
+        return None
+    rows = logits.contiguous()
+    u = uniforms(1, rows.shape[0], generators).contiguous()
+    out = torch.empty(rows.shape[0], dtype=torch.int64)
+    work = torch.empty(rows.shape[1], dtype=torch.float32)
+    _library().sample_rows_f32(rows.data_ptr(), rows.shape[0], rows.shape[1], inverse.data_ptr(), u.data_ptr(),
+                               work.data_ptr(), out.data_ptr())
+    return out
+
+
+def verify_plain_chains(
+    logits: Tensor,                  # fp32 [R, V]: each chain's root row at root_rows[b], its nodes' rows after it
+    root_rows: Sequence[int],        # [B]
+    tokens: Tensor,                  # int64 [B, K] (padded past num_nodes)
+    num_nodes: Sequence[int],        # [B]
+    draft_probs: Tensor | None,      # [B, K, V] the rows the drafts were drawn from; None: point masses
+    point_mass: Tensor | None,       # bool [B, K]: a point-mass draft among dense rows
+    temperatures: Sequence[float], top_ks: Sequence[int], top_ps: Sequence[float],
+    generators: Sequence[torch.Generator | None],
+) -> tuple[Tensor, Tensor] | None:
+    """verify_fast.sampled_chain_accept on the logits (the target rows' softmax(logits / T) computed in C, only
+    those the tests reach): (tokens [B, K+1]: the accepted drafts, the final token, then -1; num_accepted [B]).
+    The uniforms are each chain's num_nodes accept tests then its final draw, from its generator, in the torch
+    path's order. None where this path does not apply."""
+    inverse = _inverse_temperatures(logits, temperatures, top_ks, top_ps)
+    if inverse is None or (draft_probs is not None and draft_probs.dtype != torch.float32):
+        return None
+    batch, width = tokens.shape
+    u = uniforms([n + 1 for n in num_nodes], batch, list(generators))
+    if u.shape[1] < width + 1:
+        u = torch.cat([u, torch.ones(batch, width + 1 - u.shape[1], dtype=torch.float64)], dim=1)
+    rows, vocab = logits.contiguous(), logits.shape[1]
+    chains = tokens.to(torch.int64).contiguous()
+    dense = None if draft_probs is None else draft_probs.contiguous()
+    points = None if point_mass is None or dense is None else point_mass.to(torch.uint8).contiguous()
+    roots = torch.tensor(list(root_rows), dtype=torch.int64)
+    nodes = torch.tensor(list(num_nodes), dtype=torch.int64)
+    work, residual = torch.empty(vocab, dtype=torch.float32), torch.empty(vocab, dtype=torch.float64)
+    out = torch.empty(batch, width + 1, dtype=torch.int64)
+    num_accepted = torch.empty(batch, dtype=torch.int64)
+    status = _library().verify_chains_f32(
+        rows.data_ptr(), vocab, batch, width, roots.data_ptr(), chains.data_ptr(), nodes.data_ptr(), _address(dense),
+        _address(points), inverse.data_ptr(), u.contiguous().data_ptr(), work.data_ptr(), residual.data_ptr(),
+        out.data_ptr(), num_accepted.data_ptr())
+    if status != 0:
+        raise ValueError(f"verify_plain_chains: a draft token outside the vocabulary of {vocab} ({tokens.tolist()})")
+    return out, num_accepted

@@ -1,0 +1,99 @@
+"""The C plain-temperature sampler and chain verifier (kernels.native_sampling) against the torch rules they
+replace: kernels.sampling.sample_logits for a decode row, verify_fast.sampled_chain_accept over logits_to_probs
+rows for speculative chains. Same generators, same uniforms: the same tokens (the softmax differs by fp32
+rounding only, far from these draws' boundaries)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from draftsmith.kernels.native_sampling import sample_plain_rows, verify_plain_chains
+from draftsmith.kernels.sampling import logits_to_probs, sample_logits
+from draftsmith.serve_eval.speculative.verify_fast import sampled_chain_accept
+
+V = 64
+pytestmark = pytest.mark.skipif(sample_plain_rows(torch.zeros(1, V), [1.0], [0], [1.0], None) is None,
+                                reason="the native CPU kernels do not build or run here")
+
+
+def generators(seed: int, n: int) -> list[torch.Generator]:
+    return [torch.Generator().manual_seed(seed * 100 + i) for i in range(n)]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_plain_rows_draw_the_tokens_sample_logits_draws(seed):
+    logits = torch.randn(5, V, generator=torch.Generator().manual_seed(seed)) * 3
+    temps = [0.3, 0.7, 1.0, 1.6, 4.0]
+    got = sample_plain_rows(logits, temps, [0, V, 0, 0, V + 5], [1.0] * 5, generators(seed, 5))
+    want = sample_logits(logits, temps, [0] * 5, [1.0] * 5, generators(seed, 5))
+    assert torch.equal(got, want)
+    # one shared generator for every row, as an engine draws for unseeded requests
+    shared = sample_plain_rows(logits, temps, [0] * 5, [1.0] * 5, torch.Generator().manual_seed(seed))
+    assert torch.equal(shared, sample_logits(logits, temps, 0, 1.0, torch.Generator().manual_seed(seed)))
+
+
+def test_filtered_or_greedy_rows_are_left_to_the_torch_path():
+    logits = torch.randn(2, V)
+    assert sample_plain_rows(logits, [1.0, 1.0], [0, 5], [1.0, 1.0], None) is None    # top-k
+    assert sample_plain_rows(logits, [1.0, 1.0], [0, 0], [1.0, 0.9], None) is None    # top-p
+    assert sample_plain_rows(logits, [1.0, 0.0], [0, 0], [1.0, 1.0], None) is None    # greedy
+    assert sample_plain_rows(logits.double(), [1.0] * 2, [0] * 2, [1.0] * 2, None) is None
+
+
+def chain_case(seed: int, batch: int, width: int, dense: bool, mixed_points: bool):
+    """Logits rows for `batch` chains (root + nodes each, with a gap row between chains), their tokens, node
+    counts and draft rows; drafts drawn from q or the target's own argmax, so tests both accept and reject."""
+    g = torch.Generator().manual_seed(seed)
+    counts = torch.randint(1, width + 1, (batch,), generator=g).tolist()
+    counts[0] = width
+    roots, rows = [], 0
+    for n in counts:
+        roots.append(rows + 1)
+        rows += n + 2
+    logits = torch.randn(rows, V, generator=g) * 2.5
+    q = torch.softmax(torch.randn(batch, width, V, generator=g) * 2.5, -1) if dense else None
+    tokens = torch.zeros(batch, width, dtype=torch.int64)
+    for b, (root, n) in enumerate(zip(roots, counts)):
+        for i in range(n):
+            like_target = bool(torch.rand(1, generator=g) < 0.5)
+            tokens[b, i] = (int(logits[root + i].argmax()) if like_target or q is None
+                            else int(torch.multinomial(q[b, i], 1, generator=g)))
+    point_mass = None
+    if dense and mixed_points:
+        point_mass = torch.rand(batch, width, generator=g) < 0.3
+    return logits, roots, tokens, counts, q, point_mass
+
+
+@pytest.mark.parametrize("dense,mixed_points", [(True, False), (True, True), (False, False)])
+@pytest.mark.parametrize("seed", range(8))
+def test_chains_verify_as_the_closed_form_does(seed, dense, mixed_points):
+    batch, width, temps = 3, 4, [1.0, 0.6, 1.7]
+    logits, roots, tokens, counts, q, point_mass = chain_case(seed, batch, width, dense, mixed_points)
+    got_tokens, got_accepted = verify_plain_chains(logits, roots, tokens, counts, q, point_mass, temps, [0] * 3,
+                                                   [1.0] * 3, generators(seed, batch))
+    index = torch.tensor(roots)[:, None] + torch.arange(width + 1)[None]
+    rows = logits[index.clamp_max(logits.shape[0] - 1)]
+    target = logits_to_probs(rows.reshape(-1, V), torch.tensor(temps).repeat_interleave(width + 1), 0,
+                             1.0).view(batch, width + 1, V)
+    want_tokens, want_accepted, _ = sampled_chain_accept(tokens, target, generators(seed, batch), q, point_mass,
+                                                         torch.tensor(counts))
+    assert torch.equal(got_accepted, want_accepted)
+    assert torch.equal(got_tokens, want_tokens)
+
+
+def test_chains_accept_rejects_and_full_accepts_all_occur():
+    """The cases above reach every branch: a rejection at the first node, a partial run, a full accept."""
+    seen = set()
+    for seed in range(8):
+        logits, roots, tokens, counts, q, point_mass = chain_case(seed, 3, 4, True, False)
+        _, accepted = verify_plain_chains(logits, roots, tokens, counts, q, point_mass, [1.0, 0.6, 1.7], [0] * 3,
+                                          [1.0] * 3, generators(seed, 3))
+        seen |= {"none" if a == 0 else "all" if a == n else "some" for a, n in zip(accepted.tolist(), counts)}
+    assert seen == {"none", "some", "all"}
+
+
+def test_a_draft_token_outside_the_vocabulary_is_refused():
+    logits, roots, tokens, counts, q, _ = chain_case(0, 1, 2, True, False)
+    tokens[0, 0] = V + 3
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        verify_plain_chains(logits, roots, tokens, counts, q, None, [1.0], [0], [1.0], [None])
