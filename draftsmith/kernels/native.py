@@ -86,6 +86,11 @@ def eligible(x: Tensor, any_threads: bool = False) -> bool:
             and not torch.compiler.is_compiling())
 
 
+def address(tensor: Tensor | None) -> int:
+    """A tensor's data address for a C pointer argument; 0 (NULL) for None."""
+    return 0 if tensor is None else tensor.data_ptr()
+
+
 Signature = tuple[list[type], type | None]  # (argtypes, restype) of one C function
 
 

@@ -33,25 +33,36 @@ def _library() -> ctypes.CDLL | None:
     })
 
 
-def _address(tensor: Tensor | None) -> int:
-    return 0 if tensor is None else tensor.data_ptr()
-
-
-def _inverse_temperatures(logits: Tensor, temperatures: Sequence[float], top_ks: Sequence[int],
-                          top_ps: Sequence[float]) -> Tensor | None:
-    """fp32 [N] 1 / T, or None unless every row is plain-temperature sampling of fp32 CPU logits here."""
-    vocab = logits.shape[-1]
-    if (_library() is None or logits.dtype != torch.float32 or logits.device.type != "cpu"
-            or not all(is_plain_temperature(t, k, p, vocab) for t, k, p in zip(temperatures, top_ks, top_ps))):
+def inverse_temperatures(temperatures: Sequence[float], top_ks: Sequence[int], top_ps: Sequence[float],
+                         vocab_size: int, greedy_ok: bool = False) -> Tensor | None:
+    """fp32 [N] 1 / T per row (0 for a greedy row, where greedy_ok), or None unless the C sampler is on here and
+    every row is sampled at a plain temperature (or greedy, where greedy_ok)."""
+    if _library() is None:
         return None
-    return torch.tensor([1.0 / t for t in temperatures], dtype=torch.float32)
+    inverse = []
+    for temperature, top_k, top_p in zip(temperatures, top_ks, top_ps):
+        if greedy_ok and temperature == 0:
+            inverse.append(0.0)
+        elif is_plain_temperature(temperature, top_k, top_p, vocab_size):
+            inverse.append(1.0 / temperature)
+        else:
+            return None
+    return torch.tensor(inverse, dtype=torch.float32)
+
+
+def _served(logits: Tensor, temperatures: Sequence[float], top_ks: Sequence[int],
+            top_ps: Sequence[float]) -> Tensor | None:
+    """1 / T per row where every row is plain-temperature sampling of fp32 CPU logits here, else None."""
+    if logits.dtype != torch.float32 or logits.device.type != "cpu":
+        return None
+    return inverse_temperatures(temperatures, top_ks, top_ps, logits.shape[-1])
 
 
 def sample_plain_rows(logits: Tensor, temperatures: Sequence[float], top_ks: Sequence[int], top_ps: Sequence[float],
                       generators: GeneratorArg) -> Tensor | None:
     """int64 [N]: one token per row of logits [N, V] drawn from softmax(row / T) at one uniform of its generator
     (kernels.sampling.sample_logits' draw); None where this path does not apply."""
-    inverse = _inverse_temperatures(logits, temperatures, top_ks, top_ps)
+    inverse = _served(logits, temperatures, top_ks, top_ps)
     if inverse is None:
         return None
     rows = logits.contiguous()
@@ -77,13 +88,14 @@ def verify_plain_chains(
     those the tests reach): (tokens [B, K+1]: the accepted drafts, the final token, then -1; num_accepted [B]).
     The uniforms are each chain's num_nodes accept tests then its final draw, from its generator, in the torch
     path's order. None where this path does not apply."""
-    inverse = _inverse_temperatures(logits, temperatures, top_ks, top_ps)
+    inverse = _served(logits, temperatures, top_ks, top_ps)
     if inverse is None or (draft_probs is not None and draft_probs.dtype != torch.float32):
         return None
     batch, width = tokens.shape
-    u = uniforms([n + 1 for n in num_nodes], batch, list(generators))
-    if u.shape[1] < width + 1:
-        u = torch.cat([u, torch.ones(batch, width + 1 - u.shape[1], dtype=torch.float64)], dim=1)
+    _check_chains(logits, root_rows, tokens, num_nodes, draft_probs, point_mass)
+    # sampled_chain_accept's order: every chain's accept tests, then every chain's final draw
+    u = uniforms(list(num_nodes), batch, list(generators), width=width + 1)
+    u[torch.arange(batch), torch.tensor(list(num_nodes))] = uniforms(1, batch, list(generators))[:, 0]
     rows, vocab = logits.contiguous(), logits.shape[1]
     chains = tokens.to(torch.int64).contiguous()
     dense = None if draft_probs is None else draft_probs.contiguous()
@@ -94,9 +106,32 @@ def verify_plain_chains(
     out = torch.empty(batch, width + 1, dtype=torch.int64)
     num_accepted = torch.empty(batch, dtype=torch.int64)
     status = _library().verify_chains_f32(
-        rows.data_ptr(), vocab, batch, width, roots.data_ptr(), chains.data_ptr(), nodes.data_ptr(), _address(dense),
-        _address(points), inverse.data_ptr(), u.contiguous().data_ptr(), work.data_ptr(), residual.data_ptr(),
+        rows.data_ptr(), vocab, batch, width, roots.data_ptr(), chains.data_ptr(), nodes.data_ptr(), native.address(dense),
+        native.address(points), inverse.data_ptr(), u.contiguous().data_ptr(), work.data_ptr(), residual.data_ptr(),
         out.data_ptr(), num_accepted.data_ptr())
     if status != 0:
         raise ValueError(f"verify_plain_chains: a draft token outside the vocabulary of {vocab} ({tokens.tolist()})")
     return out, num_accepted
+
+
+def _check_chains(logits: Tensor, root_rows: Sequence[int], tokens: Tensor, num_nodes: Sequence[int],
+                  draft_probs: Tensor | None, point_mass: Tensor | None) -> None:
+    """The shapes the C verifier reads through raw pointers, refused with the mismatch (never read out of bounds)."""
+    batch, width = tokens.shape
+    rows, vocab = logits.shape
+    problems = []
+    if len(root_rows) != batch or len(num_nodes) != batch:
+        problems.append(f"{len(root_rows)} roots and {len(num_nodes)} node counts for {batch} chains")
+    elif any(not 0 <= n <= width or r < 0 or r + n >= rows for r, n in zip(root_rows, num_nodes)):
+        problems.append(f"roots {list(root_rows)} with {list(num_nodes)} nodes outside {rows} logits rows or "
+                        f"width {width}")
+    if draft_probs is not None and (tuple(draft_probs.shape) != (batch, width, vocab)
+                                    or draft_probs.device.type != "cpu"):
+        problems.append(f"draft rows {tuple(draft_probs.shape)} on {draft_probs.device}, not [{batch}, {width}, "
+                        f"{vocab}] on the CPU")
+    if point_mass is not None and tuple(point_mass.shape) != (batch, width):
+        problems.append(f"point_mass {tuple(point_mass.shape)}, not [{batch}, {width}]")
+    if tokens.device.type != "cpu":
+        problems.append(f"tokens on {tokens.device}")
+    if problems:
+        raise ValueError("verify_plain_chains: " + "; ".join(problems))

@@ -337,7 +337,8 @@ def uniforms(
     num_rows: int,
     generators: GeneratorArg = None,
     device: torch.device | str = "cpu",
-) -> Tensor:  # float64 [num_rows, max(counts)], padding (beyond a row's count) is 1.0
+    width: int = 0,
+) -> Tensor:  # float64 [num_rows, max(max(counts), width)], padding (beyond a row's count) is 1.0
     """float64 uniforms in [0, 1); with per-row generators row i draws exactly counts[i] values.
 
     Drawing only a row's own count keeps its generator's stream independent of its batch neighbours.
@@ -346,6 +347,9 @@ def uniforms(
         counts = [counts] * num_rows
     if len(counts) != num_rows:
         raise ValueError(f"got {len(counts)} counts for {num_rows} rows")
+    if width > max(counts, default=0):
+        drawn = uniforms(counts, num_rows, generators, device)
+        return torch.cat([drawn, torch.ones(num_rows, width - drawn.shape[1], dtype=torch.float64, device=device)], 1)
     width = max(counts, default=0)
     if generators is None or isinstance(generators, torch.Generator):
         draw_device = _draw_device(generators, device)

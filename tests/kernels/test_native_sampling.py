@@ -81,6 +81,33 @@ def test_chains_verify_as_the_closed_form_does(seed, dense, mixed_points):
     assert torch.equal(got_tokens, want_tokens)
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_chains_sharing_one_generator_draw_in_the_closed_forms_order(seed):
+    """Unseeded requests share the engine's generator: every chain's accept tests come first, then every final
+    draw, as sampled_chain_accept draws them, so the same values land on the same chains."""
+    batch, width, temps = 3, 4, [1.0, 0.6, 1.7]
+    logits, roots, tokens, counts, q, _ = chain_case(seed, batch, width, True, False)
+    shared = torch.Generator().manual_seed(seed)
+    got_tokens, got_accepted = verify_plain_chains(logits, roots, tokens, counts, q, None, temps, [0] * 3,
+                                                   [1.0] * 3, [shared] * batch)
+    index = (torch.tensor(roots)[:, None] + torch.arange(width + 1)[None]).clamp_max(logits.shape[0] - 1)
+    target = logits_to_probs(logits[index].reshape(-1, V), torch.tensor(temps).repeat_interleave(width + 1), 0,
+                             1.0).view(batch, width + 1, V)
+    replay = torch.Generator().manual_seed(seed)
+    want_tokens, want_accepted, _ = sampled_chain_accept(tokens, target, [replay] * batch, q, None,
+                                                         torch.tensor(counts))
+    assert torch.equal(got_accepted, want_accepted) and torch.equal(got_tokens, want_tokens)
+
+
+def test_chains_the_c_verifier_cannot_read_are_refused():
+    logits, roots, tokens, counts, q, _ = chain_case(1, 2, 3, True, False)
+    with pytest.raises(ValueError, match="draft rows"):
+        verify_plain_chains(logits, roots, tokens, counts, q[:, :2], None, [1.0] * 2, [0] * 2, [1.0] * 2, [None] * 2)
+    with pytest.raises(ValueError, match="outside"):
+        verify_plain_chains(logits, [roots[0], logits.shape[0] - 1], tokens, counts, q, None, [1.0] * 2, [0] * 2,
+                            [1.0] * 2, [None] * 2)
+
+
 def test_chains_accept_rejects_and_full_accepts_all_occur():
     """The cases above reach every branch: a rejection at the first node, a partial run, a full accept."""
     seen = set()

@@ -281,11 +281,11 @@ static void draft_pick(const draft_ends_t *e, const draft_seqs_t *q, draft_work_
         long j = w->group[i], at = j * q->max_steps + step;
         const float *row = w->logits + i * e->head_vocab;
         float inv_temperature = q->inv_temperatures ? q->inv_temperatures[j] : 0.0f;
-        long best = inv_temperature > 0.0f
-                        ? row_sample_f32(row, e->head_vocab, inv_temperature, q->uniforms[at],
-                                         q->out_probs + at * e->head_vocab)
-                        : row_argmax_f32(row, e->head_vocab);
-        q->out_tokens[at] = e->d2t ? best + e->d2t[best] : best;
+        long head_row = inv_temperature > 0.0f
+                            ? row_sample_f32(row, e->head_vocab, inv_temperature, q->uniforms[at],
+                                             q->out_probs + at * e->head_vocab)
+                            : row_argmax_f32(row, e->head_vocab);
+        q->out_tokens[at] = e->d2t ? head_row + e->d2t[head_row] : head_row;
     }
 }
 

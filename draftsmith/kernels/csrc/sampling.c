@@ -7,8 +7,8 @@
  *
  * Why: at batch 1 these are a few microseconds of arithmetic inside ~0.3 ms (a sampled decode step) and ~0.8 ms
  * (a K=4 chain's verification) of tensor-op dispatch: checks, softmax, float64 cumsum, gathers, searchsorted.
- * The uniforms come from the caller (each request's generator, drawn in the order the torch path draws them),
- * so a seeded request's stream is unchanged.
+ * The uniforms come from the caller (each request's generator, drawn in the order the torch path draws them,
+ * so requests sharing a generator get the same values either way).
  */
 #include <math.h>
 #include <stdint.h>
@@ -83,6 +83,10 @@ void sample_rows_f32(const float *logits, long rows, long vocab, const float *in
         out_tokens[r] = row_sample_f32(logits + r * vocab, vocab, inv_temperatures[r], uniforms[r], work);
 }
 
+static int is_point_mass(const float *draft_probs, const uint8_t *point_mass, long node) {
+    return !draft_probs || (point_mass && point_mass[node]);
+}
+
 /* Chain b's root row is logits[root_rows[b]], its nodes' rows follow; tokens [B, width], num_nodes[b] <= width;
  * draft_probs [B, width, vocab] (NULL: every draft a point mass) with point_mass [B, width] (NULL: none);
  * uniforms [B, width + 1]: chain b's num_nodes[b] accept tests, then its final draw. Writes out_tokens
@@ -102,17 +106,18 @@ int verify_chains_f32(const float *logits, long vocab, long batch, long width, c
         for (; accepted < n; accepted++) {  /* p(x_i) from row i, q(x_i) from the draft's row i */
             long x = chain[accepted];
             row_softmax(logits + (root_rows[b] + accepted) * vocab, vocab, inv_t, work);
-            int point = !draft_probs || (point_mass && point_mass[b * width + accepted]);
-            double q_x = point ? 1.0 : (double)draft_probs[(b * width + accepted) * vocab + x];
+            double q_x = is_point_mass(draft_probs, point_mass, b * width + accepted)
+                             ? 1.0 : (double)draft_probs[(b * width + accepted) * vocab + x];
             if (!(u[accepted] * q_x < (double)work[x])) break;
         }
         if (accepted == n) row_softmax(logits + (root_rows[b] + n) * vocab, vocab, inv_t, work);
         /* work holds the stop row's p (a rejection left it computed in the loop) */
         for (long v = 0; v < vocab; v++) residual[v] = work[v];
-        if (accepted < n) {
+        if (accepted < n) {  /* the rejected draft's row q: its point mass, or its dense row */
             long x = chain[accepted];
-            int point = !draft_probs || (point_mass && point_mass[b * width + accepted]);
-            const float *q = point ? 0 : draft_probs + (b * width + accepted) * vocab;
+            const float *q = is_point_mass(draft_probs, point_mass, b * width + accepted)
+                                 ? 0 : draft_probs + (b * width + accepted) * vocab;
+            int point = q == 0;
             double mass = 0.0;
             for (long v = 0; v < vocab; v++) {
                 double r = residual[v] - (point ? (v == x ? 1.0 : 0.0) : (double)q[v]);

@@ -29,10 +29,10 @@ from functools import lru_cache
 import torch
 from torch import Tensor
 
-from draftsmith.kernels import native
+from draftsmith.kernels import native, native_sampling
 from draftsmith.kernels.layers.native_stack import NativeStack
 from draftsmith.kernels.layers.rope import RotaryEmbedding
-from draftsmith.kernels.sampling import is_plain_temperature, uniforms
+from draftsmith.kernels.sampling import uniforms
 from draftsmith.kernels.small_gemm import PackedWeight
 
 _P, _L, _F, _I = ctypes.c_void_p, ctypes.c_long, ctypes.c_float, ctypes.c_int
@@ -97,15 +97,12 @@ def padded_tables(block_tables: Sequence[Sequence[int]]) -> Tensor:
     return torch.tensor([list(table) + [-1] * (width - len(table)) for table in block_tables], dtype=torch.int32)
 
 
-def _address(tensor: Tensor | None) -> int:
-    return 0 if tensor is None else tensor.data_ptr()
-
-
 @dataclass(frozen=True)
 class LoopSampling:
     """How each sequence of a loop call picks its tokens: 1 / temperature (0: greedy, the argmax) and, for a
-    sampled sequence, its generator. The call draws a sampled sequence's uniforms from it up front, one per step
-    it runs (the values, in the order, that one draw per step gives), once it is sure to run."""
+    sampled sequence, its generator. The call draws the uniforms up front, once it is sure to run, in the order
+    the Python steps draw them (step by step, the sequences of a step in batch order), so requests that share a
+    generator get the same values either way."""
 
     inverse_temperatures: Tensor                  # fp32 [num_seqs], 0 for a greedy sequence
     generators: Sequence[torch.Generator | None]  # [num_seqs]: a sampled sequence's (None: the global RNG)
@@ -113,13 +110,13 @@ class LoopSampling:
     @classmethod
     def of(cls, temperatures: Sequence[float], top_ks: Sequence[int], top_ps: Sequence[float], vocab_size: int,
            generators: Sequence[torch.Generator | None]) -> "LoopSampling | None":
-        """None where a sampled sequence filters its distribution (top-k below the vocabulary or top-p below 1):
-        kernels.sampling.logits_to_probs is the one place those filters live, so that draft takes the Python steps."""
-        if any(t > 0 and not is_plain_temperature(t, k, p, vocab_size)
-               for t, k, p in zip(temperatures, top_ks, top_ps)):
-            return None
-        inverse = torch.tensor([1.0 / t if t > 0 else 0.0 for t in temperatures], dtype=torch.float32)
-        return cls(inverse, list(generators))
+        """None where a sampled sequence filters its distribution (top-k below the vocabulary or top-p below 1:
+        kernels.sampling.logits_to_probs is the one place those filters live, so that draft takes the Python steps)
+        or the C sampler is switched off (DRAFTSMITH_NATIVE_SAMPLING=0)."""
+        if not any(t > 0 for t in temperatures):   # all greedy: the loop's argmax needs no sampler
+            return cls(torch.zeros(len(temperatures)), list(generators))
+        inverse = native_sampling.inverse_temperatures(temperatures, top_ks, top_ps, vocab_size, greedy_ok=True)
+        return None if inverse is None else cls(inverse, list(generators))
 
     @property
     def greedy(self) -> bool:
@@ -127,12 +124,13 @@ class LoopSampling:
 
     def draws(self, num_steps: Sequence[int]) -> Tensor:
         """fp64 [num_seqs, max steps]: each sampled sequence's uniforms, 1.0 past its own (and a greedy one's)."""
-        counts = [n if float(t) > 0 else 0 for t, n in zip(self.inverse_temperatures, num_steps)]
-        drawn = uniforms(counts, len(counts), list(self.generators))
-        width = max(num_steps, default=0)
-        if drawn.shape[1] < width:
-            drawn = torch.cat([drawn, torch.ones(len(counts), width - drawn.shape[1], dtype=torch.float64)], dim=1)
-        return drawn.contiguous()
+        sampled = [float(t) > 0 for t in self.inverse_temperatures]
+        drawn = torch.ones(len(sampled), max(num_steps, default=0), dtype=torch.float64)
+        for step in range(drawn.shape[1]):
+            rows = [j for j, n in enumerate(num_steps) if sampled[j] and n > step]
+            if rows:
+                drawn[rows, step] = uniforms(1, len(rows), [self.generators[j] for j in rows])[:, 0]
+        return drawn
 
 
 @dataclass(frozen=True)
@@ -201,7 +199,7 @@ class NativeDraftLoop:
             raise ValueError(f"native draft loop: sampling for {tuple(sampling.inverse_temperatures.shape)} "
                              f"temperatures and {len(sampling.generators)} generators, asked {num_seqs} sequences")
         draws = sampling.draws(num_steps) if sampled else None
-        probs = torch.empty(num_seqs, max_steps, self.head.out_features) if sampled else None
+        probs = torch.empty(num_seqs, max_steps, self.head.out_features, dtype=torch.float32) if sampled else None
         out = torch.zeros(num_seqs, max_steps, dtype=torch.int64)
         tables = block_tables.to(torch.int32).contiguous()
         first = torch.tensor(list(first_tokens), dtype=torch.int64)
@@ -211,8 +209,8 @@ class NativeDraftLoop:
         status = _library().draft_decode_f32(
             ctypes.byref(self._stack_args(layer_caches, scale)), ctypes.byref(self._ends_args()), num_seqs,
             tables.data_ptr(), tables.shape[1], first.data_ptr(), starts.data_ptr(), entries.data_ptr(),
-            steps.data_ptr(), max_steps, _address(features),
-            _address(sampling.inverse_temperatures if sampled else None), _address(draws), _address(probs),
+            steps.data_ptr(), max_steps, native.address(features),
+            native.address(sampling.inverse_temperatures if sampled else None), native.address(draws), native.address(probs),
             out.data_ptr())
         if status != 0:
             what = {-2: "a token, position or block outside its table", -3: "no memory for the workspace"}
@@ -246,13 +244,13 @@ class NativeDraftLoop:
 
     def _ends_args(self) -> _EndsArgs:
         fc, e3 = self.fc, self.eagle3
-        return _EndsArgs(self.embed.data_ptr(), _address(None if fc is None else fc.packed),
-                         _address(None if fc is None else fc.bias), int(fc is not None and fc.half),
-                         _address(None if e3 is None else e3.hidden_norm), _address(None if e3 is None else e3.embed_norm),
+        return _EndsArgs(self.embed.data_ptr(), native.address(None if fc is None else fc.packed),
+                         native.address(None if fc is None else fc.bias), int(fc is not None and fc.half),
+                         native.address(None if e3 is None else e3.hidden_norm), native.address(None if e3 is None else e3.embed_norm),
                          int(e3 is not None and e3.norm_before_residual), 0.0 if e3 is None else e3.eps,
-                         _address(self.final_norm), self.final_eps, self.head.packed.data_ptr(),
-                         _address(self.head.bias), int(self.head.half), self.embed.shape[0], self.head.out_features,
-                         _address(self.d2t), self.cos.data_ptr(), self.sin.data_ptr(), self.cos.shape[0])
+                         native.address(self.final_norm), self.final_eps, self.head.packed.data_ptr(),
+                         native.address(self.head.bias), int(self.head.half), self.embed.shape[0], self.head.out_features,
+                         native.address(self.d2t), self.cos.data_ptr(), self.sin.data_ptr(), self.cos.shape[0])
 
 
 class DraftLoopSlot:

@@ -118,7 +118,7 @@ class NativeStack:
             return False
         first, layer = layer_caches[0][0], self.layers[0]
         placement = (tuple(k.data_ptr() for k, _ in layer_caches), tuple(v.data_ptr() for _, v in layer_caches),
-                     first.shape, first.dtype)
+                     first.shape, first.dtype, layer_caches[0][1].shape, layer_caches[0][1].dtype)
         if placement in self.served_placements:
             return True
         served = (first.shape[2:] == (layer.num_kv_heads, layer.head_dim)

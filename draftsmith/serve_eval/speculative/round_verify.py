@@ -141,37 +141,51 @@ def _rows(tokens: Tensor, num_accepted: Tensor, nodes: Tensor) -> list:
             for row, count, path in zip(tokens.tolist(), num_accepted.tolist(), nodes.tolist())]
 
 
-def _plain_chains(logits: Tensor, packed: _Packed, seqs: Sequence, generators: list):
-    """Chains all sampled at a plain temperature: verified in C from the logits (kernels.native_sampling), or None."""
-    trees, vocab = packed.trees, logits.shape[1]
-    params = [seqs[i].params for i in packed.ids]
-    if not packed.chains or any(t.draft_probs is not None and t.draft_probs.shape[-1] != vocab for t in trees):
-        return None
-    draft_probs = point_mass = None
+def _draft_rows(packed: _Packed, seqs: Sequence, vocab: int, device) -> tuple[Tensor | None, Tensor | None]:
+    """The drafts' rows [B, N, V] (fp32) and point-mass flags [B, N]; (None, None) when every draft is a point mass.
+    One draft with rows and no point masses: its own rows, no copy or zero fill."""
+    trees = packed.trees
+    for i, tree in zip(packed.ids, trees):
+        if tree.draft_probs is not None and tree.draft_probs.shape[-1] != vocab:
+            raise ValueError(f"draft_probs vocab {tree.draft_probs.shape[-1]} != target vocab {vocab} "
+                             f"(request {seqs[i].request_id!r})")
     if len(trees) == 1 and trees[0].draft_probs is not None and trees[0].point_mass is None:
-        draft_probs = trees[0].draft_probs[None]   # one chain: its own rows, no copy
-    elif any(t.draft_probs is not None for t in trees):
-        draft_probs = torch.zeros(len(trees), packed.width, vocab)
-        point_mass = torch.ones(len(trees), packed.width, dtype=torch.bool)
-        for b, tree in enumerate(trees):
-            if tree.draft_probs is not None:
-                draft_probs[b, :tree.num_nodes] = tree.draft_probs
-                point_mass[b, :tree.num_nodes] = False if tree.point_mass is None else tree.point_mass
-    found = verify_plain_chains(logits, packed.starts, packed.tokens, packed.counts, draft_probs, point_mass,
-                                [p.temperature for p in params], [p.top_k for p in params], [p.top_p for p in params],
-                                [generators[i] for i in packed.ids])
-    if found is None:
+        return trees[0].draft_probs.to(device, torch.float32)[None], None
+    if all(t.draft_probs is None for t in trees):
+        return None, None
+    batch, width = len(trees), packed.width
+    draft_probs = torch.zeros(batch, width, vocab, device=device)
+    point_mass = torch.ones(batch, width, dtype=torch.bool, device=device)
+    for b, tree in enumerate(trees):
+        if tree.draft_probs is not None:
+            n = tree.num_nodes
+            draft_probs[b, :n] = tree.draft_probs.to(device, torch.float32)
+            point_mass[b, :n] = False if tree.point_mass is None else tree.point_mass.to(device)
+    return draft_probs, point_mass
+
+
+def _plain_chains(logits: Tensor, packed: _Packed, seqs: Sequence, generators: list,
+                  draft_rows: tuple[Tensor | None, Tensor | None]):
+    """Chains all sampled at a plain temperature: verified in C from the logits (kernels.native_sampling), or None."""
+    if not packed.chains:
         return None
-    tokens, num_accepted = found
-    nodes = torch.arange(packed.width)[None].expand(len(trees), -1)
+    params = [seqs[i].params for i in packed.ids]
+    verified = verify_plain_chains(logits, packed.starts, packed.tokens, packed.counts, *draft_rows,
+                                   [p.temperature for p in params], [p.top_k for p in params],
+                                   [p.top_p for p in params], [generators[i] for i in packed.ids])
+    if verified is None:
+        return None
+    tokens, num_accepted = verified
+    nodes = torch.arange(packed.width)[None].expand(len(packed.trees), -1)
     return _rows(tokens, num_accepted, torch.where(nodes < num_accepted[:, None], nodes, -1)), None
 
 
 def _sampled(logits: Tensor, packed: _Packed, drafts: dict[int, SpecDraft], seqs: Sequence, generators: list):
-    fast = _plain_chains(logits, packed, seqs, generators)
+    dev, vocab = logits.device, logits.shape[1]
+    draft_probs, point_mass = _draft_rows(packed, seqs, vocab, dev)
+    fast = _plain_chains(logits, packed, seqs, generators, (draft_probs, point_mass))
     if fast is not None:
         return fast
-    dev, vocab = logits.device, logits.shape[1]
     per_row = packed.num_nodes + 1  # verified rows per sequence
     params = [seqs[i].params for i in packed.ids]
 
@@ -188,20 +202,6 @@ def _sampled(logits: Tensor, packed: _Packed, drafts: dict[int, SpecDraft], seqs
         target[packed.valid_rows] = probs
     else:
         target = probs.view(batch, width + 1, vocab)
-    draft_probs, point_mass = None, None
-    trees = packed.trees
-    if any(t.draft_probs is not None for t in trees):
-        draft_probs = torch.zeros(batch, width, vocab, device=dev)
-        point_mass = torch.ones(batch, width, dtype=torch.bool, device=dev)
-        for b, (i, tree) in enumerate(zip(packed.ids, trees)):
-            if tree.draft_probs is None:
-                continue
-            if tree.draft_probs.shape[-1] != vocab:
-                raise ValueError(f"draft_probs vocab {tree.draft_probs.shape[-1]} != target vocab {vocab} "
-                                 f"(request {seqs[i].request_id!r})")
-            n = tree.num_nodes
-            draft_probs[b, :n] = tree.draft_probs.to(dev, torch.float32)
-            point_mass[b, :n] = False if tree.point_mass is None else tree.point_mass.to(dev)
     gens = [generators[i] for i in packed.ids]
     if packed.chains:
         found = sampled_chain_accept(packed.tokens, target, gens, draft_probs, point_mass, packed.num_nodes)

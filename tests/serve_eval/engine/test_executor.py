@@ -350,8 +350,9 @@ def test_greedy_draft_decode_in_one_c_call_equals_the_forward_steps(layers, tied
 def test_sampled_draft_decode_draws_each_token_from_the_row_it_returns():
     """Sampled at a plain temperature, executor.draft_decode returns per step the row softmax(logits / T) of the
     step-by-step forwards (to fp32 rounding) and the token kernels.sampling.sample draws from exactly that row with
-    the request's generator (one uniform per step, the same stream); a greedy sequence beside them keeps its argmax,
-    and the KV cache is the forwards', bit for bit. A top-p request is not served (None: the Python steps)."""
+    the request's generator (one uniform per step, the same stream; two requests sharing a generator draw from it
+    step by step in batch order, as the Python steps do); a greedy sequence beside them keeps its argmax, and the KV
+    cache is the forwards', bit for bit. A top-p request is not served (None: the Python steps)."""
     from draftsmith.kernels.layers.native_draft_loop import LoopSampling
     from draftsmith.kernels.sampling import sample
 
@@ -360,21 +361,24 @@ def test_sampled_draft_decode_draws_each_token_from_the_row_it_returns():
     if mine.model.draft_loop() is None:
         pytest.skip("the native CPU kernels do not build or run here")
     stepping, looping = PagedRunner(reference, seed=2), PagedRunner(mine, seed=2)
-    prompts, steps = {"a": [5, 17, 3, 99, 41], "b": list(range(20, 31)), "c": [7, 8]}, {"a": 5, "b": 3, "c": 4}
-    temperatures, seeds = {"a": 0.7, "b": 0.0, "c": 1.3}, {"a": 11, "b": None, "c": 12}
+    prompts = {"a": [5, 17, 3, 99, 41], "b": list(range(20, 31)), "c": [7, 8], "d": [60, 61, 62]}
+    steps = {"a": 5, "b": 3, "c": 4, "d": 2}
+    temperatures, seeds = {"a": 0.7, "b": 0.0, "c": 1.3, "d": 1.0}, {"a": 11, "b": None, "c": 12, "d": 12}
     rows, _ = stepping.step(prompts)
     looping.step(prompts)
     names = list(prompts)
     first = {name: int(r[-1].argmax()) for name, r in rows.items()}
-    generators = [None if seeds[n] is None else torch.Generator().manual_seed(seeds[n]) for n in names]
-    plain = LoopSampling.of([temperatures[n] for n in names], [0] * 3, [1.0] * 3, VOCAB, generators)
+    by_seed = {seed: torch.Generator().manual_seed(seed) for seed in set(seeds.values()) - {None}}
+    generators = [by_seed.get(seeds[n]) for n in names]   # c and d share one
+    plain = LoopSampling.of([temperatures[n] for n in names], [0] * 4, [1.0] * 4, VOCAB, generators)
     assert LoopSampling.of([0.7], [0], [0.9], VOCAB, [None]) is None   # top-p: logits_to_probs' filters only
     for name in names:   # the blocks the loop writes, which the replaying forwards then use
         while len(stepping.tables[name]) * BLOCK_SIZE < len(prompts[name]) + steps[name]:
             stepping.tables[name].append(stepping.free.pop())
     got = mine.draft_decode([first[n] for n in names], [len(prompts[n]) for n in names], [steps[n] for n in names],
                             [stepping.tables[n] for n in names], plain)
-    replay = {n: torch.Generator().manual_seed(seeds[n]) for n in names if seeds[n] is not None}
+    replays = {seed: torch.Generator().manual_seed(seed) for seed in by_seed}
+    replay = {n: replays[seeds[n]] for n in names if seeds[n] is not None}
     token = dict(first)
     for s in range(max(steps.values())):
         rows, _ = stepping.step({name: [token[name]] for name in names if steps[name] > s})
@@ -390,5 +394,5 @@ def test_sampled_draft_decode_draws_each_token_from_the_row_it_returns():
                 assert got.tokens[j][s] == int(sample(row[None], replay[name])[0])
             token[name] = got.tokens[j][s]
     assert [len(t) for t in got.tokens] == [steps[n] for n in names]
-    assert len({tuple(t) for t in got.tokens}) == 3 and len(set(got.tokens[0])) > 1   # draws, not a fixed point
+    assert len({tuple(t) for t in got.tokens}) == 4 and len(set(got.tokens[0])) > 1   # draws, not a fixed point
     assert torch.equal(mine.k_cache, reference.k_cache) and torch.equal(mine.v_cache, reference.v_cache)
