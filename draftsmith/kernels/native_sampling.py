@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from draftsmith.kernels import native
-from draftsmith.kernels.sampling import GeneratorArg, is_plain_temperature, uniforms
+from draftsmith.kernels.sampling import GeneratorArg, SamplingSettings, is_plain_temperature, uniforms
 
 _P, _L = ctypes.c_void_p, ctypes.c_long
 
@@ -33,36 +33,34 @@ def _library() -> ctypes.CDLL | None:
     })
 
 
-def inverse_temperatures(temperatures: Sequence[float], top_ks: Sequence[int], top_ps: Sequence[float],
-                         vocab_size: int, greedy_ok: bool = False) -> Tensor | None:
+def inverse_temperatures(settings: Sequence[SamplingSettings], vocab_size: int,
+                         greedy_ok: bool = False) -> Tensor | None:
     """fp32 [N] 1 / T per row (0 for a greedy row, where greedy_ok), or None unless the C sampler is on here and
     every row is sampled at a plain temperature (or greedy, where greedy_ok)."""
     if _library() is None:
         return None
     inverse = []
-    for temperature, top_k, top_p in zip(temperatures, top_ks, top_ps):
-        if greedy_ok and temperature == 0:
+    for row in settings:
+        if greedy_ok and row.temperature == 0:
             inverse.append(0.0)
-        elif is_plain_temperature(temperature, top_k, top_p, vocab_size):
-            inverse.append(1.0 / temperature)
+        elif is_plain_temperature(row.temperature, row.top_k, row.top_p, vocab_size):
+            inverse.append(1.0 / row.temperature)
         else:
             return None
     return torch.tensor(inverse, dtype=torch.float32)
 
 
-def _served(logits: Tensor, temperatures: Sequence[float], top_ks: Sequence[int],
-            top_ps: Sequence[float]) -> Tensor | None:
+def _served(logits: Tensor, settings: Sequence[SamplingSettings]) -> Tensor | None:
     """1 / T per row where every row is plain-temperature sampling of fp32 CPU logits here, else None."""
     if logits.dtype != torch.float32 or logits.device.type != "cpu":
         return None
-    return inverse_temperatures(temperatures, top_ks, top_ps, logits.shape[-1])
+    return inverse_temperatures(settings, logits.shape[-1])
 
 
-def sample_plain_rows(logits: Tensor, temperatures: Sequence[float], top_ks: Sequence[int], top_ps: Sequence[float],
-                      generators: GeneratorArg) -> Tensor | None:
+def sample_plain_rows(logits: Tensor, settings: Sequence[SamplingSettings], generators: GeneratorArg) -> Tensor | None:
     """int64 [N]: one token per row of logits [N, V] drawn from softmax(row / T) at one uniform of its generator
     (kernels.sampling.sample_logits' draw); None where this path does not apply."""
-    inverse = _served(logits, temperatures, top_ks, top_ps)
+    inverse = _served(logits, settings)
     if inverse is None:
         return None
     rows = logits.contiguous()
@@ -81,33 +79,34 @@ def verify_plain_chains(
     num_nodes: Sequence[int],        # [B]
     draft_probs: Tensor | None,      # [B, K, V] the rows the drafts were drawn from; None: point masses
     point_mass: Tensor | None,       # bool [B, K]: a point-mass draft among dense rows
-    temperatures: Sequence[float], top_ks: Sequence[int], top_ps: Sequence[float],
+    settings: Sequence[SamplingSettings],       # [B]
     generators: Sequence[torch.Generator | None],
 ) -> tuple[Tensor, Tensor] | None:
     """verify_fast.sampled_chain_accept on the logits (the target rows' softmax(logits / T) computed in C, only
     those the tests reach): (tokens [B, K+1]: the accepted drafts, the final token, then -1; num_accepted [B]).
     The uniforms are each chain's num_nodes accept tests then its final draw, from its generator, in the torch
     path's order. None where this path does not apply."""
-    inverse = _served(logits, temperatures, top_ks, top_ps)
+    inverse = _served(logits, settings)
     if inverse is None or (draft_probs is not None and draft_probs.dtype != torch.float32):
         return None
     batch, width = tokens.shape
     _check_chains(logits, root_rows, tokens, num_nodes, draft_probs, point_mass)
     # sampled_chain_accept's order: every chain's accept tests, then every chain's final draw
+    nodes = torch.tensor(list(num_nodes), dtype=torch.int64)
     u = uniforms(list(num_nodes), batch, list(generators), width=width + 1)
-    u[torch.arange(batch), torch.tensor(list(num_nodes))] = uniforms(1, batch, list(generators))[:, 0]
+    u[torch.arange(batch), nodes] = uniforms(1, batch, list(generators))[:, 0]
     rows, vocab = logits.contiguous(), logits.shape[1]
     chains = tokens.to(torch.int64).contiguous()
     dense = None if draft_probs is None else draft_probs.contiguous()
     points = None if point_mass is None or dense is None else point_mass.to(torch.uint8).contiguous()
     roots = torch.tensor(list(root_rows), dtype=torch.int64)
-    nodes = torch.tensor(list(num_nodes), dtype=torch.int64)
     work, residual = torch.empty(vocab, dtype=torch.float32), torch.empty(vocab, dtype=torch.float64)
     out = torch.empty(batch, width + 1, dtype=torch.int64)
     num_accepted = torch.empty(batch, dtype=torch.int64)
     status = _library().verify_chains_f32(
-        rows.data_ptr(), vocab, batch, width, roots.data_ptr(), chains.data_ptr(), nodes.data_ptr(), native.address(dense),
-        native.address(points), inverse.data_ptr(), u.contiguous().data_ptr(), work.data_ptr(), residual.data_ptr(),
+        rows.data_ptr(), vocab, batch, width, roots.data_ptr(), chains.data_ptr(), nodes.data_ptr(),
+        native.address(dense), native.address(points), inverse.data_ptr(), u.contiguous().data_ptr(), work.data_ptr(),
+        residual.data_ptr(),
         out.data_ptr(), num_accepted.data_ptr())
     if status != 0:
         raise ValueError(f"verify_plain_chains: a draft token outside the vocabulary of {vocab} ({tokens.tolist()})")

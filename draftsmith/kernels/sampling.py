@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Protocol
 
 import torch
 from torch import Tensor
@@ -53,6 +54,14 @@ def check_sampling_values(temperature: float, top_k: int, top_p: float, seed: in
 
 
 _FLOAT32_MAX = float(torch.finfo(torch.float32).max)
+
+
+class SamplingSettings(Protocol):
+    """A request's sampling settings as the row transforms read them (serve_eval's SamplingParams has them)."""
+
+    temperature: float
+    top_k: int
+    top_p: float
 
 
 def is_plain_temperature(temperature: float, top_k: int, top_p: float, vocab_size: int) -> bool:

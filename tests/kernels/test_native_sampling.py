@@ -10,9 +10,10 @@ import torch
 from draftsmith.kernels.native_sampling import sample_plain_rows, verify_plain_chains
 from draftsmith.kernels.sampling import logits_to_probs, sample_logits
 from draftsmith.serve_eval.speculative.verify_fast import sampled_chain_accept
+from spec_helpers import params
 
 V = 64
-pytestmark = pytest.mark.skipif(sample_plain_rows(torch.zeros(1, V), [1.0], [0], [1.0], None) is None,
+pytestmark = pytest.mark.skipif(sample_plain_rows(torch.zeros(1, V), [params(1.0)], None) is None,
                                 reason="the native CPU kernels do not build or run here")
 
 
@@ -24,20 +25,20 @@ def generators(seed: int, n: int) -> list[torch.Generator]:
 def test_plain_rows_draw_the_tokens_sample_logits_draws(seed):
     logits = torch.randn(5, V, generator=torch.Generator().manual_seed(seed)) * 3
     temps = [0.3, 0.7, 1.0, 1.6, 4.0]
-    got = sample_plain_rows(logits, temps, [0, V, 0, 0, V + 5], [1.0] * 5, generators(seed, 5))
+    got = sample_plain_rows(logits, [params(t, k) for t, k in zip(temps, [0, V, 0, 0, V + 5])], generators(seed, 5))
     want = sample_logits(logits, temps, [0] * 5, [1.0] * 5, generators(seed, 5))
     assert torch.equal(got, want)
     # one shared generator for every row, as an engine draws for unseeded requests
-    shared = sample_plain_rows(logits, temps, [0] * 5, [1.0] * 5, torch.Generator().manual_seed(seed))
+    shared = sample_plain_rows(logits, [params(t) for t in temps], torch.Generator().manual_seed(seed))
     assert torch.equal(shared, sample_logits(logits, temps, 0, 1.0, torch.Generator().manual_seed(seed)))
 
 
 def test_filtered_or_greedy_rows_are_left_to_the_torch_path():
     logits = torch.randn(2, V)
-    assert sample_plain_rows(logits, [1.0, 1.0], [0, 5], [1.0, 1.0], None) is None    # top-k
-    assert sample_plain_rows(logits, [1.0, 1.0], [0, 0], [1.0, 0.9], None) is None    # top-p
-    assert sample_plain_rows(logits, [1.0, 0.0], [0, 0], [1.0, 1.0], None) is None    # greedy
-    assert sample_plain_rows(logits.double(), [1.0] * 2, [0] * 2, [1.0] * 2, None) is None
+    assert sample_plain_rows(logits, [params(1.0), params(1.0, 5)], None) is None    # top-k
+    assert sample_plain_rows(logits, [params(1.0), params(1.0, 0, 0.9)], None) is None    # top-p
+    assert sample_plain_rows(logits, [params(1.0), params(0.0)], None) is None    # greedy
+    assert sample_plain_rows(logits.double(), [params(1.0)] * 2, None) is None
 
 
 def chain_case(seed: int, batch: int, width: int, dense: bool, mixed_points: bool):
@@ -69,8 +70,8 @@ def chain_case(seed: int, batch: int, width: int, dense: bool, mixed_points: boo
 def test_chains_verify_as_the_closed_form_does(seed, dense, mixed_points):
     batch, width, temps = 3, 4, [1.0, 0.6, 1.7]
     logits, roots, tokens, counts, q, point_mass = chain_case(seed, batch, width, dense, mixed_points)
-    got_tokens, got_accepted = verify_plain_chains(logits, roots, tokens, counts, q, point_mass, temps, [0] * 3,
-                                                   [1.0] * 3, generators(seed, batch))
+    got_tokens, got_accepted = verify_plain_chains(logits, roots, tokens, counts, q, point_mass,
+                                                   [params(t) for t in temps], generators(seed, batch))
     index = torch.tensor(roots)[:, None] + torch.arange(width + 1)[None]
     rows = logits[index.clamp_max(logits.shape[0] - 1)]
     target = logits_to_probs(rows.reshape(-1, V), torch.tensor(temps).repeat_interleave(width + 1), 0,
@@ -88,8 +89,8 @@ def test_chains_sharing_one_generator_draw_in_the_closed_forms_order(seed):
     batch, width, temps = 3, 4, [1.0, 0.6, 1.7]
     logits, roots, tokens, counts, q, _ = chain_case(seed, batch, width, True, False)
     shared = torch.Generator().manual_seed(seed)
-    got_tokens, got_accepted = verify_plain_chains(logits, roots, tokens, counts, q, None, temps, [0] * 3,
-                                                   [1.0] * 3, [shared] * batch)
+    got_tokens, got_accepted = verify_plain_chains(logits, roots, tokens, counts, q, None,
+                                                   [params(t) for t in temps], [shared] * batch)
     index = (torch.tensor(roots)[:, None] + torch.arange(width + 1)[None]).clamp_max(logits.shape[0] - 1)
     target = logits_to_probs(logits[index].reshape(-1, V), torch.tensor(temps).repeat_interleave(width + 1), 0,
                              1.0).view(batch, width + 1, V)
@@ -102,10 +103,10 @@ def test_chains_sharing_one_generator_draw_in_the_closed_forms_order(seed):
 def test_chains_the_c_verifier_cannot_read_are_refused():
     logits, roots, tokens, counts, q, _ = chain_case(1, 2, 3, True, False)
     with pytest.raises(ValueError, match="draft rows"):
-        verify_plain_chains(logits, roots, tokens, counts, q[:, :2], None, [1.0] * 2, [0] * 2, [1.0] * 2, [None] * 2)
+        verify_plain_chains(logits, roots, tokens, counts, q[:, :2], None, [params(1.0)] * 2, [None] * 2)
     with pytest.raises(ValueError, match="outside"):
-        verify_plain_chains(logits, [roots[0], logits.shape[0] - 1], tokens, counts, q, None, [1.0] * 2, [0] * 2,
-                            [1.0] * 2, [None] * 2)
+        verify_plain_chains(logits, [roots[0], logits.shape[0] - 1], tokens, counts, q, None, [params(1.0)] * 2,
+                            [None] * 2)
 
 
 def test_chains_accept_rejects_and_full_accepts_all_occur():
@@ -113,8 +114,8 @@ def test_chains_accept_rejects_and_full_accepts_all_occur():
     seen = set()
     for seed in range(8):
         logits, roots, tokens, counts, q, point_mass = chain_case(seed, 3, 4, True, False)
-        _, accepted = verify_plain_chains(logits, roots, tokens, counts, q, point_mass, [1.0, 0.6, 1.7], [0] * 3,
-                                          [1.0] * 3, generators(seed, 3))
+        _, accepted = verify_plain_chains(logits, roots, tokens, counts, q, point_mass,
+                                          [params(t) for t in (1.0, 0.6, 1.7)], generators(seed, 3))
         seen |= {"none" if a == 0 else "all" if a == n else "some" for a, n in zip(accepted.tolist(), counts)}
     assert seen == {"none", "some", "all"}
 
@@ -123,4 +124,4 @@ def test_a_draft_token_outside_the_vocabulary_is_refused():
     logits, roots, tokens, counts, q, _ = chain_case(0, 1, 2, True, False)
     tokens[0, 0] = V + 3
     with pytest.raises(ValueError, match="outside the vocabulary"):
-        verify_plain_chains(logits, roots, tokens, counts, q, None, [1.0], [0], [1.0], [None])
+        verify_plain_chains(logits, roots, tokens, counts, q, None, [params(1.0)], [None])

@@ -32,7 +32,7 @@ from torch import Tensor
 from draftsmith.kernels import native, native_sampling
 from draftsmith.kernels.layers.native_stack import NativeStack
 from draftsmith.kernels.layers.rope import RotaryEmbedding
-from draftsmith.kernels.sampling import uniforms
+from draftsmith.kernels.sampling import SamplingSettings, uniforms
 from draftsmith.kernels.small_gemm import PackedWeight
 
 _P, _L, _F, _I = ctypes.c_void_p, ctypes.c_long, ctypes.c_float, ctypes.c_int
@@ -108,14 +108,14 @@ class LoopSampling:
     generators: Sequence[torch.Generator | None]  # [num_seqs]: a sampled sequence's (None: the global RNG)
 
     @classmethod
-    def of(cls, temperatures: Sequence[float], top_ks: Sequence[int], top_ps: Sequence[float], vocab_size: int,
+    def of(cls, settings: Sequence[SamplingSettings], vocab_size: int,
            generators: Sequence[torch.Generator | None]) -> "LoopSampling | None":
         """None where a sampled sequence filters its distribution (top-k below the vocabulary or top-p below 1:
         kernels.sampling.logits_to_probs is the one place those filters live, so that draft takes the Python steps)
         or the C sampler is switched off (DRAFTSMITH_NATIVE_SAMPLING=0)."""
-        if not any(t > 0 for t in temperatures):   # all greedy: the loop's argmax needs no sampler
-            return cls(torch.zeros(len(temperatures)), list(generators))
-        inverse = native_sampling.inverse_temperatures(temperatures, top_ks, top_ps, vocab_size, greedy_ok=True)
+        if not any(row.temperature > 0 for row in settings):   # all greedy: the loop's argmax needs no sampler
+            return cls(torch.zeros(len(settings)), list(generators))
+        inverse = native_sampling.inverse_temperatures(settings, vocab_size, greedy_ok=True)
         return None if inverse is None else cls(inverse, list(generators))
 
     @property
@@ -210,8 +210,8 @@ class NativeDraftLoop:
             ctypes.byref(self._stack_args(layer_caches, scale)), ctypes.byref(self._ends_args()), num_seqs,
             tables.data_ptr(), tables.shape[1], first.data_ptr(), starts.data_ptr(), entries.data_ptr(),
             steps.data_ptr(), max_steps, native.address(features),
-            native.address(sampling.inverse_temperatures if sampled else None), native.address(draws), native.address(probs),
-            out.data_ptr())
+            native.address(sampling.inverse_temperatures if sampled else None), native.address(draws),
+            native.address(probs), out.data_ptr())
         if status != 0:
             what = {-2: "a token, position or block outside its table", -3: "no memory for the workspace"}
             raise ValueError(f"native draft loop: {what.get(status, f'status {status}')} (first tokens "
@@ -246,10 +246,12 @@ class NativeDraftLoop:
         fc, e3 = self.fc, self.eagle3
         return _EndsArgs(self.embed.data_ptr(), native.address(None if fc is None else fc.packed),
                          native.address(None if fc is None else fc.bias), int(fc is not None and fc.half),
-                         native.address(None if e3 is None else e3.hidden_norm), native.address(None if e3 is None else e3.embed_norm),
+                         native.address(None if e3 is None else e3.hidden_norm),
+                         native.address(None if e3 is None else e3.embed_norm),
                          int(e3 is not None and e3.norm_before_residual), 0.0 if e3 is None else e3.eps,
                          native.address(self.final_norm), self.final_eps, self.head.packed.data_ptr(),
-                         native.address(self.head.bias), int(self.head.half), self.embed.shape[0], self.head.out_features,
+                         native.address(self.head.bias), int(self.head.half), self.embed.shape[0],
+                         self.head.out_features,
                          native.address(self.d2t), self.cos.data_ptr(), self.sin.data_ptr(), self.cos.shape[0])
 
 

@@ -272,11 +272,10 @@ class LLMEngine:
             gens = [s.generator or self.generator for s in sampled]
         else:
             gens = self.generator
-        settings = ([s.params.temperature for s in sampled], [s.params.top_k for s in sampled],
-                    [s.params.top_p for s in sampled])
-        drawn = sample_plain_rows(sub, *settings, gens)   # the C sampler where every row is plain temperature
+        drawn = sample_plain_rows(sub, [s.params for s in sampled], gens)   # C where every row is plain temperature
         if drawn is None:
-            drawn = sample_logits(sub, *settings, gens)
+            drawn = sample_logits(sub, [s.params.temperature for s in sampled], [s.params.top_k for s in sampled],
+                                  [s.params.top_p for s in sampled], gens)
         for i, tok in zip(rows, drawn.tolist()):
             tokens[i] = tok
         return tokens

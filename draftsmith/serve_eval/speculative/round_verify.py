@@ -169,10 +169,8 @@ def _plain_chains(logits: Tensor, packed: _Packed, seqs: Sequence, generators: l
     """Chains all sampled at a plain temperature: verified in C from the logits (kernels.native_sampling), or None."""
     if not packed.chains:
         return None
-    params = [seqs[i].params for i in packed.ids]
     verified = verify_plain_chains(logits, packed.starts, packed.tokens, packed.counts, *draft_rows,
-                                   [p.temperature for p in params], [p.top_k for p in params],
-                                   [p.top_p for p in params], [generators[i] for i in packed.ids])
+                                   [seqs[i].params for i in packed.ids], [generators[i] for i in packed.ids])
     if verified is None:
         return None
     tokens, num_accepted = verified

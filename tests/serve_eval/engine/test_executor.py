@@ -354,6 +354,7 @@ def test_sampled_draft_decode_draws_each_token_from_the_row_it_returns():
     step by step in batch order, as the Python steps do); a greedy sequence beside them keeps its argmax, and the KV
     cache is the forwards', bit for bit. A top-p request is not served (None: the Python steps)."""
     from draftsmith.kernels.layers.native_draft_loop import LoopSampling
+    from spec_helpers import params
     from draftsmith.kernels.sampling import sample
 
     model = tiny_model(shape=dict(SHAPE, num_hidden_layers=1))
@@ -370,8 +371,8 @@ def test_sampled_draft_decode_draws_each_token_from_the_row_it_returns():
     first = {name: int(r[-1].argmax()) for name, r in rows.items()}
     by_seed = {seed: torch.Generator().manual_seed(seed) for seed in set(seeds.values()) - {None}}
     generators = [by_seed.get(seeds[n]) for n in names]   # c and d share one
-    plain = LoopSampling.of([temperatures[n] for n in names], [0] * 4, [1.0] * 4, VOCAB, generators)
-    assert LoopSampling.of([0.7], [0], [0.9], VOCAB, [None]) is None   # top-p: logits_to_probs' filters only
+    plain = LoopSampling.of([params(temperatures[n]) for n in names], VOCAB, generators)
+    assert LoopSampling.of([params(0.7, 0, 0.9)], VOCAB, [None]) is None   # top-p: logits_to_probs' filters only
     for name in names:   # the blocks the loop writes, which the replaying forwards then use
         while len(stepping.tables[name]) * BLOCK_SIZE < len(prompts[name]) + steps[name]:
             stepping.tables[name].append(stepping.free.pop())

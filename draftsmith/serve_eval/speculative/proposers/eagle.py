@@ -345,8 +345,7 @@ class EagleProposer(Proposer):
         if (loop is None or max(num_tokens) < 2 or self.cache.attention is not torch_paged_attention
                 or not loop.accepts(self.cache.layers(), last)):
             return False
-        sampling = LoopSampling.of([s.params.temperature for s in seqs], [s.params.top_k for s in seqs],
-                                   [s.params.top_p for s in seqs], vocab_size, [s.generator for s in seqs])
+        sampling = LoopSampling.of([s.params for s in seqs], vocab_size, [s.generator for s in seqs])
         if sampling is None:
             return False
         entries, steps = [], []

@@ -215,9 +215,7 @@ class StandaloneProposer(Proposer):
     def _loop_steps(self, seqs, active, states, ks, drafted, rows, picked, vocab_size: int) -> bool:
         """The K - 1 decode steps in one C call (the executor's draft_decode) when every proposing request is
         greedy or sampled at a plain temperature; False where that path does not serve, and nothing was done."""
-        params = [seqs[b].params for b in active]
-        sampling = LoopSampling.of([p.temperature for p in params], [p.top_k for p in params],
-                                   [p.top_p for p in params], vocab_size,
+        sampling = LoopSampling.of([seqs[b].params for b in active], vocab_size,
                                    [seqs[b].generator or self.generator for b in active])
         if sampling is None:
             return False
