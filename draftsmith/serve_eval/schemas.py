@@ -70,6 +70,9 @@ class EvalConfig:
     temperatures_of: dict[str, list[float]] = field(default_factory=dict)
     max_tokens: int = 64
     ignore_eos: bool = False
+    # No EOS or stop before this many tokens (vLLM's min_tokens, transformers' min_new_tokens): every request
+    # is measured over this many decode steps, the answer still the target's own (EOS masked, not run past).
+    min_tokens: int = 0
     batch_size: int = 1               # requests in flight at once (1 = latency)
     repetitions: int = 3
     # Wall-clock cap (minutes) on the sweep: a repetition after the first starts only while the time so far plus

@@ -21,6 +21,7 @@ from draftsmith.kernels.sampling import sample_logits
 from draftsmith.serve_eval.engine.config import EngineConfig  # also importable from here, as before
 from draftsmith.serve_eval.engine.kv_cache_manager import KVCacheManager, cdiv
 from draftsmith.serve_eval.engine.logprobs import MAX_LOGPROBS
+from draftsmith.serve_eval.engine.min_tokens import before_min_tokens
 from draftsmith.serve_eval.engine.model_executor import ModelExecutor
 from draftsmith.serve_eval.engine.outputs import CompletionOutput, EngineStats, RequestMetrics, RequestOutput
 from draftsmith.serve_eval.engine.parallel_sampling import SampleGroup, check_n, draw_first_tokens, fork_samples, stream_id
@@ -322,6 +323,8 @@ class LLMEngine:
 
     def _stop_reason(self, seq: Sequence, tok: int) -> str | None:
         p = seq.params
+        if before_min_tokens(seq):
+            return "length" if seq.num_tokens >= self.max_model_len else None
         if (not p.ignore_eos and tok in self.eos_token_ids) or tok in p.stop_token_ids:
             return "stop"
         if p.stop:

@@ -22,6 +22,9 @@ class SamplingParams:
     top_p: float = 1.0            # 1 = off
     seed: int | None = None       # per-request torch.Generator seed
     max_tokens: int = 64
+    # vLLM's min_tokens: the first min_tokens output tokens cannot be EOS or a stop token, and stop strings are
+    # not checked before them (serve_eval.engine.min_tokens masks the target's rows).
+    min_tokens: int = 0
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
@@ -45,6 +48,8 @@ class SamplingParams:
         check_sampling_values(self.temperature, self.top_k, self.top_p, self.seed)
         if not _is_int(self.max_tokens) or self.max_tokens <= 0:
             raise ValueError(f"max_tokens must be an int > 0, got {self.max_tokens!r}")
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens must be an int in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}")
         # Accept a single string for convenience; store a list so callers see one shape.
         if isinstance(self.stop, str):
             self.stop = [self.stop]

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 from draftsmith.serve_eval.engine.logprobs import TokenLogprob, rows_logprobs
+from draftsmith.serve_eval.engine.min_tokens import mask_early_stops
 from draftsmith.serve_eval.engine.outputs import RequestOutput
 from draftsmith.serve_eval.engine.scheduler import SchedulerOutput
 
@@ -63,6 +64,7 @@ class DefaultStrategy:
                 sampled.append(i)
         # A step of partial prefill chunks only still runs: it fills the cache.
         logits = engine.run_forward(batch, rows).logits
+        mask_early_stops(logits, [(out.seqs[i], r, None) for r, i in enumerate(sampled)], engine.eos_token_ids)
         new_tokens: list[list[int]] = [[] for _ in out.seqs]
         if rows:
             for i, tok in zip(sampled, engine.sample([out.seqs[i] for i in sampled], logits)):

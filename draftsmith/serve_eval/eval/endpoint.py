@@ -102,6 +102,8 @@ def stream_completion(client: httpx.Client, base_url: str, model: str, prompt: s
                             "stream_options": {"include_usage": True}}
     if spec.ignore_eos:
         body["ignore_eos"] = True       # vLLM / draftsmith extension
+    if spec.min_tokens:
+        body["min_tokens"] = spec.min_tokens   # vLLM / draftsmith extension
     if domain is not None:
         body["domain"] = domain         # draftsmith extension: per-domain counters and settings
     times: list[float] = []

@@ -159,7 +159,7 @@ def _sweep(cfg: EvalConfig, opened: list[tuple[MethodPlan, Runner]], prompts: di
                 break
         for domain, domain_prompts in prompts.items():
             for temperature in cfg.temperatures:
-                spec = RunSpec(temperature, cfg.max_tokens, cfg.ignore_eos, cfg.seed, cfg.batch_size)
+                spec = RunSpec(temperature, cfg.max_tokens, cfg.ignore_eos, cfg.seed, cfg.batch_size, cfg.min_tokens)
                 here = [(plan, runner) for plan, runner in opened if runs_at(cfg, plan.method, temperature)]
                 if rep > 0:
                     progress(f"eval repetition {rep + 1}/{cfg.repetitions} domain={domain} T={temperature:g} "

@@ -47,6 +47,7 @@ class RunSpec:
     ignore_eos: bool
     seed: int
     batch_size: int
+    min_tokens: int = 0
 
 
 class Runner(Protocol):
@@ -89,7 +90,7 @@ class EngineRunner:
             self._ids += 1
             rid = f"eval-{self.method}-{self._ids}"
             params = SamplingParams(temperature=spec.temperature, max_tokens=spec.max_tokens,
-                                    ignore_eos=spec.ignore_eos, seed=spec.seed + i)
+                                    ignore_eos=spec.ignore_eos, min_tokens=spec.min_tokens, seed=spec.seed + i)
             eng.add_request(rid, prompt, params, domain=domain)
             id_to_index[rid] = i
 
@@ -225,8 +226,8 @@ class HFRunner:
             kwargs: dict[str, Any] = dict(max_new_tokens=spec.max_tokens, streamer=streamer,
                                           attention_mask=torch.ones_like(ids),
                                           pad_token_id=self.tokenizer.pad_token_id or self.tokenizer.eos_token_id)
-            if spec.ignore_eos:
-                kwargs["min_new_tokens"] = spec.max_tokens
+            if spec.ignore_eos or spec.min_tokens:
+                kwargs["min_new_tokens"] = spec.max_tokens if spec.ignore_eos else spec.min_tokens
             if spec.temperature > 0:
                 kwargs.update(do_sample=True, temperature=spec.temperature, top_k=0, top_p=1.0)
                 torch.manual_seed(spec.seed + i)

@@ -106,6 +106,8 @@ def validate(cfg: EvalConfig) -> None:
     for name in ("max_prompts_per_domain", "max_tokens", "batch_size", "repetitions"):
         if getattr(cfg, name) < 1:
             raise ValueError(f"eval.{name} must be >= 1, got {getattr(cfg, name)}")
+    if not 0 <= cfg.min_tokens <= cfg.max_tokens:
+        raise ValueError(f"eval.min_tokens must be in [0, eval.max_tokens={cfg.max_tokens}], got {cfg.min_tokens}")
     if cfg.warmup < 0:
         raise ValueError(f"eval.warmup must be >= 0, got {cfg.warmup}")
     if cfg.max_minutes is not None and not cfg.max_minutes > 0:

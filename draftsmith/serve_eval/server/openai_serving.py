@@ -23,7 +23,7 @@ from draftsmith.serve_eval.server.engine_loop import Aborted, EngineLoop, Failed
 from draftsmith.serve_eval.server.metrics import ServerMetrics
 from draftsmith.serve_eval.server.prompt_checks import PromptChecks
 
-_ENGINE_FIELDS = ("temperature", "top_p", "top_k", "seed", "max_tokens", "stop_token_ids", "stop",
+_ENGINE_FIELDS = ("temperature", "top_p", "top_k", "seed", "max_tokens", "min_tokens", "stop_token_ids", "stop",
                   "ignore_eos", "n", "logprobs", "priority", "domain", "prompt")
 
 

@@ -5,7 +5,7 @@ a number belongs is a type error, not a silent cast, and unknown fields are reje
 way OpenAI's API rejects them. Every failure becomes an `ApiError` whose body names the
 offending field in `param`.
 
-Extra (non-OpenAI) request fields, vLLM-style: `top_k`, `ignore_eos`, `stop_token_ids`,
+Extra (non-OpenAI) request fields, vLLM-style: `top_k`, `ignore_eos`, `min_tokens`, `stop_token_ids`,
 `domain` (label for per-domain metrics and per-domain speculation settings) and
 `priority` (scheduler tier; larger = served first is the engine's convention).
 """
@@ -109,6 +109,7 @@ class _SamplingFields(_Strict):
     # extras
     top_k: int = Field(0, ge=-1, le=INT64_MAX)   # -1 or 0 = off (vLLM accepts both)
     ignore_eos: bool = False
+    min_tokens: int = Field(0, ge=0, le=INT64_MAX)   # no EOS / stop token / stop string before this many tokens
     stop_token_ids: list[Annotated[int, Field(ge=0, le=INT64_MAX)]] | None = None
     domain: str | None = Field(None, min_length=1, max_length=64)
     priority: int = 0
@@ -144,7 +145,7 @@ class _SamplingFields(_Strict):
                 temperature=float(self.temperature), top_k=max(self.top_k, 0), top_p=float(self.top_p),
                 seed=seed, max_tokens=max_tokens, stop=self.stop_list(),
                 stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos,
-                n=1, logprobs=logprobs)
+                min_tokens=self.min_tokens, n=1, logprobs=logprobs)
         except ValueError as exc:   # SamplingParams names the field first in its message
             raise ApiError(400, str(exc), str(exc).split()[0]) from None
 

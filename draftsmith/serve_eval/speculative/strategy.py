@@ -29,6 +29,7 @@ from torch import Tensor
 
 from draftsmith.serve_eval.engine.llm_engine import StepResult
 from draftsmith.serve_eval.engine.logprobs import rows_logprobs
+from draftsmith.serve_eval.engine.min_tokens import mask_early_stops
 from draftsmith.serve_eval.engine.request import Sequence, SequenceStatus
 from draftsmith.serve_eval.engine.scheduler import SchedulerOutput
 from draftsmith.serve_eval.speculative.batch_gate import BatchGate
@@ -212,6 +213,8 @@ class SpeculativeStrategy:
         for i in producing:
             offsets[i] = row
             row += 1 + (drafts[i].num_nodes if i in drafts else 0)
+        mask_early_stops(logits, [(out.seqs[i], offsets[i], drafts[i].tree.depths if i in drafts else None)
+                                  for i in producing], engine.eos_token_ids)
         plain = [i for i in producing if i not in drafts]
         if plain:
             sel = torch.tensor([offsets[i] for i in plain], device=logits.device)

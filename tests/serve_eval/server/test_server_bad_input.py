@@ -37,6 +37,8 @@ CASES = [
     ("chat/completions", {"messages": [{"role": "robot", "content": "hi"}]}, "messages[0].role"),
     ("chat/completions", {"messages": "hello"}, "messages"),
     ("completions", {"prompt": "hi", "temperature": -0.1}, "temperature"),   # out of range
+    ("completions", {"prompt": "hi", "min_tokens": -1}, "min_tokens"),
+    ("completions", {"prompt": "hi", "max_tokens": 4, "min_tokens": 5}, "min_tokens"),   # more than max_tokens
     ("chat/completions", {"messages": USER, "temperature": -1}, "temperature"),
     ("completions", {"prompt": "hi", "top_p": 0}, "top_p"),
     ("completions", {"prompt": "hi", "top_p": 1.01}, "top_p"),
@@ -172,7 +174,7 @@ _json_values = st.recursive(_json_scalars, lambda inner: st.one_of(
     st.lists(inner, max_size=4), st.dictionaries(st.text(max_size=8), inner, max_size=4)), max_leaves=8)
 _fields = ["model", "prompt", "messages", "max_tokens", "temperature", "top_p", "top_k", "n", "stop",
            "seed", "stream", "logprobs", "echo", "priority", "domain", "ignore_eos", "stop_token_ids",
-           "stream_options", "max_completion_tokens", "best_of", "user"]
+           "min_tokens", "stream_options", "max_completion_tokens", "best_of", "user"]
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

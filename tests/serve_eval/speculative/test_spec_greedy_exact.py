@@ -147,3 +147,28 @@ def test_the_standalone_drafts_steps_run_in_one_c_call(models, reference, monkey
     calls.update(forward=0, loop=0)
     run_engine(engine, prompts, [SamplingParams(temperature=1.0, top_p=0.9, max_tokens=8, ignore_eos=True, seed=0)])
     assert calls["loop"] == 0 and calls["forward"] > 0
+
+
+MIN_TOKENS_CASES = [c for c in CASES if c[0] in ("standalone", "self", "oracle-tree", "block")
+                    or (c[0] in ("medusa", "eagle") and c[1])]
+
+
+@pytest.mark.parametrize("method,extra", MIN_TOKENS_CASES,
+                         ids=[f"{m}-{e.get('tree', 'chain')}" for m, e in MIN_TOKENS_CASES])
+def test_min_tokens_greedy_equals_non_speculative(models, reference, method, extra):
+    """With min_tokens, the stop tokens the greedy paths emit early are masked on every verified row below it (by
+    depth, trees included), so speculative output is still plain decoding's token for token: drafts that propose a
+    masked token (the self draft proposes the unmasked argmax) are rejected there."""
+    prompts, lengths, ref = reference(8, seed=8)
+    stops = sorted({toks[1] for toks in ref.values() if len(toks) > 1})[:6]
+    params = [SamplingParams(temperature=0, max_tokens=n, min_tokens=n // 2, stop_token_ids=stops) for n in lengths]
+    plain = run_engine(LLMEngine(EngineConfig(str(models["target"]), **ENGINE, **BIG_POOL)), prompts, params)
+    ids = [f"r{i}" for i in range(len(prompts))]
+    engine = build_engine(models, method, extra, BIG_POOL, ref, dict(zip(ids, prompts)))
+    outs = run_engine(engine, prompts, params)
+    assert any(len(plain[r].output_token_ids) < n for r, n in zip(ids, lengths)), "no request stopped early"
+    assert any(set(plain[r].output_token_ids[:n // 2]) != set(ref[r][:n // 2]) for r, n in zip(ids, lengths)), \
+        "min_tokens changed no greedy path"
+    for rid in ids:
+        assert outs[rid].output_token_ids == plain[rid].output_token_ids, f"{method}: request {rid} diverged"
+    assert engine.kv.pool.num_used_blocks == 0

@@ -34,6 +34,10 @@ possible; df 11, power 0.93) and N = 22,000 at T = 0.7 (10 cells, df 9, power 0.
 seeded, so for a fixed implementation the outcome is deterministic; alpha is the chance that a correct
 implementation fails on this seed set.
 
+min_tokens: a group of the chain run (T 1.0, top-p 0.8, 30,000 requests: df 16, power 0.93) has min_tokens = MAX_TOKENS and stop token
+STOP, the target's likeliest first token; the engine masks STOP in every target row before verification, so its
+(x2, x3) must follow the joint enumerated with STOP masked in every row (x1, x2 and x3 never STOP).
+
 Negative controls proving the power: (1) the same samples tested against the target joint moved by TV
 0.03 in the worst-case direction are rejected (power >= 0.999 there); (2) an engine-level exactness bug,
 a chain proposer that draws its drafts from q but reports q^2 / sum(q^2) as their rows (a wrongly scaled
@@ -74,6 +78,10 @@ BAD_GROUP = (0.7, 0.8, 4_000)
 BAD_POWER = 2.0  # reported draft rows q^BAD_POWER / sum(q^BAD_POWER); drafts still drawn from q
 BLOCK_SIZE = 16  # prompt + outputs + lookahead fit one block per sequence
 WAVE = 8_000  # requests in the engine at once
+MIN_TOKENS = "T1.0-top_p0.8-min_tokens"  # chain-run group: min_tokens = MAX_TOKENS, STOP a stop token
+MIN_TOKENS_GROUP = (1.0, 0.8, 30_000)
+SETTINGS_OF_MIN_TOKENS = "T1.0-top_p0.8"  # the same temperature and top-p, unmasked
+STOP = 0  # p(. | PROMPT) puts ~0.5 on it at T 1.0
 
 
 @pytest.fixture(scope="module")
@@ -96,8 +104,9 @@ def models(tmp_path_factory):
     return target, draft, medusa, block, loop_target, loop_draft
 
 
-def exact_pair_joint(target_dir, temperature: float, top_p: float) -> np.ndarray:
-    """P(x2, x3) [V, V] by enumeration over (x1, x2) with teacher-forced forwards of the HF target."""
+def exact_pair_joint(target_dir, temperature: float, top_p: float, masked: int | None = None) -> np.ndarray:
+    """P(x2, x3) [V, V] by enumeration over (x1, x2) with teacher-forced forwards of the HF target (`masked`: a
+    token whose logit is -inf in every row, as min_tokens masks a stop token)."""
     from transformers import LlamaForCausalLM
 
     model = LlamaForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
@@ -105,6 +114,8 @@ def exact_pair_joint(target_dir, temperature: float, top_p: float) -> np.ndarray
     def next_probs(prefixes: list[list[int]]) -> torch.Tensor:  # [B, L] -> [B, V]
         with torch.no_grad():
             logits = model(torch.tensor(prefixes)).logits[:, -1].float()
+        if masked is not None:
+            logits[:, masked] = float("-inf")
         # The engine computes these logits up to float rounding; a nucleus boundary that close to a
         # cumulative mass could be cut differently there and show up as an "impossible" sample.
         probs = torch.softmax(logits / temperature, dim=-1).sort(dim=-1, descending=True).values
@@ -144,8 +155,9 @@ def sample_pairs(engine: LLMEngine, groups: dict[str, tuple[float, float, int]])
     outputs: dict[str, list[int]] = {}
     for start in range(0, len(requests), WAVE):
         for seed, (request_id, temperature, top_p) in enumerate(requests[start:start + WAVE], start):
+            stops = dict(min_tokens=MAX_TOKENS, stop_token_ids=[STOP]) if request_id.startswith(MIN_TOKENS + "/") else {}
             engine.add_request(request_id, PROMPT, SamplingParams(
-                temperature=temperature, top_p=top_p, max_tokens=MAX_TOKENS, seed=seed, ignore_eos=True))
+                temperature=temperature, top_p=top_p, max_tokens=MAX_TOKENS, seed=seed, ignore_eos=True, **stops))
         while engine.has_unfinished_requests():
             for out in engine.step():
                 if len(out.output_token_ids) >= 3 and out.request_id not in outputs:
@@ -167,6 +179,7 @@ def run_mode(models, mode: str) -> tuple[dict[str, np.ndarray], dict]:
     elif mode == "chain":
         spec = SpecConfig("standalone", draft_path=str(draft), num_speculative_tokens=K, policy=policy)
         groups[BAD] = BAD_GROUP
+        groups[MIN_TOKENS] = MIN_TOKENS_GROUP
     elif mode == "block":  # one non-causal forward drafts both tokens, each from its own row
         spec = SpecConfig("block", draft_path=str(block), num_speculative_tokens=K, policy=policy)
     else:
@@ -238,6 +251,7 @@ def runs(models):
 @pytest.fixture(scope="module")
 def exact(models):
     joints = {name: exact_pair_joint(models[0], t, p) for name, (t, p, _) in SETTINGS.items()}
+    joints[MIN_TOKENS] = exact_pair_joint(models[0], *MIN_TOKENS_GROUP[:2], masked=STOP)
     return joints | {name: exact_pair_joint(models[4], t, p) for name, (t, p, _) in LOOP_SETTINGS.items()}
 
 
@@ -281,3 +295,18 @@ def test_negative_control_wrong_draft_scaling_is_rejected(runs, exact):
     assert fit.p_value < ALPHA, (
         f"wrongly scaled draft rows not detected: p = {fit.p_value:.2e}, empirical TV "
         f"{total_variation(counts / counts.sum(), reference):.4f}")
+
+
+def test_min_tokens_group_follows_the_masked_joint(runs, exact):
+    """Requests with min_tokens and a stop token (the chain run's MIN_TOKENS group) never emit it early, and their
+    (x2, x3) follow the target joint with that token masked in every row: the same chi-square test and power."""
+    pairs, _ = runs("chain")
+    counts = pair_counts(pairs[MIN_TOKENS])
+    assert counts[STOP].sum() == 0 and counts[:, STOP].sum() == 0, "a stop token was emitted before min_tokens"
+    fit = chi_square_fit(counts, exact[MIN_TOKENS], ALPHA, TV)
+    assert fit.power >= MIN_POWER, f"design: power {fit.power:.3f} (df {fit.df}) against TV {TV}"
+    assert fit.p_value > ALPHA, (
+        f"min_tokens: (x2, x3) differ from the masked target: p = {fit.p_value:.2e} (df {fit.df}); empirical TV "
+        f"{total_variation(counts / counts.sum(), exact[MIN_TOKENS]):.4f}")
+    # design: the mask moves the joint far beyond what the test resolves, so ignoring min_tokens would fail it
+    assert total_variation(exact[MIN_TOKENS], exact[SETTINGS_OF_MIN_TOKENS]) > 10 * TV
