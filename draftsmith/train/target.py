@@ -26,6 +26,7 @@ from draftsmith.drafts.artifacts import Artifacts
 from draftsmith.drafts.files import atomic_dir, entry_lock, is_complete, read_json, stable_hash, write_json
 from draftsmith.kernels.precision import resolve_bf16
 from draftsmith.train.corpus import Corpus
+from draftsmith.train.distill.trainer_config import lr_factor
 from draftsmith.train.logs import progress
 from draftsmith.train.tokenizer import load_tokenizer
 
@@ -94,13 +95,8 @@ def _lr_at(step: int, tcfg: DictConfig, elapsed_s: float = 0.0) -> float:
     """Linear warmup, then cosine decay to min_lr_ratio * lr when the step budget or (with
     ``anneal_to_time_cap``) the time budget runs out, whichever comes first: a run cut short by a
     busy CPU still ends annealed instead of at a high learning rate."""
-    if step < tcfg.warmup_steps:
-        return tcfg.lr * (step + 1) / tcfg.warmup_steps
-    progress_frac = (step - tcfg.warmup_steps) / max(1, tcfg.max_steps - tcfg.warmup_steps)
-    if tcfg.anneal_to_time_cap:
-        progress_frac = max(progress_frac, elapsed_s / (tcfg.max_minutes * 60))
-    cosine = 0.5 * (1 + math.cos(math.pi * min(1.0, progress_frac)))
-    return tcfg.lr * (tcfg.min_lr_ratio + (1 - tcfg.min_lr_ratio) * cosine)
+    time_frac = elapsed_s / (tcfg.max_minutes * 60) if tcfg.anneal_to_time_cap else 0.0
+    return tcfg.lr * lr_factor(step, tcfg.warmup_steps, tcfg.max_steps, "cosine", tcfg.min_lr_ratio, time_frac)
 
 
 def train_model(model: LlamaForCausalLM, rows: torch.Tensor, tcfg: DictConfig, seed: int, run: Any = None) -> TrainResult:

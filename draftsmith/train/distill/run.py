@@ -315,6 +315,7 @@ def train_and_export(cfg: DictConfig, prepared: Prepared, out_dir: Path | None =
                              target_dir, fingerprint, Manifest.read(data_dir).key,
                              {**result.final_metrics, "steps": result.state.step,
                               "stopped_by_time_cap": result.stopped_by_time_cap,
+                              "annealed_to_time_cap": result.annealed_to_time_cap,
                               **({"draft_vocab_coverage": draft.vocab_coverage} if hasattr(draft, "vocab_coverage") else {}),
                               "train_tokens_per_s": read_throughput(Path(train_cfg.output_dir) / "metrics.jsonl"),
                               **(extra_metrics or {})})

@@ -47,6 +47,7 @@ class TrainResult:
     final_metrics: dict[str, float]
     checkpoint: Path | None
     stopped_by_time_cap: bool = False
+    annealed_to_time_cap: bool = False  # ... with the LR schedule annealed to the cap (anneal_to_time_cap)
 
 
 class FrozenTarget(Protocol):
@@ -113,11 +114,14 @@ class Trainer:
         if not trainable:
             raise ValueError("objective.build returned a module without trainable parameters")
         optimizer = torch.optim.AdamW(trainable, lr=config.lr, betas=tuple(config.betas), weight_decay=config.weight_decay)
+        self.clock: Callable[[], float] = time.perf_counter  # the time cap's clock (tests drive their own)
+        self.time_frac = 0.0  # elapsed / max_minutes where the schedule anneals to the cap (the ranks' mean)
         # Not passed to accelerate.prepare: its scheduler wrapper steps once per process per step.
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             optimizer,
-            partial(lr_factor, warmup_steps=config.warmup_steps, max_steps=config.max_steps,
-                    schedule=config.lr_schedule, min_lr_ratio=config.min_lr_ratio),
+            lambda step: lr_factor(step, warmup_steps=config.warmup_steps, max_steps=config.max_steps,
+                                   schedule=config.lr_schedule, min_lr_ratio=config.min_lr_ratio,
+                                   time_frac=self.time_frac),
         )  # fmt: skip
         self.model, self.optimizer = acc.prepare(module, optimizer)
         set_seed(config.seed + 7919 * acc.process_index)  # per-rank dropout/noise streams
@@ -178,10 +182,13 @@ class Trainer:
             raise NonFiniteLossError(step, epoch, batch_index, bad, self.last_checkpoint)
 
     def _time_up(self, start: float) -> bool:
-        """Past train.max_minutes? Ranks agree (mean elapsed time), so they stop at the same step."""
+        """Past train.max_minutes? Ranks agree (mean elapsed time), so they stop at the same step and, annealing
+        to the cap, keep one LR."""
         if self.cfg.max_minutes is None:
             return False
-        elapsed = mean_over_ranks(self.accelerator, {"elapsed": time.perf_counter() - start})["elapsed"]
+        elapsed = mean_over_ranks(self.accelerator, {"elapsed": self.clock() - start})["elapsed"]
+        if self.cfg.anneal_to_time_cap:
+            self.time_frac = elapsed / (self.cfg.max_minutes * 60)
         return elapsed > self.cfg.max_minutes * 60
 
     # ------------------------------------------------------------------ eval
@@ -257,12 +264,13 @@ class Trainer:
             state, final_metrics, stopped = self._train_loop(state)
             if stopped:
                 self._save_at_time_cap(state)
-            if not final_metrics:
+            if not final_metrics or stopped:
                 final_metrics = self.evaluate()
             write_rank_report(self.output_dir / "ranks" / f"rank{acc.process_index}.json", acc, self.model,
                               self.launcher, self.sampler.examples_of(self.consumed_batches),
                               self.frozen_target.local_share() if self.frozen_target is not None else None)
-            return TrainResult(state, final_metrics, self.last_checkpoint, stopped)
+            return TrainResult(state, final_metrics, self.last_checkpoint, stopped,
+                               stopped and self.cfg.anneal_to_time_cap)
         except BaseException as err:
             # A NaN stop is raised on every rank at the same step (the flag is all-reduced): meet at a barrier,
             # or one rank's gloo threads may be live when the other closes its pairs. Any other error may be
@@ -281,7 +289,7 @@ class Trainer:
         final_metrics: dict[str, float] = {}
         window = LogWindow()
         self._set_training(True)
-        fit_start, stopped = time.perf_counter(), False
+        fit_start, stopped = self.clock(), False
         while state.step < cfg.max_steps:
             if self._time_up(fit_start):
                 stopped = True
@@ -353,9 +361,12 @@ class Trainer:
         window.tokens, window.start = 0.0, time.perf_counter()
 
     def _save_at_time_cap(self, state: ckpt.TrainerState) -> None:
+        """The cap ended training before max_steps: by design where the schedule anneals to it (logged), else it cut
+        the schedule short (a warning)."""
         cfg = self.cfg
-        warn_event(stage="distill", stopped_by_time_cap=True, step=state.step, max_steps=cfg.max_steps,
-                   max_minutes=cfg.max_minutes)
+        (log_event if cfg.anneal_to_time_cap else warn_event)(
+            stage="distill", stopped_by_time_cap=True, annealed=cfg.anneal_to_time_cap, step=state.step,
+            max_steps=cfg.max_steps, max_minutes=cfg.max_minutes)
         if state.step > 0 and not (cfg.checkpoint_every and state.step % cfg.checkpoint_every == 0):
             self._save(state)  # (a checkpoint_every step is saved already)
 

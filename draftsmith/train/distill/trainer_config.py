@@ -42,6 +42,10 @@ class TrainerConfig:
     # Wall-clock cap (minutes of this fit call): training stops after the step that crosses it, saves, evaluates
     # and logs that the cap cut in. Volatile: a rerun with another cap reuses the export.
     max_minutes: float | None = field(default=None, metadata=_VOLATILE)
+    # With max_minutes: the schedule's progress is also elapsed / max_minutes (whichever is further, as the target's
+    # training does), so a cap that binds ends an annealed schedule instead of cutting a cosine mid-way, and
+    # max_steps can be a generous ceiling on a fast machine. Volatile, as the cap itself.
+    anneal_to_time_cap: bool = field(default=False, metadata=_VOLATILE)
 
     def validate(self) -> None:
         for name in ("max_steps", "batch_size", "gradient_accumulation_steps", "eval_batch_size", "log_every"):
@@ -61,12 +65,15 @@ class TrainerConfig:
         return {f.name: getattr(self, f.name) for f in fields(self) if not f.metadata.get("volatile")}
 
 
-def lr_factor(step: int, warmup_steps: int, max_steps: int, schedule: str, min_lr_ratio: float) -> float:
-    """Multiplier of the base LR for optimizer step `step` (0-based): linear warmup, then decay."""
+def lr_factor(step: int, warmup_steps: int, max_steps: int, schedule: str, min_lr_ratio: float,
+              time_frac: float = 0.0) -> float:
+    """Multiplier of the base LR for optimizer step `step` (0-based): linear warmup, then decay over the step budget,
+    or over the time budget where `time_frac` (elapsed / cap, 0 without one) is further along."""
     if step < warmup_steps:
         return (step + 1) / warmup_steps
     if schedule == "constant":
         return 1.0
-    progress_frac = min(1.0, (step - warmup_steps) / max(1, max_steps - warmup_steps))
+    progress_frac = min(1.0, max((step - warmup_steps) / max(1, max_steps - warmup_steps), time_frac))
     decay = 1.0 - progress_frac if schedule == "linear" else 0.5 * (1.0 + math.cos(math.pi * progress_frac))
     return min_lr_ratio + (1.0 - min_lr_ratio) * decay
+

@@ -187,6 +187,8 @@ def distill(ctx: PipelineContext, kind: str) -> dict[str, Any]:
     fields = {"cached": cached, "dir": out_dir, "steps": metrics.get("steps")}
     if metrics.get("stopped_by_time_cap"):
         fields["stopped_by_time_cap"] = True  # (train.max_minutes cut in; the trainer logged the step)
+    if metrics.get("annealed_to_time_cap"):
+        fields["annealed_to_time_cap"] = True  # (... by design: the LR schedule decayed over the cap's minutes)
     for name in ("eval/simulated_tau", "eval/loss", "train_tokens_per_s", "draft_vocab_coverage"):
         if isinstance(metrics.get(name), (int, float)):
             fields[name.replace("eval/", "")] = round(float(metrics[name]), 4)
