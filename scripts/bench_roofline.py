@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from draftsmith.kernels.attention import AttentionMetadata
+from draftsmith.serve_eval.engine.config import EngineConfig
 from draftsmith.serve_eval.engine.model_executor import ModelExecutor, dtype_name, resolve_dtype
 
 EMBEDDED_SHAPE = dict(vocab_size=4096, hidden_size=256, intermediate_size=704, num_hidden_layers=8,
@@ -75,7 +76,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=60, help="timed decode steps per variant")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     parser.add_argument("--compile", action="store_true", help="also time the executor with torch.compile")
-    parser.add_argument("--dtype", default="auto", help="float32, bfloat16, or auto: bf16 where this CPU runs it faster")
+    # The engine's own default (EngineConfig.dtype): its batch-1 CPU step runs the fp32 C kernels, so "auto" (bf16
+    # where this CPU's matmuls are faster) measures a path the engine does not take by default (2x slower here).
+    parser.add_argument("--dtype", default=EngineConfig.dtype,
+                        help="float32 (the engine's default), bfloat16, or auto: bf16 where this CPU's matmuls are faster")
     parser.add_argument("--bandwidth-mb", type=int, default=1024, help="size of the bandwidth probe tensor")
     return parser.parse_args()
 
