@@ -1,5 +1,6 @@
 """x @ W^T for fp32 on an AVX2 CPU with W packed once at load (csrc/small_gemm.c): one read of W per call
-whatever the row count, and a row's result independent of the rows beside it.
+whatever the row count, and a row's result independent of the rows beside it. Where the CPU has AVX-512 the same
+panels run 512-bit kernels (half the instructions for 7+ rows, the same result bit for bit).
 
 Built and loaded with the other C kernels (kernels.native). Where they cannot run here, or
 ``DRAFTSMITH_SMALL_GEMM=0``, ``available()`` is False and callers keep torch's matmul.
@@ -34,11 +35,28 @@ def _library() -> ctypes.CDLL | None:
         "small_gemm": ([_P, _L, _L, _L, _P, _L, _P, _P, _L], None),
         "small_gemm_f16": ([_P, _L, _L, _L, _P, _L, _P, _P, _L], None),
         "draftsmith_has_f16c": ([], ctypes.c_int),
+        "small_gemm_use_avx512": ([ctypes.c_int], None),
+        "small_gemm_uses_avx512": ([], ctypes.c_int),
     })
 
 
 def available() -> bool:
     return _library() is not None
+
+
+def uses_avx512() -> bool:
+    """Whether the kernel runs its AVX-512 form for more than 6 rows (this CPU has AVX-512F and use_avx512 did not
+    turn it off): the same panels and, output for output, the same FMA chain as the AVX2 form, so bit for bit its
+    results."""
+    lib = _library()
+    return lib is not None and bool(lib.small_gemm_uses_avx512())
+
+
+def use_avx512(on: bool) -> None:
+    """Pin the AVX2 form (on=False) or allow AVX-512 where the CPU has it (the default), process-wide."""
+    lib = _library()
+    if lib is not None:
+        lib.small_gemm_use_avx512(int(on))
 
 
 PANEL_DTYPES = (torch.float32, torch.float16)

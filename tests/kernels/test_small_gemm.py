@@ -43,6 +43,28 @@ def test_a_rows_result_does_not_depend_on_its_batch():
     assert torch.equal(packed(x[::2]), alone[::2])  # strided rows (a view) read the same values
 
 
+@pytest.mark.skipif(not small_gemm.uses_avx512(), reason="this CPU has no AVX-512F")
+@pytest.mark.parametrize("storage", [torch.float32, torch.float16])
+def test_avx512_form_equals_the_avx2_form_bit_for_bit(storage):
+    """Every row count 1..64 (single groups of every span, and the panel-by-panel path past 12 rows), widths that
+    leave partial panels, with and without bias, fp32 and fp16 panels: the two forms give the same bits."""
+    torch.manual_seed(3)
+    with small_gemm.panel_storage(storage):
+        weights = [small_gemm.PackedWeight(torch.randn(n, k), torch.randn(n) if n % 2 else None)
+                   for n, k in ((4096, 256), (1408, 256), (45, 17), (256, 704))]
+    x = torch.randn(64, 704)
+    try:
+        for packed in weights:
+            for rows in range(1, 65):
+                rows_x = x[:rows, :packed.in_features]
+                small_gemm.use_avx512(True)
+                wide = packed(rows_x)
+                small_gemm.use_avx512(False)
+                assert torch.equal(wide, packed(rows_x)), (packed.out_features, packed.in_features, rows)
+    finally:
+        small_gemm.use_avx512(True)
+
+
 @needs_kernel
 def test_serving_linear_routes_few_rows_to_the_kernel(monkeypatch):
     torch.manual_seed(1)
