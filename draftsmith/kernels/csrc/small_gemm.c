@@ -51,8 +51,10 @@ static inline void store_row(float *y, long n_valid, const float *tmp, const flo
 }
 
 /* ROWS rows of x against SPAN consecutive panels (columns past n_left are not stored); acc[r][s * VECS + v]
- * holds columns 8v .. 8v+7 of panel s for row r. A span gives few rows enough independent FMA chains to hide
- * the FMA latency (1 row x 4 panels = 8 chains) without changing any output's chain. Each step over k
+ * holds columns 8v .. 8v+7 of panel s for row r. A span gives 2-3 rows enough independent FMA chains to hide
+ * the FMA latency without changing any output's chain. One row is memory-bound and reads one panel at a time: one
+ * sequential stream ran the embedded target's 1-row matmuls ~11% faster than four interleaved panels (2.38-2.54
+ * against 2.69-2.83 ms, an AMX Xeon) though its two chains leave the FMA units idle half the time. Each step over k
  * prefetches the same line of the panels the next call reads, so memory streams while the FMAs run. */
 #define PANEL_ROWS_OF(ROWS, SPAN, SUFFIX, WTYPE, LOAD, TARGET)                                                 \
     TARGET static void rows_##ROWS##_span_##SPAN##SUFFIX(const float *x, long ldx, const WTYPE *panels, long k, \
@@ -101,18 +103,20 @@ PANEL_ROWS(4, 1)
 PANEL_ROWS(5, 1)
 PANEL_ROWS(6, 1)
 
-/* by rows: the widest span (and its function) that keeps the accumulators in the 16 registers, and span 1 */
-static const int SPAN_OF[MAX_GROUP + 1] = {0, 4, 2, 2, 1, 1, 1};
-#define ROW_TABLES(SUFFIX, WTYPE)                                                                              \
+/* by rows: the span (and its function) that runs fastest within the 16 registers, and span 1. One row of fp32
+ * panels: 1 (see above); of fp16 panels: 4, as each weight's widening lengthens the chain (the draft's 1-row steps
+ * ran 1.22 ms a round at span 4 against 1.39 at span 1). */
+#define ROW_TABLES(SUFFIX, WTYPE, ONE_ROW_SPAN)                                                                \
     typedef void (*panel_fn##SUFFIX)(const float *, long, const WTYPE *, long, float *, long, long, const float *); \
+    static const int SPAN_OF##SUFFIX[MAX_GROUP + 1] = {0, ONE_ROW_SPAN, 2, 2, 1, 1, 1};                        \
     static const panel_fn##SUFFIX WIDE##SUFFIX[MAX_GROUP + 1] = {                                              \
-        0, rows_1_span_4##SUFFIX, rows_2_span_2##SUFFIX, rows_3_span_2##SUFFIX, rows_4_span_1##SUFFIX,        \
+        0, rows_1_span_##ONE_ROW_SPAN##SUFFIX, rows_2_span_2##SUFFIX, rows_3_span_2##SUFFIX, rows_4_span_1##SUFFIX,        \
         rows_5_span_1##SUFFIX, rows_6_span_1##SUFFIX};                                                        \
     static const panel_fn##SUFFIX NARROW##SUFFIX[MAX_GROUP + 1] = {                                            \
         0, rows_1_span_1##SUFFIX, rows_2_span_1##SUFFIX, rows_3_span_1##SUFFIX, rows_4_span_1##SUFFIX,        \
         rows_5_span_1##SUFFIX, rows_6_span_1##SUFFIX};
-ROW_TABLES(, float)
-ROW_TABLES(_f16, uint16_t)
+ROW_TABLES(, float, 1)
+ROW_TABLES(_f16, uint16_t, 4)
 
 /* y[M, N] = x @ W^T (+ bias) over packed panels of WTYPE: one group of rows runs spans of panels, then single
  * panels for the remainder; several groups (as even as possible: 8 = 4 + 4) share each panel while it is in
@@ -123,7 +127,7 @@ ROW_TABLES(_f16, uint16_t)
         long panels = (n + PANEL - 1) / PANEL;                                                                \
         if (m <= 0 || n <= 0) return;                                                                         \
         if (m <= MAX_GROUP) {                                                                                 \
-            long p = 0, span = SPAN_OF[m];                                                                    \
+            long p = 0, span = SPAN_OF##SUFFIX[m];                                                            \
             for (; p + span <= panels; p += span)                                                             \
                 WIDE##SUFFIX[m](x, ldx, packed + p * k * PANEL, k, y + p * PANEL, ldy, n - p * PANEL,          \
                                 bias ? bias + p * PANEL : 0);                                                 \
