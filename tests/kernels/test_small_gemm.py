@@ -46,8 +46,9 @@ def test_a_rows_result_does_not_depend_on_its_batch():
 @pytest.mark.skipif(not small_gemm.uses_avx512(), reason="this CPU has no AVX-512F")
 @pytest.mark.parametrize("storage", [torch.float32, torch.float16])
 def test_avx512_form_equals_the_avx2_form_bit_for_bit(storage):
-    """Every row count 1..64 (single groups of every span, and the panel-by-panel path past 12 rows), widths that
-    leave partial panels, with and without bias, fp32 and fp16 panels: the two forms give the same bits."""
+    """Every row count 1..64 (the AVX-512 form serves 7 and more: one group up to 12 rows, then several), widths
+    that leave partial panels and odd panel counts, with and without bias, fp32 and fp16 panels: the two forms
+    give the same bits."""
     torch.manual_seed(3)
     with small_gemm.panel_storage(storage):
         weights = [small_gemm.PackedWeight(torch.randn(n, k), torch.randn(n) if n % 2 else None)

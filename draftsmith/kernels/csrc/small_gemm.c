@@ -94,7 +94,7 @@ static inline void store_row(float *y, long n_valid, const float *tmp, const flo
     PANEL_ROWS_OF(ROWS, SPAN, _f16, uint16_t, LOAD_F16, AVX2_FMA_F16C)
 
 PANEL_ROWS(1, 1)
-PANEL_ROWS(1, 4)
+PANEL_ROWS_OF(1, 4, _f16, uint16_t, LOAD_F16, AVX2_FMA_F16C)   /* fp16 panels' one row (see ROW_TABLES) */
 PANEL_ROWS(2, 1)
 PANEL_ROWS(2, 2)
 PANEL_ROWS(3, 1)
@@ -125,7 +125,6 @@ ROW_TABLES(_f16, uint16_t, 4)
     static void NAME(const float *x, long m, long k, long ldx, const WTYPE *packed, long n,             \
                             const float *bias, float *y, long ldy) {                                           \
         long panels = (n + PANEL - 1) / PANEL;                                                                \
-        if (m <= 0 || n <= 0) return;                                                                         \
         if (m <= MAX_GROUP) {                                                                                 \
             long p = 0, span = SPAN_OF##SUFFIX[m];                                                            \
             for (; p + span <= panels; p += span)                                                             \
@@ -150,8 +149,8 @@ ROW_TABLES(_f16, uint16_t, 4)
 SMALL_GEMM(small_gemm_avx2, , float)
 SMALL_GEMM(small_gemm_avx2_f16, _f16, uint16_t)
 
-/* The same panels on AVX-512: a 16-column panel is one 512-bit register and the 32 registers hold up to 12 rows x
- * 2 panels of accumulators, so 7-17 rows (a tree's verify, a batch of 8-16 decode rows) take half the instructions
+/* The same panels on AVX-512 for more than 6 rows: a 16-column panel is one 512-bit register and the 32 registers
+ * hold up to 12 rows x 2 panels of accumulators, so 7-17 rows (a tree's verify, a batch of 8-16 decode rows) take half the instructions
  * of the AVX2 kernel (which is FMA-bound there: a 17-row verify of the embedded target cost ~2x a 5-row one).
  * Every output is still one FMA chain over k from zero, then + bias[n]: bit for bit the AVX2 kernel's result. */
 #define AVX512 __attribute__((target("avx512f")))
@@ -187,53 +186,32 @@ SMALL_GEMM(small_gemm_avx2_f16, _f16, uint16_t)
 #define PANEL_ROWS_512(ROWS, SPAN)                                                                              \
     PANEL_ROWS_512_OF(ROWS, SPAN, , float, LOAD512_F32)                                                         \
     PANEL_ROWS_512_OF(ROWS, SPAN, _f16, uint16_t, LOAD512_F16)
-PANEL_ROWS_512(1, 1) PANEL_ROWS_512(1, 8) PANEL_ROWS_512(2, 1) PANEL_ROWS_512(2, 4) PANEL_ROWS_512(3, 1)
-PANEL_ROWS_512(3, 4) PANEL_ROWS_512(4, 1) PANEL_ROWS_512(4, 4) PANEL_ROWS_512(5, 1) PANEL_ROWS_512(5, 4)
-PANEL_ROWS_512(6, 1) PANEL_ROWS_512(6, 2) PANEL_ROWS_512(6, 4) PANEL_ROWS_512(7, 1) PANEL_ROWS_512(7, 2)
-PANEL_ROWS_512(7, 3) PANEL_ROWS_512(8, 1) PANEL_ROWS_512(8, 2) PANEL_ROWS_512(8, 3) PANEL_ROWS_512(9, 1) PANEL_ROWS_512(9, 2) PANEL_ROWS_512(10, 1) PANEL_ROWS_512(10, 2)
+/* groups of 6 to 12 rows (the AVX-512 form serves 7 rows and more, split as evenly as possible) */
+PANEL_ROWS_512(6, 1) PANEL_ROWS_512(6, 2) PANEL_ROWS_512(7, 1) PANEL_ROWS_512(7, 2) PANEL_ROWS_512(8, 1)
+PANEL_ROWS_512(8, 2) PANEL_ROWS_512(9, 1) PANEL_ROWS_512(9, 2) PANEL_ROWS_512(10, 1) PANEL_ROWS_512(10, 2)
 PANEL_ROWS_512(11, 1) PANEL_ROWS_512(11, 2) PANEL_ROWS_512(12, 1) PANEL_ROWS_512(12, 2)
 
-static const int SPAN_512[MAX_GROUP_512 + 1] = {0, 8, 4, 4, 4, 4, 4, 3, 3, 2, 2, 2, 2};
-#define ROW_TABLES_512(SUFFIX, WTYPE)                                                                           \
-    static const panel_fn##SUFFIX WIDE512##SUFFIX[MAX_GROUP_512 + 1] = {                                        \
-        0, rows512_1_span_8##SUFFIX, rows512_2_span_4##SUFFIX, rows512_3_span_4##SUFFIX, rows512_4_span_4##SUFFIX, \
-        rows512_5_span_4##SUFFIX, rows512_6_span_4##SUFFIX, rows512_7_span_3##SUFFIX, rows512_8_span_3##SUFFIX,   \
-        rows512_9_span_2##SUFFIX, rows512_10_span_2##SUFFIX, rows512_11_span_2##SUFFIX, rows512_12_span_2##SUFFIX}; \
-    static const panel_fn##SUFFIX NARROW512##SUFFIX[MAX_GROUP_512 + 1] = {                                      \
-        0, rows512_1_span_1##SUFFIX, rows512_2_span_1##SUFFIX, rows512_3_span_1##SUFFIX, rows512_4_span_1##SUFFIX, \
-        rows512_5_span_1##SUFFIX, rows512_6_span_1##SUFFIX, rows512_7_span_1##SUFFIX, rows512_8_span_1##SUFFIX,   \
-        rows512_9_span_1##SUFFIX, rows512_10_span_1##SUFFIX, rows512_11_span_1##SUFFIX, rows512_12_span_1##SUFFIX};
-ROW_TABLES_512(, float)
-ROW_TABLES_512(_f16, uint16_t)
-/* past 12 rows (groups of 6 to 12): pairs of panels, so a broadcast of x feeds two FMAs */
-#define PAIR_TABLE_512(SUFFIX)                                                                                  \
+/* by group size: a pair of panels (a broadcast of x feeds two FMAs), and one panel (an odd last one) */
+#define ROW_TABLES_512(SUFFIX)                                                                                  \
     static const panel_fn##SUFFIX PAIR512##SUFFIX[MAX_GROUP_512 + 1] = {                                        \
         0, 0, 0, 0, 0, 0, rows512_6_span_2##SUFFIX, rows512_7_span_2##SUFFIX, rows512_8_span_2##SUFFIX,          \
-        rows512_9_span_2##SUFFIX, rows512_10_span_2##SUFFIX, rows512_11_span_2##SUFFIX, rows512_12_span_2##SUFFIX};
-PAIR_TABLE_512()
-PAIR_TABLE_512(_f16)
+        rows512_9_span_2##SUFFIX, rows512_10_span_2##SUFFIX, rows512_11_span_2##SUFFIX, rows512_12_span_2##SUFFIX}; \
+    static const panel_fn##SUFFIX ONE512##SUFFIX[MAX_GROUP_512 + 1] = {                                         \
+        0, 0, 0, 0, 0, 0, rows512_6_span_1##SUFFIX, rows512_7_span_1##SUFFIX, rows512_8_span_1##SUFFIX,          \
+        rows512_9_span_1##SUFFIX, rows512_10_span_1##SUFFIX, rows512_11_span_1##SUFFIX, rows512_12_span_1##SUFFIX};
+ROW_TABLES_512()
+ROW_TABLES_512(_f16)
 
-/* As SMALL_GEMM with groups of up to 12 rows: one group runs spans of panels, then single panels; more rows run
- * pair of panels by pair, every group over the pair while it is in cache (the weights are read from memory once). */
+/* y[M, N] = x @ W^T (+ bias) for M > 6: groups of 6 to 12 rows (as even as possible), pair of panels by pair, every
+ * group over the pair while it is in cache (the weights are read from memory once). */
 #define SMALL_GEMM_512(SUFFIX, WTYPE)                                                                            \
     static void small_gemm_avx512##SUFFIX(const float *x, long m, long k, long ldx, const WTYPE *packed, long n,  \
                                           const float *bias, float *y, long ldy) {                               \
-        long panels = (n + PANEL - 1) / PANEL;                                                                   \
-        if (m <= MAX_GROUP_512) {                                                                                \
-            long p = 0, span = SPAN_512[m];                                                                      \
-            for (; p + span <= panels; p += span)                                                                \
-                WIDE512##SUFFIX[m](x, ldx, packed + p * k * PANEL, k, y + p * PANEL, ldy, n - p * PANEL,          \
-                                   bias ? bias + p * PANEL : 0);                                                 \
-            for (; p < panels; p++)                                                                              \
-                NARROW512##SUFFIX[m](x, ldx, packed + p * k * PANEL, k, y + p * PANEL, ldy, n - p * PANEL,        \
-                                     bias ? bias + p * PANEL : 0);                                               \
-            return;                                                                                              \
-        }                                                                                                        \
-        long groups = (m + MAX_GROUP_512 - 1) / MAX_GROUP_512;                                                   \
+        long panels = (n + PANEL - 1) / PANEL, groups = (m + MAX_GROUP_512 - 1) / MAX_GROUP_512;                  \
         for (long p = 0; p < panels; p += 2)                                                                     \
             for (long r = 0, g = 0; g < groups; g++) {                                                           \
                 long size = (m - r) / (groups - g);                                                              \
-                (p + 2 <= panels ? PAIR512##SUFFIX : NARROW512##SUFFIX)[size](                                   \
+                (p + 2 <= panels ? PAIR512##SUFFIX : ONE512##SUFFIX)[size](                                      \
                     x + r * ldx, ldx, packed + p * k * PANEL, k, y + r * ldy + p * PANEL, ldy, n - p * PANEL,     \
                     bias ? bias + p * PANEL : 0);                                                                \
                 r += size;                                                                                       \

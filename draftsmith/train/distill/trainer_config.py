@@ -76,4 +76,3 @@ def lr_factor(step: int, warmup_steps: int, max_steps: int, schedule: str, min_l
     progress_frac = min(1.0, max((step - warmup_steps) / max(1, max_steps - warmup_steps), time_frac))
     decay = 1.0 - progress_frac if schedule == "linear" else 0.5 * (1.0 + math.cos(math.pi * progress_frac))
     return min_lr_ratio + (1.0 - min_lr_ratio) * decay
-
