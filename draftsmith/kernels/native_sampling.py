@@ -29,6 +29,7 @@ _P, _L = ctypes.c_void_p, ctypes.c_long
 def _library() -> ctypes.CDLL | None:
     return native.kernel_library("DRAFTSMITH_NATIVE_SAMPLING", "the native sampler", {
         "sample_rows_f32": ([_P, _L, _L, _P, _P, _P, _P], None),
+        "sample_filtered_rows_f32": ([_P, _L, _L, _P, _P, _P, _P, _P, _P, _P, _P], None),
         "verify_chains_f32": ([_P, _L, _L, _L, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P], ctypes.c_int),
     })
 
@@ -69,6 +70,34 @@ def sample_plain_rows(logits: Tensor, settings: Sequence[SamplingSettings], gene
     work = torch.empty(rows.shape[1], dtype=torch.float32)
     _library().sample_rows_f32(rows.data_ptr(), rows.shape[0], rows.shape[1], inverse.data_ptr(), u.data_ptr(),
                                work.data_ptr(), out.data_ptr())
+    return out
+
+
+_RANKED_BYTES = 16   # csrc/sampling.c's ranked_t: a float value and an int64 id
+
+
+def sample_rows(logits: Tensor, settings: Sequence[SamplingSettings], generators: GeneratorArg) -> Tensor | None:
+    """int64 [N]: sample_logits' draw for rows sampled at T > 0 with or without top-k / top-p (the filters of
+    kernels.sampling, on the same scaled values, with the same uniforms); plain rows as sample_plain_rows draws
+    them. None where this path does not apply (no native library, not fp32 on the CPU, a greedy row)."""
+    plain = sample_plain_rows(logits, settings, generators)
+    if plain is not None or _library() is None or logits.dtype != torch.float32 or logits.device.type != "cpu":
+        return plain
+    if any(row.temperature <= 0 for row in settings):
+        return None
+    num_rows, vocab = logits.shape
+    temperature = torch.tensor([row.temperature for row in settings], dtype=torch.float32)
+    inverse = torch.tensor([1.0 / row.temperature for row in settings], dtype=torch.float32)
+    top_k = torch.tensor([row.top_k if row.top_k < vocab else 0 for row in settings], dtype=torch.int64)
+    top_p = torch.tensor([row.top_p for row in settings], dtype=torch.float32)
+    rows = logits.contiguous()
+    u = uniforms(1, num_rows, generators).contiguous()
+    out = torch.empty(num_rows, dtype=torch.int64)
+    work = torch.empty(2 * vocab, dtype=torch.float32)
+    ranked = torch.empty(vocab * _RANKED_BYTES, dtype=torch.uint8)
+    _library().sample_filtered_rows_f32(rows.data_ptr(), num_rows, vocab, temperature.data_ptr(), inverse.data_ptr(),
+                                        top_k.data_ptr(), top_p.data_ptr(), u.data_ptr(), work.data_ptr(),
+                                        ranked.data_ptr(), out.data_ptr())
     return out
 
 

@@ -1,5 +1,5 @@
-"""The C plain-temperature sampler and chain verifier (kernels.native_sampling) against the torch rules they
-replace: kernels.sampling.sample_logits for a decode row, verify_fast.sampled_chain_accept over logits_to_probs
+"""The C sampler and chain verifier (kernels.native_sampling) against the torch rules they replace:
+kernels.sampling.sample_logits for a decode row (plain temperature, or top-k / top-p filtered, ties included), verify_fast.sampled_chain_accept over logits_to_probs
 rows for speculative chains. Same generators, same uniforms: the same tokens (the softmax differs by fp32
 rounding only, far from these draws' boundaries)."""
 from __future__ import annotations
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from draftsmith.kernels.native_sampling import sample_plain_rows, verify_plain_chains
+from draftsmith.kernels.native_sampling import sample_plain_rows, sample_rows, verify_plain_chains
 from draftsmith.kernels.sampling import logits_to_probs, sample_logits
 from draftsmith.serve_eval.speculative.verify_fast import sampled_chain_accept
 from spec_helpers import params
@@ -33,12 +33,52 @@ def test_plain_rows_draw_the_tokens_sample_logits_draws(seed):
     assert torch.equal(shared, sample_logits(logits, temps, 0, 1.0, torch.Generator().manual_seed(seed)))
 
 
+@pytest.mark.parametrize("seed", range(40))
+def test_filtered_rows_draw_the_tokens_sample_logits_draws(seed):
+    """Top-k (ties at the k-th value settled by id), top-p (its window widened for flat rows, up to the whole
+    row), both, and plain rows in one batch: the same token as the torch filters at the same uniform."""
+    g = torch.Generator().manual_seed(seed)
+    vocab = int(torch.randint(8, 600, (1,), generator=g))
+    logits = torch.randn(8, vocab, generator=g) * float(torch.rand(1, generator=g) * 6)
+    if seed % 3 == 0:
+        logits = logits.round()   # many ties, at the k-th place and in the nucleus' order
+    temps = [float(t) for t in torch.rand(8, generator=g) * 2 + 0.05]
+    top_k = [0, 0, 1, 3, vocab - 1, vocab, int(torch.randint(1, vocab, (1,), generator=g)), 0]
+    top_p = [1.0, 0.9, 1.0, 0.5, 0.99, 0.3, float(torch.rand(1, generator=g)) + 1e-3, 0.999]
+    settings = [params(t, k, p) for t, k, p in zip(temps, top_k, top_p)]
+    got = sample_rows(logits, settings, generators(seed, 8))
+    assert torch.equal(got, sample_logits(logits, temps, top_k, top_p, generators(seed, 8)))
+    # a plain batch takes the plain kernel: the same draws as sample_plain_rows
+    plain = [params(t) for t in temps]
+    assert torch.equal(sample_rows(logits, plain, generators(seed, 8)), sample_plain_rows(logits, plain, generators(seed, 8)))
+
+
+def test_a_filtered_row_never_draws_outside_its_filter():
+    """Top-k 3 over a row with a 5-way tie at the top keeps ids 0-2 only; top-p 0.5 over a row with one dominant
+    token always draws it; masked (-inf) entries never come out."""
+    vocab = 32
+    tied = torch.zeros(1, vocab)
+    tied[0, :5] = 4.0
+    draws = {int(sample_rows(tied, [params(1.0, 3)], torch.Generator().manual_seed(i))[0]) for i in range(200)}
+    assert draws == {0, 1, 2}
+    dominant = torch.zeros(1, vocab)
+    dominant[0, 7] = 6.0
+    draws = {int(sample_rows(dominant, [params(1.0, 0, 0.5)], torch.Generator().manual_seed(i))[0]) for i in range(200)}
+    assert draws == {7}
+    masked = torch.randn(1, vocab).masked_fill(torch.arange(vocab) % 2 == 0, float("-inf"))
+    draws = {int(sample_rows(masked, [params(2.0, vocab - 1, 0.95)], torch.Generator().manual_seed(i))[0])
+             for i in range(300)}
+    assert draws and all(d % 2 == 1 for d in draws)
+
+
 def test_filtered_or_greedy_rows_are_left_to_the_torch_path():
     logits = torch.randn(2, V)
     assert sample_plain_rows(logits, [params(1.0), params(1.0, 5)], None) is None    # top-k
     assert sample_plain_rows(logits, [params(1.0), params(1.0, 0, 0.9)], None) is None    # top-p
     assert sample_plain_rows(logits, [params(1.0), params(0.0)], None) is None    # greedy
     assert sample_plain_rows(logits.double(), [params(1.0)] * 2, None) is None
+    assert sample_rows(logits, [params(1.0, 5), params(0.0)], None) is None    # greedy beside a filtered row
+    assert sample_rows(logits.double(), [params(1.0, 5)] * 2, None) is None
 
 
 def chain_case(seed: int, batch: int, width: int, dense: bool, mixed_points: bool):

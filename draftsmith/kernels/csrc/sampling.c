@@ -12,6 +12,7 @@
  */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 
 #include "vec_exp.h"
 
@@ -81,6 +82,114 @@ void sample_rows_f32(const float *logits, long rows, long vocab, const float *in
                      const double *uniforms, float *work, int64_t *out_tokens) {
     for (long r = 0; r < rows; r++)
         out_tokens[r] = row_sample_f32(logits + r * vocab, vocab, inv_temperatures[r], uniforms[r], work);
+}
+
+/* ---- top-k / top-p rows: kernels/sampling.py's filters (sample_logits' law) ---------------------------------
+ * On scaled = logits / T (fp32 division, as torch divides): top-k keeps the k first entries in rank order
+ * (value descending, ties to the lower id); top-p then keeps, in that order, each candidate whose mass before it
+ * (softmax over the candidates; float64 running sum read back in fp32, as torch's CPU cumsum) is below top_p,
+ * the first always. The kept entries' softmax, in id order, is inverted at u as invert_cdf does. */
+
+typedef struct { float value; int64_t id; } ranked_t;
+
+static inline int ranks_before(ranked_t a, ranked_t b) { return a.value > b.value || (a.value == b.value && a.id < b.id); }
+
+/* heap[0] is the last-ranked entry held: a min-heap by rank */
+static void sift_down(ranked_t *heap, long size, long at) {
+    for (;;) {
+        long left = 2 * at + 1, right = left + 1, last = at;
+        if (left < size && ranks_before(heap[last], heap[left])) last = left;
+        if (right < size && ranks_before(heap[last], heap[right])) last = right;
+        if (last == at) return;
+        ranked_t t = heap[at]; heap[at] = heap[last]; heap[last] = t;
+        at = last;
+    }
+}
+
+/* The first `width` entries of scaled[0, n) in rank order, written sorted to out[0, width). Scanning ids upward,
+ * an entry equal to the heap's last-ranked value never ranks before it, so only a larger value enters. */
+static void select_ranked(const float *scaled, long n, long width, ranked_t *out) {
+    for (long v = 0; v < width; v++) out[v] = (ranked_t){scaled[v], v};
+    for (long i = width / 2 - 1; i >= 0; i--) sift_down(out, width, i);
+    for (long v = width; v < n; v++) {
+        if (!(scaled[v] > out[0].value)) continue;
+        out[0] = (ranked_t){scaled[v], v};
+        sift_down(out, width, 0);
+    }
+    for (long end = width - 1; end > 0; end--) {  /* heap sort: the last-ranked moves to the back */
+        ranked_t t = out[0]; out[0] = out[end]; out[end] = t;
+        sift_down(out, end, 0);
+    }
+}
+
+/* How many of the ranked candidates (ranked[0, held), a prefix of the row's rank order, `total` the softmax
+ * normaliser over all of them, top the first's value) stay in the nucleus; -1 if the cut lies past `held`. */
+static long nucleus_size(const ranked_t *ranked, long held, long num_candidates, float top, float total,
+                         float top_p) {
+    double running = 0.0;
+    for (long i = 0; i < held; i++) {
+        float p = expf(ranked[i].value - top) / total;
+        running += p;
+        if (i > 0 && (float)running - p >= top_p) return i;
+    }
+    return held == num_candidates ? held : -1;
+}
+
+static int by_rank(const void *a, const void *b) {
+    return ranks_before(*(const ranked_t *)a, *(const ranked_t *)b) ? -1 : 1;
+}
+
+/* The window that holds the nucleus of a top-p-only row: most rows need a few dozen entries, not a sort of V. */
+#define NUCLEUS_WINDOW 64
+
+/* Draws one filtered row: scaled [n] and probs [n] are scratch, ranked [n] too. */
+static long row_sample_filtered(const float *row, long n, float temperature, long top_k, float top_p, double u,
+                                float *scaled, float *probs, ranked_t *ranked) {
+    for (long v = 0; v < n; v++) scaled[v] = row[v] / temperature;
+    int use_top_k = top_k > 0 && top_k < n;
+    long held = use_top_k ? top_k : (top_p < 1.0f ? (n < NUCLEUS_WINDOW ? n : NUCLEUS_WINDOW) : n);
+    long kept = held;
+    if (held < n || top_p < 1.0f) select_ranked(scaled, n, held, ranked);
+    if (top_p < 1.0f) {
+        long num_candidates = use_top_k ? top_k : n;
+        float top = ranked[0].value, total = 0.0f;
+        if (use_top_k) for (long i = 0; i < held; i++) total += expf(ranked[i].value - top);
+        else for (long v = 0; v < n; v++) total += expf(scaled[v] - top);
+        kept = nucleus_size(ranked, held, num_candidates, top, total, top_p);
+        while (kept < 0) {  /* a flatter row: a window 8x wider, or all of it ranked */
+            held = held * 8 < n ? held * 8 : n;
+            if (held < n) {
+                select_ranked(scaled, n, held, ranked);
+            } else {
+                for (long v = 0; v < n; v++) ranked[v] = (ranked_t){scaled[v], v};
+                qsort(ranked, n, sizeof(ranked_t), by_rank);
+            }
+            kept = nucleus_size(ranked, held, num_candidates, top, total, top_p);
+        }
+    }
+    if (kept < n) {  /* everything outside the kept set gets -inf, then the row's softmax at T = 1 */
+        for (long v = 0; v < n; v++) probs[v] = -INFINITY;
+        for (long i = 0; i < kept; i++) probs[ranked[i].id] = ranked[i].value;
+        for (long v = 0; v < n; v++) scaled[v] = probs[v];
+    }
+    row_softmax(scaled, n, 1.0f, probs);
+    return invert_cdf(probs, 0, n, u);
+}
+
+/* One token per row of logits [rows, vocab]: a row with top_k in (0, vocab) or top_p < 1 through the filters at
+ * temperatures[r], any other through row_sample_f32 at inv_temperatures[r] (as sample_rows_f32 draws it).
+ * work [2 * vocab] floats and ranked [vocab] (16 bytes each): scratch. */
+void sample_filtered_rows_f32(const float *logits, long rows, long vocab, const float *temperatures,
+                              const float *inv_temperatures, const int64_t *top_k, const float *top_p,
+                              const double *uniforms, float *work, void *ranked, int64_t *out_tokens) {
+    for (long r = 0; r < rows; r++) {
+        const float *row = logits + r * vocab;
+        if ((top_k[r] > 0 && top_k[r] < vocab) || top_p[r] < 1.0f)
+            out_tokens[r] = row_sample_filtered(row, vocab, temperatures[r], top_k[r], top_p[r], uniforms[r], work,
+                                                work + vocab, (ranked_t *)ranked);
+        else
+            out_tokens[r] = row_sample_f32(row, vocab, inv_temperatures[r], uniforms[r], work);
+    }
 }
 
 static int is_point_mass(const float *draft_probs, const uint8_t *point_mass, long node) {

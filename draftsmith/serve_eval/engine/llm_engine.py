@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 
 from draftsmith.kernels.attention import AttentionMetadata
-from draftsmith.kernels.native_sampling import sample_plain_rows
+from draftsmith.kernels.native_sampling import sample_rows
 from draftsmith.kernels.row_ops import argmax_rows
 from draftsmith.kernels.sampling import sample_logits
 from draftsmith.serve_eval.engine.config import EngineConfig  # also importable from here, as before
@@ -273,7 +273,7 @@ class LLMEngine:
             gens = [s.generator or self.generator for s in sampled]
         else:
             gens = self.generator
-        drawn = sample_plain_rows(sub, [s.params for s in sampled], gens)   # C where every row is plain temperature
+        drawn = sample_rows(sub, [s.params for s in sampled], gens)   # C for fp32 CPU rows, filtered or not
         if drawn is None:
             drawn = sample_logits(sub, [s.params.temperature for s in sampled], [s.params.top_k for s in sampled],
                                   [s.params.top_p for s in sampled], gens)
