@@ -12,7 +12,10 @@ Traps this module exists for (all checked on this CPU-only machine, accelerate 1
   `accelerate launch --multi_gpu --cpu` is refused. `torchrun --nproc_per_node 2` (or `accelerate
   launch --multi_gpu` without `--cpu`) gives 2 ranks with gloo.
 * DeepSpeed on CPU must find a gloo process group already initialised (we init it before accelerate).
-* gloo can abort at interpreter exit with a live process group: `shutdown_distributed()` destroys it.
+* gloo can abort at interpreter exit with a live process group, or with a collective still running on
+  any group (DeepSpeed's ZeRO keeps async all-gathers on its own clone of the world group; a gloo worker that
+  finishes one during interpreter teardown frees tensors under a GIL it can no longer take: "terminate called
+  without an active exception"). `shutdown_distributed()` settles every group, then destroys them.
 * accelerate turns FSDP on only for an accelerator device: on CPU it silently runs DDP instead. torch's
   FSDP2 (`fully_shard`) itself runs on CPU with gloo, so `_enable_cpu_fsdp` selects it by hand.
 * FSDP1 under accelerate needs the optimizer built after the model is wrapped (the trainer builds it
@@ -249,9 +252,20 @@ def shutdown_distributed(barrier: bool = True) -> None:
     if dist.is_available() and dist.is_initialized():
         try:
             if barrier:
-                dist.barrier()
+                _settle_groups()
         finally:
             dist.destroy_process_group()
+
+
+def _settle_groups() -> None:
+    """A barrier on every process group this rank is in, in creation order (the same on every rank, as groups
+    are created collectively). gloo's barrier first waits for the group's queued and running collectives, so
+    none is left for a worker thread to finish during interpreter teardown. The registry is c10d's own (the
+    one destroy_process_group walks); torch has no public list of groups."""
+    from torch.distributed.distributed_c10d import _world
+
+    for group in list(_world.pg_map):
+        dist.barrier(group=group)
 
 
 def write_rank_report(path: Path, accelerator: Any, module: torch.nn.Module, launcher: LauncherConfig,
