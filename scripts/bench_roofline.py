@@ -27,8 +27,6 @@ from draftsmith.kernels.attention import AttentionMetadata
 from draftsmith.serve_eval.engine.config import EngineConfig
 from draftsmith.serve_eval.engine.model_executor import ModelExecutor, dtype_name, resolve_dtype
 
-EMBEDDED_SHAPE = dict(vocab_size=4096, hidden_size=256, intermediate_size=704, num_hidden_layers=8,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048)
 
 
 def read_bandwidth(num_bytes: int, clock=time.perf_counter, repeats: int = 5) -> float:
@@ -49,10 +47,13 @@ def find_model(arg: str | None, workdir: Path) -> tuple[Path, str]:
     trained = sorted(Path("artifacts/target-cache").glob("*/config.json"), key=lambda p: p.stat().st_mtime)
     if trained:
         return trained[-1].parent, "trained target (artifacts)"
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
+
+    from draftsmith.train.config import TargetConfig
+    from draftsmith.train.target import llama_config
 
     torch.manual_seed(0)
-    LlamaForCausalLM(LlamaConfig(**EMBEDDED_SHAPE)).to(torch.bfloat16).save_pretrained(workdir)
+    LlamaForCausalLM(llama_config(TargetConfig())).to(torch.bfloat16).save_pretrained(workdir)
     return workdir, "random weights, embedded-target shape"
 
 

@@ -19,8 +19,6 @@ from pathlib import Path
 
 import torch
 
-EMBEDDED_SHAPE = dict(vocab_size=4096, hidden_size=256, intermediate_size=704, num_hidden_layers=8,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048)
 
 
 def find_target(arg: str | None, workdir: Path) -> tuple[Path, str]:
@@ -33,10 +31,13 @@ def find_target(arg: str | None, workdir: Path) -> tuple[Path, str]:
     found.sort(key=lambda p: p.stat().st_mtime)
     if found:
         return found[-1].parent, f"trained embedded target {found[-1].parent}"
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
+
+    from draftsmith.train.config import TargetConfig
+    from draftsmith.train.target import llama_config
 
     torch.manual_seed(0)
-    LlamaForCausalLM(LlamaConfig(**EMBEDDED_SHAPE)).save_pretrained(workdir)
+    LlamaForCausalLM(llama_config(TargetConfig())).save_pretrained(workdir)
     return workdir, "RANDOM weights with the embedded target's shape (no trained target under artifacts/)"
 
 

@@ -51,6 +51,9 @@ class EvalConfig:
     prompts: str | None = None        # jsonl of {domain, prompt}; None = the held-out corpus split of the target
     domains: list[str] = field(default_factory=list)   # empty = every domain in the prompts
     max_prompts_per_domain: int = 8
+    # Domain -> its own prompt count, in place of max_prompts_per_domain: a domain whose answers are short
+    # decodes few tokens per prompt, so it needs more prompts for an interval as tight as the others'.
+    max_prompts_per_domain_of: dict[str, int] = field(default_factory=dict)
     # Methods: no-spec (the baseline: without it the rows carry acceptance but no speed-up), ngram, drafts
     # (every draft of this target + `drafts`), assisted (transformers' generate(assistant_model=...) with the
     # standalone draft, plus its "hf" baseline).

@@ -25,6 +25,7 @@ from draftsmith.drafts.identity import target_fingerprint
 from draftsmith.drafts.artifacts import Artifacts
 from draftsmith.drafts.files import atomic_dir, entry_lock, is_complete, read_json, stable_hash, write_json
 from draftsmith.kernels.precision import resolve_bf16
+from draftsmith.train.config import TargetConfig
 from draftsmith.train.corpus import Corpus
 from draftsmith.train.distill.trainer_config import lr_factor
 from draftsmith.train.logs import progress
@@ -55,15 +56,19 @@ class TargetResult:
     shape: dict[str, Any] = field(default_factory=dict)
 
 
-def llama_config(tcfg: DictConfig, tokenizer: PreTrainedTokenizerBase) -> LlamaConfig:
-    """The embedded target's architecture; its vocabulary is the tokenizer's."""
+def llama_config(tcfg: DictConfig | TargetConfig, tokenizer: PreTrainedTokenizerBase | None = None) -> LlamaConfig:
+    """The embedded target's architecture; its vocabulary is the tokenizer's (without one: tcfg.vocab_size and no
+    special token ids, for random-weight stand-ins of its shape, as the bench scripts build where nothing is
+    trained yet)."""
     if tcfg.hidden_size % tcfg.num_heads or tcfg.num_heads % tcfg.num_kv_heads:
         raise ValueError(
             f"target: hidden_size {tcfg.hidden_size} / num_heads {tcfg.num_heads} / num_kv_heads "
             f"{tcfg.num_kv_heads} must divide evenly (GQA)"
         )
+    special = {} if tokenizer is None else dict(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                                                pad_token_id=tokenizer.pad_token_id)
     return LlamaConfig(
-        vocab_size=len(tokenizer),
+        vocab_size=tcfg.vocab_size if tokenizer is None else len(tokenizer),
         hidden_size=tcfg.hidden_size,
         intermediate_size=tcfg.intermediate_size,
         num_hidden_layers=tcfg.num_layers,
@@ -72,10 +77,8 @@ def llama_config(tcfg: DictConfig, tokenizer: PreTrainedTokenizerBase) -> LlamaC
         max_position_embeddings=tcfg.max_position,
         rope_theta=tcfg.rope_theta,
         tie_word_embeddings=tcfg.tie_embeddings,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
         architectures=["LlamaForCausalLM"],
+        **special,
     )
 
 

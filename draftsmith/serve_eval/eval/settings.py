@@ -103,6 +103,9 @@ def validate(cfg: EvalConfig) -> None:
         extra = sorted(set(map(float, temps)) - set(map(float, cfg.temperatures)))
         if extra:
             raise ValueError(f"eval.temperatures_of.{method}: {extra} not in eval.temperatures {list(cfg.temperatures)}")
+    for domain, count in cfg.max_prompts_per_domain_of.items():
+        if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+            raise ValueError(f"eval.max_prompts_per_domain_of.{domain} must be an int >= 1, got {count!r}")
     for name in ("max_prompts_per_domain", "max_tokens", "batch_size", "repetitions"):
         if getattr(cfg, name) < 1:
             raise ValueError(f"eval.{name} must be >= 1, got {getattr(cfg, name)}")

@@ -7,6 +7,7 @@ is read here as plain files: `targets/<fp>/target.json`, `targets/<fp>/drafts/<n
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -116,9 +117,11 @@ def find_corpus_eval_split(artifacts_root: str | Path, target_dir: str | Path) -
 
 
 def group_prompts(records: list[dict[str, Any]], domains: list[str], max_per_domain: int,
-                  source: str) -> tuple[dict[str, list[str]], list[SkippedEntry]]:
-    """Prompts per domain, in file order, at most `max_per_domain` each. A requested domain with
-    no prompt becomes a skipped entry (the others still run)."""
+                  source: str, max_of: Mapping[str, int] | None = None) -> tuple[dict[str, list[str]],
+                                                                         list[SkippedEntry]]:
+    """Prompts per domain, in file order, at most `max_per_domain` each (`max_of[domain]` where given). A
+    requested domain with no prompt becomes a skipped entry (the others still run)."""
+    max_of = max_of or {}
     by_domain: dict[str, list[str]] = {}
     for r in records:
         if r["prompt"].strip():
@@ -127,7 +130,7 @@ def group_prompts(records: list[dict[str, Any]], domains: list[str], max_per_dom
     prompts, skipped = {}, []
     for d in wanted:
         if by_domain.get(d):
-            prompts[d] = by_domain[d][:max_per_domain]
+            prompts[d] = by_domain[d][:max_of.get(d, max_per_domain)]
         else:
             present = ", ".join(sorted(by_domain)) or "none"
             skipped.append(SkippedEntry(d, "*", f"no prompts for domain {d!r} in {source} (domains there: {present})"))
@@ -216,11 +219,11 @@ def gather_prompts(cfg: Any, artifacts_root: str | Path, target_dir: str | Path)
     if local_domains or not external or cfg.prompts:
         path = Path(cfg.prompts) if cfg.prompts else find_corpus_eval_split(artifacts_root, target_dir)
         prompts, skipped = group_prompts(load_prompt_records(path), local_domains, cfg.max_prompts_per_domain,
-                                         str(path))
+                                         str(path), cfg.max_prompts_per_domain_of)
     if external:
         loaded = load_domains(external, cfg.allow_download)
         for domain, items in loaded.prompts.items():
             if not cfg.domains or domain in cfg.domains:
-                prompts[domain] = items[:cfg.max_prompts_per_domain]
+                prompts[domain] = items[:cfg.max_prompts_per_domain_of.get(domain, cfg.max_prompts_per_domain)]
         skipped += [SkippedEntry(s["domain"], "*", s["reason"]) for s in loaded.skipped]
     return prompts, skipped

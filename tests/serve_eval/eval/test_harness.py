@@ -348,6 +348,15 @@ def test_acceptance_only_run_skips_the_baseline_and_writes_no_speedups(tmp_path)
     assert load_settings("acceptance").eval.methods == ["drafts"]
 
 
+def test_a_domain_can_have_its_own_prompt_count(tmp_path):
+    """max_prompts_per_domain_of gives a domain of short answers more prompts; the others keep the default."""
+    path = tmp_path / "eval.jsonl"
+    path.write_text("".join(json.dumps({"domain": d, "prompt": f"{d} {i}"}) + "\n"
+                            for d in ("chat", "prose") for i in range(6)))
+    prompts, _ = group_prompts(load_prompt_records(path), [], 2, "eval.jsonl", {"prose": 5})
+    assert prompts == {"chat": ["chat 0", "chat 1"], "prose": [f"prose {i}" for i in range(5)]}
+
+
 def test_tiny_engine_run_no_spec_and_ngram(tiny_target, prompts_file):
     """Our engine end to end on a tiny random Llama: rows for no-spec and n-gram with consistent figures."""
     prompts, skipped = group_prompts(load_prompt_records(prompts_file), [], 1, "eval.jsonl")
@@ -403,6 +412,8 @@ def test_settings_profiles_and_bad_overrides():
         load_settings("no-such-profile")
     with pytest.raises(ValueError, match=r"eval.temperatures_of.ngram: \[0.7\] not in eval.temperatures"):
         load_settings("default", ["eval.temperatures=[0.0,1.0]", "eval.temperatures_of={ngram: [0.7]}"])
+    with pytest.raises(ValueError, match=r"eval.max_prompts_per_domain_of.prose must be an int >= 1, got 0"):
+        load_settings("default", ["eval.max_prompts_per_domain_of={prose: 0}"])
     with pytest.raises(ValueError, match=r"eval.num_speculative_tokens_of.ngram: a non-empty list of ints >= 1"):
         load_settings("default", ["eval.num_speculative_tokens_of={ngram: [0]}"])
     own = load_settings("default", ["eval.num_speculative_tokens_of={ngram: [8, 3]}"]).eval
