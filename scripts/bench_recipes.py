@@ -11,7 +11,8 @@ Recipes (a recipe = the draft's objective settings + the data it trains on):
               weight 0.5 on the mixed answers | alt: the layer warm-started from the target's last
   eagle3      old: TTT 2, 1024-token vocabulary, greedy answers | new: TTT 4, equal step weights, vocabulary
               covering 99% of the answer tokens, lr 5e-3, mixed answers | alt: step weights 0.8^j at lr 2e-3
-              (the previous default) | alt: 0.8^j at lr 5e-3 | alt: 95% coverage | alt: the full vocabulary
+              (the previous default) | alt: 0.8^j at lr 5e-3 | alt: 95% coverage | alt: the full vocabulary |
+              alt: aux layers [2, L/2, L] (the final hidden in place of layer L-3)
   medusa      old: greedy answers | new: mixed answers | alt: mixed answers, equal head weights
 
 The data the new defaults train on is the pipeline profile's own (pipeline.data): with the same
@@ -55,8 +56,9 @@ class Recipe:
     train: dict[str, Any] = field(default_factory=dict)  # over the profile's trainer (e.g. lr; steps stay equal)
 
 
-def recipes(target_vocab: int) -> list[Recipe]:
+def recipes(target_vocab: int, target_layers: int) -> list[Recipe]:
     old_vocab = min(1024, target_vocab // 2)
+    final = [2, target_layers // 2, target_layers]   # HF hidden_states: L = the final norm's output
     return [
         Recipe("standalone", "old", "sequence KD, greedy data",
                {"loss": "sequence_kd", "hard_weight": 0.0, "teacher": "auto"}, GREEDY),
@@ -91,6 +93,8 @@ def recipes(target_vocab: int) -> list[Recipe]:
         Recipe("eagle3", "alt-cov0.95", "TTT 4, vocab by 95% coverage, mixed data", {"draft_vocab_coverage": 0.95}),
         Recipe("eagle3", "alt-fullvocab", "TTT 4, full vocab, mixed data",
                {"draft_vocab_size": None, "draft_vocab_coverage": None}),
+        Recipe("eagle3", "alt-aux-final", f"the new recipe on aux layers {final} (the final hidden, EAGLE-1's "
+               "feature, in place of layer L-3)", {"aux_layers": final}),
         Recipe("medusa", "old", "greedy data", {}, GREEDY),
         Recipe("medusa", "new", "mixed data", {}),
         Recipe("medusa", "alt-flat", "equal head weights, mixed data", {"head_weight_decay": 1.0}),
@@ -285,7 +289,8 @@ def main() -> None:
         args.k = largest_eval_k(check_eval_settings(ctx.cfg))
     kinds = [k for k in args.kinds.split(",") if k]
     keep = {x for x in args.recipes.split(",") if x}
-    chosen = [r for r in recipes(int(ctx.results.target.shape["vocab_size"]))
+    chosen = [r for r in recipes(int(ctx.results.target.shape["vocab_size"]),
+                                 int(ctx.results.target.shape["num_hidden_layers"]))
               if r.kind in kinds and (not keep or r.label in keep)]
     if not chosen:
         raise SystemExit(f"no recipe matches --kinds {args.kinds} --recipes {args.recipes}")
