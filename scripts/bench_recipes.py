@@ -172,6 +172,9 @@ def dataset_for(ctx: Any, job: Any) -> Path:
     # Hold the whole union the profile's kinds need, so every recipe on this data reads one cache.
     profile_needs = [dataset_needs(k, draft_config(ctx.cfg, k), int(target.shape["num_hidden_layers"]))
                      for k in ("standalone", "medusa", "eagle", "eagle3")]
+    # A recipe on other aux layers than the profile's gets a dataset of its own (one dataset holds one set).
+    if len({tuple(n.aux_layers) for n in [needs, *profile_needs] if n.aux_layers}) > 1:
+        profile_needs = []
     data = DraftDataConfig(**as_dict(job.draft.data))
     return generate_dataset(Path(target.model_dir), target.fingerprint, ctx.results.corpus.records("distill"),
                             data, union_extras([needs, *profile_needs]), ctx.artifacts.data_dir(target.fingerprint))
