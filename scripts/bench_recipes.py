@@ -8,12 +8,15 @@ Recipes (a recipe = the draft's objective settings + the data it trains on):
               distribution | alt: on the top-16: TVD, JSD without hard CE, TVD at lr 5e-3, TVD with 2 layers | alt:
               the new recipe with its layer copied from the target's last layer instead of its first
   eagle       old: feature + token loss on greedy answers | new: the same on the mixed answers | alt: token
-              weight 0.5 on the mixed answers | alt: the layer warm-started from the target's last
+              weight 0.5 on the mixed answers | alt: the layer warm-started from the target's last | alt: the
+              first 512 prompts only (128 a domain)
   eagle3      old: TTT 2, 1024-token vocabulary, greedy answers | new: TTT 4, equal step weights, vocabulary
               covering 99% of the answer tokens, lr 5e-3, mixed answers | alt: step weights 0.8^j at lr 2e-3
               (the previous default) | alt: 0.8^j at lr 5e-3 | alt: 95% coverage | alt: the full vocabulary |
               alt: aux layers [2, L/2, L] (the final hidden in place of layer L-3)
   medusa      old: greedy answers | new: mixed answers | alt: mixed answers, equal head weights
+  block       new: the profile's (2 layers, block 9, offsets weighted 0.6^(j-1)) | alt: block 5 | alt: weights
+              0.8^(j-1) | alt: 3 layers | alt: 32 anchors a step (--kinds block --k 4: the K the others run at)
 
 The data the new defaults train on is the pipeline profile's own (pipeline.data): with the same
 --artifacts as a pipeline run, its target and dataset are reused, not rebuilt. "old" data = the profile's
@@ -81,6 +84,8 @@ def recipes(target_vocab: int, target_layers: int) -> list[Recipe]:
         Recipe("eagle", "alt-tok0.5", "token weight 0.5, mixed data", {"token_weight": 0.5}),
         Recipe("eagle", "alt-warm", "decoder layer from the target's last, fc the identity on the feature half",
                {"init_layer_from_target": True}),
+        Recipe("eagle", "alt-half-prompts", "the profile's recipe on its first half of the prompts (an even share "
+               "of every domain)", {}, {"max_prompts": 256}),
         Recipe("eagle3", "old", f"TTT 2, vocab {old_vocab}, greedy data",
                {"ttt_steps": 2, "draft_vocab_size": old_vocab, "draft_vocab_coverage": None}, GREEDY),
         Recipe("eagle3", "new", "profile's TTT (embedded 4), step weights (1.0), vocab coverage (0.99), lr", {}),
@@ -95,6 +100,11 @@ def recipes(target_vocab: int, target_layers: int) -> list[Recipe]:
                {"draft_vocab_size": None, "draft_vocab_coverage": None}),
         Recipe("eagle3", "alt-aux-final", f"the new recipe on aux layers {final} (the final hidden, EAGLE-1's "
                "feature, in place of layer L-3)", {"aux_layers": final}),
+        Recipe("block", "new", "the profile's block draft (2 layers, block 9, offsets weighted 0.6^(j-1))", {}),
+        Recipe("block", "alt-bs5", "block 5 (K <= 4): every mask an offset the eval reads", {"block_size": 5}),
+        Recipe("block", "alt-decay0.8", "offsets weighted 0.8^(j-1)", {"position_weight_decay": 0.8}),
+        Recipe("block", "alt-3layers", "3 layers (a costlier round)", {"num_layers": 3}),
+        Recipe("block", "alt-anchors32", "32 anchors per answer a step", {"max_anchors": 32}),
         Recipe("medusa", "old", "greedy data", {}, GREEDY),
         Recipe("medusa", "new", "mixed data", {}),
         Recipe("medusa", "alt-flat", "equal head weights, mixed data", {"head_weight_decay": 1.0}),
@@ -171,7 +181,7 @@ def dataset_for(ctx: Any, job: Any) -> Path:
     needs = dataset_needs(job.draft.kind, job.draft, int(target.shape["num_hidden_layers"]))
     # Hold the whole union the profile's kinds need, so every recipe on this data reads one cache.
     profile_needs = [dataset_needs(k, draft_config(ctx.cfg, k), int(target.shape["num_hidden_layers"]))
-                     for k in ("standalone", "medusa", "eagle", "eagle3")]
+                     for k in ("standalone", "medusa", "eagle", "eagle3", "block")]
     # A recipe on other aux layers than the profile's gets a dataset of its own (one dataset holds one set).
     if len({tuple(n.aux_layers) for n in [needs, *profile_needs] if n.aux_layers}) > 1:
         profile_needs = []
