@@ -16,7 +16,7 @@ Recipes (a recipe = the draft's objective settings + the data it trains on):
               alt: aux layers [2, L/2, L] (the final hidden in place of layer L-3)
   medusa      old: greedy answers | new: mixed answers | alt: mixed answers, equal head weights
   block       new: the profile's (2 layers, block 9, offsets weighted 0.6^(j-1)) | alt: block 5 | alt: weights
-              0.8^(j-1) | alt: 3 layers | alt: 32 anchors a step (--kinds block --k 4: the K the others run at)
+              0.8^(j-1) | alt: 3 layers | alt: 32 anchors a step | alt: block 5 with 32 anchors (--kinds block --k 4)
 
 The data the new defaults train on is the pipeline profile's own (pipeline.data): with the same
 --artifacts as a pipeline run, its target and dataset are reused, not rebuilt. "old" data = the profile's
@@ -105,6 +105,7 @@ def recipes(target_vocab: int, target_layers: int) -> list[Recipe]:
         Recipe("block", "alt-decay0.8", "offsets weighted 0.8^(j-1)", {"position_weight_decay": 0.8}),
         Recipe("block", "alt-3layers", "3 layers (a costlier round)", {"num_layers": 3}),
         Recipe("block", "alt-anchors32", "32 anchors per answer a step", {"max_anchors": 32}),
+        Recipe("block", "alt-bs5-anchors32", "block 5 and 32 anchors a step", {"block_size": 5, "max_anchors": 32}),
         Recipe("medusa", "old", "greedy data", {}, GREEDY),
         Recipe("medusa", "new", "mixed data", {}),
         Recipe("medusa", "alt-flat", "equal head weights, mixed data", {"head_weight_decay": 1.0}),
