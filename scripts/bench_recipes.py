@@ -15,8 +15,8 @@ Recipes (a recipe = the draft's objective settings + the data it trains on):
               (the previous default) | alt: 0.8^j at lr 5e-3 | alt: 95% coverage | alt: the full vocabulary |
               alt: aux layers [2, L/2, L] (the final hidden in place of layer L-3)
   medusa      old: greedy answers | new: mixed answers | alt: mixed answers, equal head weights
-  block       new: the profile's (2 layers, block 9, offsets weighted 0.6^(j-1)) | alt: block 5 | alt: weights
-              0.8^(j-1) | alt: 3 layers | alt: 32 anchors a step | alt: block 5 with 32 anchors (--kinds block --k 4)
+  block       new: the profile's (2 layers, block 9, 32 anchors, weights 0.6^(j-1)) | alt: block 5 | alt: weights
+              0.8^(j-1) | alt: 3 layers | alt: 16 anchors a step | alt: block 5 with 32 anchors (--kinds block --k 4)
 
 The data the new defaults train on is the pipeline profile's own (pipeline.data): with the same
 --artifacts as a pipeline run, its target and dataset are reused, not rebuilt. "old" data = the profile's
@@ -100,11 +100,11 @@ def recipes(target_vocab: int, target_layers: int) -> list[Recipe]:
                {"draft_vocab_size": None, "draft_vocab_coverage": None}),
         Recipe("eagle3", "alt-aux-final", f"the new recipe on aux layers {final} (the final hidden, EAGLE-1's "
                "feature, in place of layer L-3)", {"aux_layers": final}),
-        Recipe("block", "new", "the profile's block draft (2 layers, block 9, offsets weighted 0.6^(j-1))", {}),
+        Recipe("block", "new", "the profile's block draft (2 layers, block 9, 32 anchors, offsets weighted 0.6^(j-1))", {}),
         Recipe("block", "alt-bs5", "block 5 (K <= 4): every mask an offset the eval reads", {"block_size": 5}),
         Recipe("block", "alt-decay0.8", "offsets weighted 0.8^(j-1)", {"position_weight_decay": 0.8}),
         Recipe("block", "alt-3layers", "3 layers (a costlier round)", {"num_layers": 3}),
-        Recipe("block", "alt-anchors32", "32 anchors per answer a step", {"max_anchors": 32}),
+        Recipe("block", "alt-anchors16", "16 anchors per answer a step (the previous default)", {"max_anchors": 16}),
         Recipe("block", "alt-bs5-anchors32", "block 5 and 32 anchors a step", {"block_size": 5, "max_anchors": 32}),
         Recipe("medusa", "old", "greedy data", {}, GREEDY),
         Recipe("medusa", "new", "mixed data", {}),
