@@ -1,14 +1,15 @@
-"""Plain-temperature sampling and chain verification in C (csrc/sampling.c), for fp32 CPU logits rows.
+"""Decode-row sampling and chain verification in C (csrc/sampling.c), for fp32 CPU logits rows.
 
-A row sampled at a temperature with no top-k or top-p filter (kernels.sampling.is_plain_temperature) needs only
-softmax(logits / T) and one inverse-CDF draw; a speculative chain of such rows needs those, K accept tests and the
-stop row's residual. The arithmetic is microseconds; the torch ops around it (checks, softmax, float64 cumsum,
-gathers, searchsorted) cost ~0.3 ms for one decode row and ~0.8 ms for a K=4 chain at batch 1. These functions
-run the same rules in C with the same uniforms from the same generators (drawn in the order the torch path draws
-them), so a seeded request's stream is unchanged and only fp32 rounding of the softmax differs.
+A decode row sampled at T > 0 needs softmax(logits / T), kernels.sampling's top-k / top-p filters where it has
+them, and one inverse-CDF draw; a speculative chain of plain-temperature rows (kernels.sampling.
+is_plain_temperature) needs those softmaxes, K accept tests and the stop row's residual. The arithmetic is
+microseconds; the torch ops around it (checks, sorts, softmax, float64 cumsum, gathers, searchsorted) cost
+~0.3 ms for one decode row and ~0.8 ms for a K=4 chain at batch 1. These functions run the same rules in C with
+the same uniforms from the same generators (drawn in the order the torch path draws them), so a seeded request's
+stream is unchanged and only fp32 rounding of the softmax differs.
 
-Each returns None where it does not apply (no native library, not fp32 on the CPU, a filtered or greedy row), and
-the caller keeps its torch path.
+Each returns None where it does not apply (no native library, not fp32 on the CPU, a greedy row, a filtered
+chain), and the caller keeps its torch path.
 """
 from __future__ import annotations
 
@@ -28,7 +29,6 @@ _P, _L = ctypes.c_void_p, ctypes.c_long
 @lru_cache(maxsize=1)
 def _library() -> ctypes.CDLL | None:
     return native.kernel_library("DRAFTSMITH_NATIVE_SAMPLING", "the native sampler", {
-        "sample_rows_f32": ([_P, _L, _L, _P, _P, _P, _P], None),
         "sample_filtered_rows_f32": ([_P, _L, _L, _P, _P, _P, _P, _P, _P, _P, _P], None),
         "verify_chains_f32": ([_P, _L, _L, _L, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P], ctypes.c_int),
     })
@@ -58,31 +58,15 @@ def _served(logits: Tensor, settings: Sequence[SamplingSettings]) -> Tensor | No
     return inverse_temperatures(settings, logits.shape[-1])
 
 
-def sample_plain_rows(logits: Tensor, settings: Sequence[SamplingSettings], generators: GeneratorArg) -> Tensor | None:
-    """int64 [N]: one token per row of logits [N, V] drawn from softmax(row / T) at one uniform of its generator
-    (kernels.sampling.sample_logits' draw); None where this path does not apply."""
-    inverse = _served(logits, settings)
-    if inverse is None:
-        return None
-    rows = logits.contiguous()
-    u = uniforms(1, rows.shape[0], generators).contiguous()
-    out = torch.empty(rows.shape[0], dtype=torch.int64)
-    work = torch.empty(rows.shape[1], dtype=torch.float32)
-    _library().sample_rows_f32(rows.data_ptr(), rows.shape[0], rows.shape[1], inverse.data_ptr(), u.data_ptr(),
-                               work.data_ptr(), out.data_ptr())
-    return out
-
-
 _RANKED_BYTES = 16   # csrc/sampling.c's ranked_t: a float value and an int64 id
 
 
 def sample_rows(logits: Tensor, settings: Sequence[SamplingSettings], generators: GeneratorArg) -> Tensor | None:
-    """int64 [N]: sample_logits' draw for rows sampled at T > 0 with or without top-k / top-p (the filters of
-    kernels.sampling, on the same scaled values, with the same uniforms); plain rows as sample_plain_rows draws
-    them. None where this path does not apply (no native library, not fp32 on the CPU, a greedy row)."""
-    plain = sample_plain_rows(logits, settings, generators)
-    if plain is not None or _library() is None or logits.dtype != torch.float32 or logits.device.type != "cpu":
-        return plain
+    """int64 [N]: sample_logits' draw for each row of logits [N, V] sampled at T > 0, plain or filtered by top-k /
+    top-p (kernels.sampling's filters on the same scaled values, one uniform of the row's generator). None where
+    this path does not apply (no native library, not fp32 on the CPU, a greedy row)."""
+    if _library() is None or logits.dtype != torch.float32 or logits.device.type != "cpu":
+        return None
     if any(row.temperature <= 0 for row in settings):
         return None
     num_rows, vocab = logits.shape

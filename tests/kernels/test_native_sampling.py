@@ -7,13 +7,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from draftsmith.kernels.native_sampling import sample_plain_rows, sample_rows, verify_plain_chains
+from draftsmith.kernels.native_sampling import sample_rows, verify_plain_chains
 from draftsmith.kernels.sampling import logits_to_probs, sample_logits
 from draftsmith.serve_eval.speculative.verify_fast import sampled_chain_accept
 from spec_helpers import params
 
 V = 64
-pytestmark = pytest.mark.skipif(sample_plain_rows(torch.zeros(1, V), [params(1.0)], None) is None,
+pytestmark = pytest.mark.skipif(sample_rows(torch.zeros(1, V), [params(1.0)], None) is None,
                                 reason="the native CPU kernels do not build or run here")
 
 
@@ -25,11 +25,11 @@ def generators(seed: int, n: int) -> list[torch.Generator]:
 def test_plain_rows_draw_the_tokens_sample_logits_draws(seed):
     logits = torch.randn(5, V, generator=torch.Generator().manual_seed(seed)) * 3
     temps = [0.3, 0.7, 1.0, 1.6, 4.0]
-    got = sample_plain_rows(logits, [params(t, k) for t, k in zip(temps, [0, V, 0, 0, V + 5])], generators(seed, 5))
+    got = sample_rows(logits, [params(t, k) for t, k in zip(temps, [0, V, 0, 0, V + 5])], generators(seed, 5))
     want = sample_logits(logits, temps, [0] * 5, [1.0] * 5, generators(seed, 5))
     assert torch.equal(got, want)
     # one shared generator for every row, as an engine draws for unseeded requests
-    shared = sample_plain_rows(logits, [params(t) for t in temps], torch.Generator().manual_seed(seed))
+    shared = sample_rows(logits, [params(t) for t in temps], torch.Generator().manual_seed(seed))
     assert torch.equal(shared, sample_logits(logits, temps, 0, 1.0, torch.Generator().manual_seed(seed)))
 
 
@@ -48,9 +48,6 @@ def test_filtered_rows_draw_the_tokens_sample_logits_draws(seed):
     settings = [params(t, k, p) for t, k, p in zip(temps, top_k, top_p)]
     got = sample_rows(logits, settings, generators(seed, 8))
     assert torch.equal(got, sample_logits(logits, temps, top_k, top_p, generators(seed, 8)))
-    # a plain batch takes the plain kernel: the same draws as sample_plain_rows
-    plain = [params(t) for t in temps]
-    assert torch.equal(sample_rows(logits, plain, generators(seed, 8)), sample_plain_rows(logits, plain, generators(seed, 8)))
 
 
 def test_a_filtered_row_never_draws_outside_its_filter():
@@ -71,13 +68,11 @@ def test_a_filtered_row_never_draws_outside_its_filter():
     assert draws and all(d % 2 == 1 for d in draws)
 
 
-def test_filtered_or_greedy_rows_are_left_to_the_torch_path():
+def test_greedy_or_non_fp32_rows_are_left_to_the_torch_path():
     logits = torch.randn(2, V)
-    assert sample_plain_rows(logits, [params(1.0), params(1.0, 5)], None) is None    # top-k
-    assert sample_plain_rows(logits, [params(1.0), params(1.0, 0, 0.9)], None) is None    # top-p
-    assert sample_plain_rows(logits, [params(1.0), params(0.0)], None) is None    # greedy
-    assert sample_plain_rows(logits.double(), [params(1.0)] * 2, None) is None
+    assert sample_rows(logits, [params(1.0), params(0.0)], None) is None    # greedy beside a plain row
     assert sample_rows(logits, [params(1.0, 5), params(0.0)], None) is None    # greedy beside a filtered row
+    assert sample_rows(logits.double(), [params(1.0)] * 2, None) is None
     assert sample_rows(logits.double(), [params(1.0, 5)] * 2, None) is None
 
 

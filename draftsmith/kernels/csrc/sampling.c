@@ -77,13 +77,6 @@ long row_sample_f32(const float *row, long n, float inv_temperature, double u, f
     return invert_cdf(probs, 0, n, u);
 }
 
-/* One token per row of logits [rows, vocab] at inv_temperatures[r] > 0 and uniforms[r]; work [vocab]. */
-void sample_rows_f32(const float *logits, long rows, long vocab, const float *inv_temperatures,
-                     const double *uniforms, float *work, int64_t *out_tokens) {
-    for (long r = 0; r < rows; r++)
-        out_tokens[r] = row_sample_f32(logits + r * vocab, vocab, inv_temperatures[r], uniforms[r], work);
-}
-
 /* ---- top-k / top-p rows: kernels/sampling.py's filters (sample_logits' law) ---------------------------------
  * On scaled = logits / T (fp32 division, as torch divides): top-k keeps the k first entries in rank order
  * (value descending, ties to the lower id); top-p then keeps, in that order, each candidate whose mass before it
@@ -167,17 +160,19 @@ static long row_sample_filtered(const float *row, long n, float temperature, lon
             kept = nucleus_size(ranked, held, num_candidates, top, total, top_p);
         }
     }
-    if (kept < n) {  /* everything outside the kept set gets -inf, then the row's softmax at T = 1 */
-        for (long v = 0; v < n; v++) probs[v] = -INFINITY;
-        for (long i = 0; i < kept; i++) probs[ranked[i].id] = ranked[i].value;
-        for (long v = 0; v < n; v++) scaled[v] = probs[v];
+    if (kept == n) {
+        row_softmax(scaled, n, 1.0f, probs);
+        return invert_cdf(probs, 0, n, u);
     }
-    row_softmax(scaled, n, 1.0f, probs);
-    return invert_cdf(probs, 0, n, u);
+    /* everything outside the kept set gets -inf, then that row's softmax at T = 1 (into scaled, now free) */
+    for (long v = 0; v < n; v++) probs[v] = -INFINITY;
+    for (long i = 0; i < kept; i++) probs[ranked[i].id] = ranked[i].value;
+    row_softmax(probs, n, 1.0f, scaled);
+    return invert_cdf(scaled, 0, n, u);
 }
 
 /* One token per row of logits [rows, vocab]: a row with top_k in (0, vocab) or top_p < 1 through the filters at
- * temperatures[r], any other through row_sample_f32 at inv_temperatures[r] (as sample_rows_f32 draws it).
+ * temperatures[r], any other through row_sample_f32 at inv_temperatures[r].
  * work [2 * vocab] floats and ranked [vocab] (16 bytes each): scratch. */
 void sample_filtered_rows_f32(const float *logits, long rows, long vocab, const float *temperatures,
                               const float *inv_temperatures, const int64_t *top_k, const float *top_p,
