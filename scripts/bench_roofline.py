@@ -28,7 +28,6 @@ from draftsmith.serve_eval.engine.config import EngineConfig
 from draftsmith.serve_eval.engine.model_executor import ModelExecutor, dtype_name, resolve_dtype
 
 
-
 def read_bandwidth(num_bytes: int, clock=time.perf_counter, repeats: int = 5) -> float:
     """Best-of-N bytes/s of summing a float32 tensor of num_bytes (one streaming read)."""
     data = torch.ones(num_bytes // 4, dtype=torch.float32)

@@ -20,7 +20,6 @@ from pathlib import Path
 import torch
 
 
-
 def find_target(arg: str | None, workdir: Path) -> tuple[Path, str]:
     """The trained embedded target if artifacts/ has one, else a random Llama of its shape."""
     if arg:

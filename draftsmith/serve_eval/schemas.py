@@ -99,6 +99,11 @@ class EvalConfig:
         """The K values `method` is measured at: its own num_speculative_tokens_of entry, else the common list."""
         return sorted(set(map(int, self.num_speculative_tokens_of.get(method, self.num_speculative_tokens))))
 
+    def prompts_of(self, domain: str) -> int:
+        """The most held-out prompts `domain` is measured on: its max_prompts_per_domain_of entry, else the common
+        max_prompts_per_domain."""
+        return int(self.max_prompts_per_domain_of.get(domain, self.max_prompts_per_domain))
+
     def largest_k(self) -> int:
         """The largest K any method is measured at."""
         return max(int(k) for ks in [self.num_speculative_tokens, *self.num_speculative_tokens_of.values()] for k in ks)

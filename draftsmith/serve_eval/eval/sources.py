@@ -7,7 +7,7 @@ is read here as plain files: `targets/<fp>/target.json`, `targets/<fp>/drafts/<n
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -15,6 +15,7 @@ from typing import Any
 from draftsmith.drafts.artifacts import Artifacts
 from draftsmith.drafts.files import read_json
 from draftsmith.serve_eval.eval.report import SkippedEntry
+from draftsmith.serve_eval.schemas import EvalConfig
 
 DRAFT_META_FILE = "draftsmith.json"
 TARGET_META_FILE = "draftsmith_target.json"   # written by train.target into the embedded target's dir
@@ -116,12 +117,10 @@ def find_corpus_eval_split(artifacts_root: str | Path, target_dir: str | Path) -
                      f"{root} matches target {target_dir}; pass eval.prompts=PATH.jsonl ({{domain, prompt}} records)")
 
 
-def group_prompts(records: list[dict[str, Any]], domains: list[str], max_per_domain: int,
-                  source: str, max_of: Mapping[str, int] | None = None) -> tuple[dict[str, list[str]],
-                                                                         list[SkippedEntry]]:
-    """Prompts per domain, in file order, at most `max_per_domain` each (`max_of[domain]` where given). A
-    requested domain with no prompt becomes a skipped entry (the others still run)."""
-    max_of = max_of or {}
+def group_prompts(records: list[dict[str, Any]], domains: list[str], prompts_of: Callable[[str], int],
+                  source: str) -> tuple[dict[str, list[str]], list[SkippedEntry]]:
+    """Prompts per domain, in file order, at most prompts_of(domain) each (EvalConfig.prompts_of). A requested
+    domain with no prompt becomes a skipped entry (the others still run)."""
     by_domain: dict[str, list[str]] = {}
     for r in records:
         if r["prompt"].strip():
@@ -130,7 +129,7 @@ def group_prompts(records: list[dict[str, Any]], domains: list[str], max_per_dom
     prompts, skipped = {}, []
     for d in wanted:
         if by_domain.get(d):
-            prompts[d] = by_domain[d][:max_of.get(d, max_per_domain)]
+            prompts[d] = by_domain[d][:prompts_of(d)]
         else:
             present = ", ".join(sorted(by_domain)) or "none"
             skipped.append(SkippedEntry(d, "*", f"no prompts for domain {d!r} in {source} (domains there: {present})"))
@@ -205,8 +204,8 @@ def collect_drafts(explicit: dict[str, str | Path], artifacts_root: str | Path, 
     return [DraftSource(name, p, _kind(p)) for name, p in chosen.items()]
 
 
-def gather_prompts(cfg: Any, artifacts_root: str | Path, target_dir: str | Path) -> tuple[dict[str, list[str]],
-                                                                                        list[SkippedEntry]]:
+def gather_prompts(cfg: EvalConfig, artifacts_root: str | Path,
+                   target_dir: str | Path) -> tuple[dict[str, list[str]], list[SkippedEntry]]:
     """Held-out prompts per domain (eval.prompts, else the target's corpus eval split) plus the
     external benchmark domains; every domain that cannot be had is a skipped entry (method "*")."""
     from draftsmith.serve_eval.eval.external_datasets import load_domains
@@ -218,12 +217,11 @@ def gather_prompts(cfg: Any, artifacts_root: str | Path, target_dir: str | Path)
     local_domains = [d for d in cfg.domains if d not in external_names]
     if local_domains or not external or cfg.prompts:
         path = Path(cfg.prompts) if cfg.prompts else find_corpus_eval_split(artifacts_root, target_dir)
-        prompts, skipped = group_prompts(load_prompt_records(path), local_domains, cfg.max_prompts_per_domain,
-                                         str(path), cfg.max_prompts_per_domain_of)
+        prompts, skipped = group_prompts(load_prompt_records(path), local_domains, cfg.prompts_of, str(path))
     if external:
         loaded = load_domains(external, cfg.allow_download)
         for domain, items in loaded.prompts.items():
             if not cfg.domains or domain in cfg.domains:
-                prompts[domain] = items[:cfg.max_prompts_per_domain_of.get(domain, cfg.max_prompts_per_domain)]
+                prompts[domain] = items[:cfg.prompts_of(domain)]
         skipped += [SkippedEntry(s["domain"], "*", s["reason"]) for s in loaded.skipped]
     return prompts, skipped

@@ -284,7 +284,7 @@ def prompts_file(tmp_path_factory):
 def test_bad_inputs_become_skipped_entries_while_the_rest_runs(tiny_target, prompts_file, tmp_path):
     """A domain without prompts, a draft built for another target, a method that cannot start and a
     cell that fails mid-run each become a SkippedEntry with its reason; the other cells still report."""
-    prompts, skipped = group_prompts(load_prompt_records(prompts_file), ["chat", "code", "math"], 2, "eval.jsonl")
+    prompts, skipped = group_prompts(load_prompt_records(prompts_file), ["chat", "code", "math"], lambda _: 2, "eval.jsonl")
     assert set(prompts) == {"chat", "code"}
     assert skipped == [SkippedEntry("math", "*", skipped[0].reason)] and "no prompts for domain 'math'" in skipped[0].reason
     foreign = _tiny_standalone({**TARGET_CFG, "vocab_size": 77}, tmp_path / "foreign")
@@ -353,13 +353,14 @@ def test_a_domain_can_have_its_own_prompt_count(tmp_path):
     path = tmp_path / "eval.jsonl"
     path.write_text("".join(json.dumps({"domain": d, "prompt": f"{d} {i}"}) + "\n"
                             for d in ("chat", "prose") for i in range(6)))
-    prompts, _ = group_prompts(load_prompt_records(path), [], 2, "eval.jsonl", {"prose": 5})
+    cfg = EvalConfig(max_prompts_per_domain=2, max_prompts_per_domain_of={"prose": 5})
+    prompts, _ = group_prompts(load_prompt_records(path), [], cfg.prompts_of, "eval.jsonl")
     assert prompts == {"chat": ["chat 0", "chat 1"], "prose": [f"prose {i}" for i in range(5)]}
 
 
 def test_tiny_engine_run_no_spec_and_ngram(tiny_target, prompts_file):
     """Our engine end to end on a tiny random Llama: rows for no-spec and n-gram with consistent figures."""
-    prompts, skipped = group_prompts(load_prompt_records(prompts_file), [], 1, "eval.jsonl")
+    prompts, skipped = group_prompts(load_prompt_records(prompts_file), [], lambda _: 1, "eval.jsonl")
     cfg = _cfg(temperatures=[0.0], repetitions=1, warmup=0, max_tokens=12, ignore_eos=True,
                engine=EngineSettings(kv_cache_memory_gb=0.02))
     report = run_eval(cfg, tiny_target, "fp", prompts, [], skipped)

@@ -195,7 +195,7 @@ def test_a_real_engine_eval_measures_the_variant_beside_its_source(standalone_pa
                                       for w in ("one", "two")) + "\n")
     from draftsmith.serve_eval.eval.sources import group_prompts, load_prompt_records
 
-    prompts, _ = group_prompts(load_prompt_records(prompts_file), [], 2, "eval.jsonl")
+    prompts, _ = group_prompts(load_prompt_records(prompts_file), [], lambda _: 2, "eval.jsonl")
     cfg = EvalConfig(methods=["no-spec", "drafts"], num_speculative_tokens=[2], temperatures=[0.0], repetitions=1,
                      warmup=0, max_tokens=10, ignore_eos=True, strict_fingerprint=False,
                      engine=EngineSettings(kv_cache_memory_gb=0.02))
