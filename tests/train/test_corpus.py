@@ -45,14 +45,40 @@ def test_code_is_stdlib_source_and_math_is_worked(records):
     assert all(re.search(r"Answer: -?\d+\n$", r["reference"]) for r in math)
 
 
-def test_code_prompts_end_before_the_line_break_the_reference_starts_with(records):
-    """A prompt ending in a bare newline is answered with EOS by the target (in the packed pretraining
-    stream a lone newline token mostly ends a document): code prompts end at the signature's ':' or the
-    docstring's closing quotes, and the reference carries the newline and the body's indentation."""
+def test_code_prompts_end_one_line_into_the_body_before_its_line_break(records):
+    """A prompt ending in a bare newline, or at a docstring's closing quotes, is answered with EOS by the
+    target: code prompts end after the body's first line (without its newline), and the reference carries
+    the newline, the next line's indentation and the rest of the body."""
     code = [r for r in records if r["domain"] == "code"]
     assert code
-    assert all(not r["prompt"].endswith("\n") and r["prompt"].rstrip()[-1] in ":\"'" for r in code)
-    assert all(r["reference"].startswith("\n") and r["reference"][1:2] in (" ", "\t", "\n") for r in code)
+    for r in code:
+        assert not r["prompt"].endswith("\n") and r["prompt"].split("\n")[-1].strip(), r["prompt"]
+        assert r["reference"].startswith("\n") and r["reference"][1:2] in (" ", "\t", "\n"), r["reference"]
+        assert r["reference"].strip()
+        # the body's first line is in the prompt: past the signature (and docstring) line
+        signature = next(i for i, line in enumerate(r["prompt"].split("\n")) if re.match(r"(async )?def ", line))
+        assert len(r["prompt"].split("\n")) > signature + 1
+
+
+def test_a_function_split_gives_its_source_back():
+    """prompt + reference is the function's source; one-statement bodies (nothing left to answer) are dropped."""
+    import ast
+    import textwrap
+
+    from draftsmith.train.corpus import _split_function
+
+    source = textwrap.dedent('''
+        def f(x):
+            """Doc."""
+
+            y = x + 1
+            return y
+        ''').strip("\n")
+    prompt, reference = _split_function(source, ast.parse(source).body[0])
+    assert prompt == 'def f(x):\n    """Doc."""\n\n    y = x + 1'
+    assert prompt + reference == source + "\n"
+    short = 'def g(x):\n    """Doc."""\n    return x'
+    assert _split_function(short, ast.parse(short).body[0]) is None
 
 
 def test_prose_prompts_end_on_a_word_and_the_reference_starts_with_its_space(records):
