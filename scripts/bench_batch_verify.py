@@ -40,7 +40,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--artifacts", type=Path, default=ROOT / "artifacts")
     ap.add_argument("--methods", default="standalone,eagle")
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--dtype", default="auto", help="float32, bfloat16, or auto: bf16 where this CPU runs it faster than fp32")
+    ap.add_argument("--dtype", default="auto", help="float32, bfloat16, or auto: the engine's rule (fp32 where the native CPU kernels run, else bf16 where faster)")
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--prompts-per-domain", type=int, default=8)

@@ -118,7 +118,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--steps", type=int, default=24, help="decode steps per repetition")
     ap.add_argument("--repeats", type=int, default=5, help="interleaved repetitions (median + spread)")
     ap.add_argument("--threads", default="1,auto", help="comma list: thread counts or 'auto' (engine's choice)")
-    ap.add_argument("--dtype", default="auto", help="float32, bfloat16, or auto: bf16 where this device runs it faster than fp32")
+    ap.add_argument("--dtype", default="auto", help="float32, bfloat16, or auto: the engine's rule (fp32 where the native CPU kernels run, else bf16 where faster)")
     ap.add_argument("--device", default="cpu", help="cpu or cuda (timers synchronize around each component on a GPU)")
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--target", default=None, help="trained target dir (drafts found under --artifacts)")

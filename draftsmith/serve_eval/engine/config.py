@@ -7,7 +7,7 @@ from dataclasses import dataclass
 @dataclass
 class EngineConfig:
     model: str                      # HF checkpoint dir (Llama/Mistral/Qwen2-style)
-    dtype: str = "float32"          # "float32" | "bfloat16" | "auto" (bf16 where it is faster here)
+    dtype: str = "float32"          # "float32" | "bfloat16" | "auto" (model_executor.resolve_dtype)
     block_size: int = 16
     kv_cache_memory_gb: float = 1.0 # budget -> num blocks (num_gpu_blocks overrides when set)
     num_gpu_blocks: int | None = None

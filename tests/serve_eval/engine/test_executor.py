@@ -281,12 +281,14 @@ def test_bad_inputs(tmp_path):
         ModelExecutor.from_state_dict(GPT2Config(), {})
 
 
-@pytest.mark.parametrize("fast, expected", [(True, torch.bfloat16), (False, torch.float32)])
-def test_dtype_auto_is_bf16_only_where_it_is_faster(monkeypatch, fast, expected):
-    from draftsmith.kernels import precision
+@pytest.mark.parametrize("native, fast, expected", [(False, True, torch.bfloat16), (False, False, torch.float32),
+                                                     (True, True, torch.float32)])
+def test_dtype_auto_is_fp32_where_the_native_kernels_run_else_bf16_where_faster(monkeypatch, native, fast, expected):
+    from draftsmith.kernels import precision, small_gemm
     from draftsmith.serve_eval.engine.model_executor import dtype_name, resolve_dtype
 
     monkeypatch.setattr(precision, "_bf16_probe", lambda kind: (fast, 0.5 if fast else 40.0))
+    monkeypatch.setattr(small_gemm, "available", lambda: native)
     assert resolve_dtype("auto") is expected and dtype_name("auto") == str(expected).removeprefix("torch.")
     assert resolve_dtype("float32") is torch.float32 and dtype_name(torch.bfloat16) == "bfloat16"
     with pytest.raises(ValueError, match="'auto'"):
