@@ -1,7 +1,8 @@
 """The prompt corpus: built from this machine's Python (no download, no copied text), or read from a file.
 
 Domains of the embedded corpus:
-  code   functions of the standard library's source: prompt = signature + docstring, reference = body
+  code   functions of the standard library's source: prompt = signature + docstring + the body's first line,
+         reference = the rest of the body
   prose  paragraphs of the documentation Python ships (pydoc_data) and long docstrings, cut in two
   math   generated multi-step arithmetic / word problems; reference = worked solution + answer
   chat   multi-turn conversations behind ONE fixed system prompt (shared prefix for prefix caching)
