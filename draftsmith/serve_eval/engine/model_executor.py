@@ -15,13 +15,13 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from draftsmith.kernels import small_gemm
 from draftsmith.kernels.attention import AttentionMetadata, get_attention_backend, paged_attn_fn, select_backend
 from draftsmith.kernels.attention.window import sliding_window_attention
 from draftsmith.kernels.layers.causal_lm import CausalLM, causal_lm_from_state_dict
 from draftsmith.kernels.layers.checkpoint import load_config, read_state_dict
 from draftsmith.kernels.layers.native_draft_loop import LoopSampling, LoopTokens, padded_tables
 from draftsmith.kernels.layers.linear import SMALL_GEMM_MAX_ROWS, should_pack
-from draftsmith.kernels import small_gemm
 from draftsmith.kernels.precision import AUTO, bf16_is_fast
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
