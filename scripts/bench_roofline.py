@@ -4,10 +4,18 @@ Runs, in one process and interleaved step by step (so both see the same machine 
   (a) transformers' forward with its DynamicCache, (b) our ModelExecutor over the paged cache,
   and optionally (c) our executor with torch.compile'd decode layers (--compile).
 
-    python scripts/bench_roofline.py [--model DIR] [--context 128] [--steps 60] [--threads N] [--compile]
+With --pauses it then times our decode steps right after a pause in decoding (none, 10 ms of Python, a
+128 MB read, a 64-token prefill), each kind interleaved over --pause-repeats rounds: the median ms of each of
+the first --pause-steps steps after it. On a VM whose last-level cache is shared with other tenants, a step
+reads much of its weights from that cache; while decoding pauses the neighbours evict them, so the next steps
+run slower until the weights are back. A speculative round's target forward always follows the draft's
+proposal, and a request's first steps follow its prefill, so there measured speed-ups trail the ones predicted
+from steady-state step costs.
+
+    python scripts/bench_roofline.py [--model DIR] [--context 128] [--steps 60] [--threads N] [--compile] [--pauses]
 
 Without --model it uses the newest trained target under artifacts/target-cache/, else a random Llama of
-the embedded target's shape (hidden 256, 8 layers, 4 heads, 2 KV heads, intermediate 704, vocab 4096).
+the embedded target's shape (conf/target/embedded.yaml).
 """
 
 from __future__ import annotations
@@ -81,6 +89,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--dtype", default=EngineConfig.dtype,
                         help="float32 (the engine's default), bfloat16, or auto: bf16 where this CPU's matmuls are faster")
     parser.add_argument("--bandwidth-mb", type=int, default=1024, help="size of the bandwidth probe tensor")
+    parser.add_argument("--pauses", action="store_true", help="also time decode steps right after pauses in decoding")
+    parser.add_argument("--pause-steps", type=int, default=8, help="timed decode steps after each pause")
+    parser.add_argument("--pause-repeats", type=int, default=15, help="interleaved rounds of every pause kind")
     return parser.parse_args()
 
 
@@ -98,13 +109,13 @@ def load_variants(args: argparse.Namespace) -> tuple[Path, str, Any, dict[str, M
     return model_dir, origin, hf, variants
 
 
-def prefill(hf: Any, variants: dict[str, ModelExecutor], context: int, table: list[int]) -> Any:
+def prefill(hf: Any, variants: dict[str, ModelExecutor], context: int, table: list[int], num_blocks: int) -> Any:
     """The same random prompt into every executor's paged cache and transformers' DynamicCache (returned)."""
     from transformers import DynamicCache
 
     prompt = torch.randint(0, hf.config.vocab_size, (context,), generator=torch.Generator().manual_seed(0))
     for executor in variants.values():
-        executor.allocate_kv_cache(len(table), BLOCK_SIZE)
+        executor.allocate_kv_cache(num_blocks, BLOCK_SIZE)
         executor.forward(prompt, torch.arange(context), AttentionMetadata.build([context], [context], [table], BLOCK_SIZE))
     with torch.inference_mode():
         cache = DynamicCache(config=hf.config)
@@ -175,6 +186,52 @@ def print_roofline(args: argparse.Namespace, model_dir: Path, origin: str, ours:
               f"{cpu * 1e3:>10.3f}{100 * cpu_roofline / cpu:>15.1f}%{diff:>20}")
 
 
+PAUSE_PREFILL_TOKENS = 64
+
+
+def time_after_pauses(executor: ModelExecutor, args: argparse.Namespace, table: list[int],
+                      pause_table: list[int]) -> dict[str, list[float]]:
+    """Per pause kind: the median seconds of each of the --pause-steps decode steps after it (kinds interleaved,
+    a few unmeasured steps before each pause so every kind starts from steady decoding)."""
+    length = args.context + 1
+    junk = torch.ones(128 << 18)  # 128 MB of fp32
+    prompt = torch.randint(0, executor.vocab_size, (PAUSE_PREFILL_TOKENS,), generator=torch.Generator().manual_seed(1))
+
+    def step() -> float:
+        meta = AttentionMetadata.build([1], [length], [table], BLOCK_SIZE)
+        start = time.perf_counter()
+        executor.forward(torch.tensor([7]), torch.tensor([length - 1]), meta)
+        return time.perf_counter() - start
+
+    def busy_python() -> None:
+        end = time.perf_counter() + 0.010
+        while time.perf_counter() < end:
+            sum(range(100))
+
+    pauses = {"none": lambda: None, "python 10 ms": busy_python, "read 128 MB": lambda: junk.sum(),
+              f"prefill {PAUSE_PREFILL_TOKENS} tokens": lambda: executor.forward(
+                  prompt, torch.arange(PAUSE_PREFILL_TOKENS),
+                  AttentionMetadata.build([PAUSE_PREFILL_TOKENS], [PAUSE_PREFILL_TOKENS], [pause_table], BLOCK_SIZE))}
+    samples: dict[str, list[list[float]]] = {name: [] for name in pauses}
+    with torch.inference_mode():
+        for _ in range(args.pause_repeats):
+            for name, pause in pauses.items():
+                for _ in range(4):
+                    step()
+                pause()
+                samples[name].append([step() for _ in range(args.pause_steps)])
+    return {name: [statistics.median(run[i] for run in runs) for i in range(args.pause_steps)]
+            for name, runs in samples.items()}
+
+
+def print_pauses(after: dict[str, list[float]]) -> None:
+    steady = statistics.median(after["none"])
+    print(f"decode steps right after a pause in decoding (median ms of step 1..{len(after['none'])} after it; "
+          f"x = step 1 / steady {steady * 1e3:.3f} ms)")
+    for name, times in after.items():
+        print(f"  {name:<20}" + " ".join(f"{t * 1e3:6.2f}" for t in times) + f"   x{times[0] / steady:.2f}")
+
+
 def main() -> None:
     args = parse_args()
     if args.threads:
@@ -182,9 +239,12 @@ def main() -> None:
     model_dir, origin, hf, variants = load_variants(args)
     total = args.context + args.steps + 16
     table = list(range(-(-total // BLOCK_SIZE)))
-    cache = prefill(hf, variants, args.context, table)
+    pause_table = list(range(len(table), len(table) + -(-PAUSE_PREFILL_TOKENS // BLOCK_SIZE)))
+    cache = prefill(hf, variants, args.context, table, len(table) + len(pause_table))
     timings = time_steps(hf, cache, variants, args, table)
     print_roofline(args, model_dir, origin, variants["ours"], timings)
+    if args.pauses:
+        print_pauses(time_after_pauses(variants["ours"], args, table, pause_table))
 
 
 if __name__ == "__main__":
