@@ -84,15 +84,18 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=60, help="timed decode steps per variant")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     parser.add_argument("--compile", action="store_true", help="also time the executor with torch.compile")
-    # The engine's own default (EngineConfig.dtype): its batch-1 CPU step runs the fp32 C kernels, so "auto" (bf16
-    # where this CPU's matmuls are faster) measures a path the engine does not take by default (2x slower here).
+    # The engine's own default (EngineConfig.dtype): its batch-1 CPU step runs the fp32 C kernels.
     parser.add_argument("--dtype", default=EngineConfig.dtype,
-                        help="float32 (the engine's default), bfloat16, or auto: bf16 where this CPU's matmuls are faster")
+                        help="float32 (the engine's default), bfloat16, or auto: the engine's rule (fp32 where the native "
+                             "CPU kernels run, else bf16 where faster)")
     parser.add_argument("--bandwidth-mb", type=int, default=1024, help="size of the bandwidth probe tensor")
     parser.add_argument("--pauses", action="store_true", help="also time decode steps right after pauses in decoding")
     parser.add_argument("--pause-steps", type=int, default=8, help="timed decode steps after each pause")
     parser.add_argument("--pause-repeats", type=int, default=15, help="interleaved rounds of every pause kind")
-    return parser.parse_args()
+    args = parser.parse_args()
+    if args.pause_steps < 1 or args.pause_repeats < 1:
+        parser.error("--pause-steps and --pause-repeats must be >= 1")
+    return args
 
 
 def load_variants(args: argparse.Namespace) -> tuple[Path, str, Any, dict[str, ModelExecutor]]:

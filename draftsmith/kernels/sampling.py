@@ -66,7 +66,8 @@ class SamplingSettings(Protocol):
 
 def is_plain_temperature(temperature: float, top_k: int, top_p: float, vocab_size: int) -> bool:
     """Whether logits_to_probs gives this row softmax(logits / temperature) and nothing else: sampled (T > 0),
-    top-k off (0 or >= the vocabulary) and top-p off (1). The C sampler and draft loop serve only these rows."""
+    top-k off (0 or >= the vocabulary) and top-p off (1). The C chain verifier and draft loop serve only these rows
+    (the C decode sampler takes filtered rows too)."""
     return temperature > 0 and not 0 < top_k < vocab_size and top_p >= 1
 
 

@@ -38,8 +38,9 @@ logger = logging.getLogger("draftsmith")
 
 REQUIRED_FIELDS = ("domain", "prompt", "reference")
 # Part of the corpus cache key: bump it when the embedded builder's output changes for the same settings
-# (2: prose prompts cut inside a sentence), so an existing artifacts root does not keep the old corpus.
-BUILDER_VERSION = 2
+# (2: prose prompts cut inside a sentence; 3: code prompts end one line into the body), so an existing
+# artifacts root does not keep the old corpus.
+BUILDER_VERSION = 3
 SPLITS = ("distill", "eval", "pretrain")
 
 # Chat format shared by the corpus and the tokenizer's chat template (train.tokenizer renders the same).

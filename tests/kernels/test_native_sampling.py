@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from draftsmith.kernels.native_sampling import sample_rows, verify_plain_chains
+from draftsmith.kernels.native_sampling import inverse_temperatures, sample_rows, verify_plain_chains
 from draftsmith.kernels.sampling import logits_to_probs, sample_logits
 from draftsmith.serve_eval.speculative.verify_fast import sampled_chain_accept
 from spec_helpers import params
@@ -69,6 +69,12 @@ def test_a_filtered_row_never_draws_outside_its_filter():
 
 
 def test_greedy_or_non_fp32_rows_are_left_to_the_torch_path():
+    """The decode sampler leaves greedy and non-fp32 rows to torch; the chain verifier and the draft loop (which read
+    inverse_temperatures) also leave filtered rows to it."""
+    assert inverse_temperatures([params(1.0), params(1.0, 5)], V) is None    # top-k
+    assert inverse_temperatures([params(1.0), params(1.0, 0, 0.9)], V) is None    # top-p
+    assert inverse_temperatures([params(1.0), params(0.0)], V) is None    # greedy, unless greedy_ok
+    assert inverse_temperatures([params(2.0), params(0.0)], V, greedy_ok=True).tolist() == [0.5, 0.0]
     logits = torch.randn(2, V)
     assert sample_rows(logits, [params(1.0), params(0.0)], None) is None    # greedy beside a plain row
     assert sample_rows(logits, [params(1.0, 5), params(0.0)], None) is None    # greedy beside a filtered row

@@ -53,11 +53,9 @@ def test_code_prompts_end_one_line_into_the_body_before_its_line_break(records):
     assert code
     for r in code:
         assert not r["prompt"].endswith("\n") and r["prompt"].split("\n")[-1].strip(), r["prompt"]
-        assert r["reference"].startswith("\n") and r["reference"][1:2] in (" ", "\t", "\n"), r["reference"]
-        assert r["reference"].strip()
-        # the body's first line is in the prompt: past the signature (and docstring) line
-        signature = next(i for i, line in enumerate(r["prompt"].split("\n")) if re.match(r"(async )?def ", line))
-        assert len(r["prompt"].split("\n")) > signature + 1
+        assert r["reference"].startswith("\n") and r["reference"].strip(), r["reference"]
+        # the prompt's last line is no longer the signature's ':' nor a docstring's closing quotes
+        assert not r["prompt"].rstrip().endswith(('"""', "'''")), r["prompt"]
 
 
 def test_a_function_split_gives_its_source_back():
@@ -79,6 +77,10 @@ def test_a_function_split_gives_its_source_back():
     assert prompt + reference == source + "\n"
     short = 'def g(x):\n    """Doc."""\n    return x'
     assert _split_function(short, ast.parse(short).body[0]) is None
+    # no docstring, a signature over two lines, a comment first in the body
+    plain = 'def h(a,\n      b):\n    # sum\n    s = a + b\n    return s'
+    prompt, reference = _split_function(plain, ast.parse(plain).body[0])
+    assert (prompt, reference) == ('def h(a,\n      b):\n    # sum', '\n    s = a + b\n    return s\n')
 
 
 def test_prose_prompts_end_on_a_word_and_the_reference_starts_with_its_space(records):

@@ -1,5 +1,5 @@
-/* Sampling at a plain temperature (no top-k or top-p filter), fp32 logits rows, and the exact verification of
- * speculative chains at such a temperature: the rules of kernels/sampling.py (sample: the first v whose float64
+/* Sampling of fp32 logits rows (at a plain temperature, or through top-k / top-p: see below), and the exact
+ * verification of speculative chains at a plain temperature: the rules of kernels/sampling.py (sample: the first v whose float64
  * CDF exceeds u times the row's sum, never a zero-probability entry) and of
  * serve_eval/speculative/verify_fast.py (sampled_chain_accept: accept draft i while u_i * q(x_i) < p(x_i), then
  * one draw from the stop row: the residual max(0, p - q) renormalised after a rejection, the target row after

@@ -70,7 +70,8 @@ def _check_draft(source: DraftSource, target_dir: Path, cfg: EvalConfig) -> list
         warnings.simplefilter("always")
         loaded = load_draft(source.path, ExpectedTarget.from_model_dir(target_dir),
                             strict_fingerprint=cfg.strict_fingerprint)
-    itemsize = torch.empty(0, dtype=resolve_dtype(source.draft_dtype or cfg.engine.dtype)).element_size()
+    dtype = resolve_dtype(source.draft_dtype or cfg.engine.dtype, cfg.engine.device)
+    itemsize = torch.empty(0, dtype=dtype).element_size()
     source.weight_bytes = weight_bytes(loaded.model, float_itemsize=itemsize)
     return [str(w.message) for w in caught]
 
