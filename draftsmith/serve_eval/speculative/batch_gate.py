@@ -23,7 +23,9 @@ in one of two ways:
   token the arm is than the winner) at most `explore_overhead` of the winner's steps since the last one. A
   draft that runs only while speculating pays a catch-up over every token decoded plainly since, so its
   re-try steps are several times dearer than its rounds; at batch 16 the interval's re-tries alone cost 5-8%
-  on 64-token answers.
+  on 64-token answers. So once an arm has been re-tried, its next re-try is timed by what that one really cost
+  beyond the winner (its steps' seconds against the winner's cost of their tokens, catch-up included), in
+  steps of the winner; a per-token median hides the one dear step that carries the catch-up.
 
   Estimates are medians of an arm's last `window` steps, because one step's cost on a shared CPU has
   spikes of several times its typical value. A re-try is one step; if that step would make the arm the
@@ -62,6 +64,8 @@ class BatchGateConfig:
     margin: float = 0.01      # a speculative arm must be this much faster per token than plain decoding
     explore_overhead: float = 0.01   # a re-try waits until its expected extra cost is at most this share of the
                                      # steps since the last one (a losing arm 1.6x dearer: one step per 60)
+    max_retry_wait: int = 2048       # ... but at most this many steps where that cost was measured (a catch-up is
+                                     # bounded by the batch's live context, so a longer wait dilutes it)
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -75,9 +79,10 @@ class BatchGateConfig:
         if any(k < 1 for k in self.k_caps):
             raise ValueError(f"batch_gate.k_caps = {list(self.k_caps)}: caps are >= 1 (plain decoding is always an arm)")
         if self.explore_every < 2 or self.max_explore_every < self.explore_every or self.min_samples < 1 \
-                or self.window < self.min_samples or self.margin < 0 or not 0 < self.explore_overhead <= 1:
-            raise ValueError("batch_gate: 2 <= explore_every <= max_explore_every, 1 <= min_samples <= window, "
-                             "margin >= 0, 0 < explore_overhead <= 1")
+                or self.window < self.min_samples or self.margin < 0 or not 0 < self.explore_overhead <= 1 \
+                or self.max_retry_wait < self.max_explore_every:
+            raise ValueError("batch_gate: 2 <= explore_every <= max_explore_every <= max_retry_wait, "
+                             "1 <= min_samples <= window, margin >= 0, 0 < explore_overhead <= 1")
 
 
 @dataclass
@@ -85,6 +90,7 @@ class _Arm:
     recent: deque          # seconds per token of its latest steps (maxlen: the config's window)
     samples: int = 0       # steps measured in all
     presumed_ratio: float | None = None   # its cost / plain decoding's, presumed from a smaller K's loss
+    retry_extra_s: float | None = None    # seconds its latest lost re-try's first step cost beyond the winner's rate
 
     def observe(self, value: float) -> None:
         self.recent.append(value)
@@ -102,6 +108,8 @@ class _Bucket:
     retry_left: int = 0            # its steps still to run
     retry_burst: bool = False      # the re-try's first step would have won: confirming on fresh steps
     retry_from: int | None = None  # the winner when the re-try began
+    retry_extra_s: float = 0.0     # the re-try under way: its first step's seconds beyond the winner's cost of them
+    winner_step_s: deque = field(default_factory=lambda: deque(maxlen=16))  # seconds of the winner's latest steps
 
     def cost(self, key: int) -> float | None:
         """Seconds per token of an arm: the median of its latest steps; before it has run, its presumed
@@ -180,12 +188,14 @@ class BatchGate:
             return
         b.steps += 1
         if b.retry_left:
-            self._retry_step(b, cost)
+            self._retry_step(b, step_s, emitted_tokens)
             return
         b.arms[chosen].observe(cost)
         self._presume_larger_k(b, chosen)
         if self._winner(b) is None:
             return
+        if chosen == self._winner(b):
+            b.winner_step_s.append(step_s)
         b.steps_since_explore += 1
         if b.steps_since_explore >= (b.explore_interval or self.config.explore_every):
             winner = self._winner(b)
@@ -196,19 +206,26 @@ class BatchGate:
                         and b.steps_since_explore >= self._affordable_after(b, key, winner)), None)
             if arm is not None:
                 b.retry_arm, b.retry_from = arm, winner
-                b.retry_left, b.retry_burst = 1, False
+                b.retry_left, b.retry_burst, b.retry_extra_s = 1, False, 0.0
 
     def _affordable_after(self, b: _Bucket, arm: int, winner: int) -> int:
         """Steps of the winner after which a re-try of `arm` costs at most `explore_overhead` of them: its expected
-        extra cost (its steps -- a burst if it never ran -- times how much dearer it is per token) spread over
-        them. Capped at max_explore_every, so that even a dear arm is re-tried. (With the interval alone, the
-        re-tries of arms 1.6x dearer than plain decoding cost 5-8% at batch 16, on 64-token answers.)"""
+        extra cost (its steps -- a burst if it never ran -- times how much dearer it is per token, or, once it has
+        been re-tried, what that re-try's first step cost beyond the winner) spread over them. Capped at
+        max_explore_every (max_retry_wait for a measured re-try cost), so that even a dear arm is re-tried. (With the
+        interval alone, the re-tries of arms 1.6x dearer than plain decoding cost 5-8% at batch 16, on 64-token
+        answers.)"""
         mine, best = b.cost(arm), b.cost(winner)
         if mine is None or best is None or mine <= best:
             return 0
-        steps = self.config.min_samples if not b.arms[arm].samples else 1
-        extra = steps * (mine / best - 1) / self.config.explore_overhead
-        return min(int(math.ceil(extra)), self.config.max_explore_every)
+        cfg = self.config
+        steps = cfg.min_samples if not b.arms[arm].samples else 1
+        extra_steps, cap = steps * (mine / best - 1), cfg.max_explore_every   # in steps of the winner
+        measured = b.arms[arm].retry_extra_s
+        if measured is not None and b.winner_step_s:
+            extra_steps = max(extra_steps, measured / statistics.median(b.winner_step_s))
+            cap = cfg.max_retry_wait
+        return min(int(math.ceil(extra_steps / cfg.explore_overhead)), cap)
 
     def _presume_larger_k(self, b: _Bucket, key: int) -> None:
         """K <= key has just finished its first measurement: if it lost to plain decoding, the arms of larger K
@@ -224,10 +241,13 @@ class BatchGate:
             if (other == UNCAPPED or other > key) and b.arms[other].samples == 0:
                 b.arms[other].presumed_ratio = mine / plain
 
-    def _retry_step(self, b: _Bucket, cost: float) -> None:
+    def _retry_step(self, b: _Bucket, step_s: float, emitted_tokens: int) -> None:
         """A re-try's step: one step joins the arm's window, unless it would win, or the arm has never run (its
         cost was presumed); then a fresh burst of min_samples steps decides, so no arm's estimate rests on one step."""
         arm = b.arms[b.retry_arm]
+        cost = step_s / emitted_tokens
+        if not b.retry_burst:   # the re-try's first step: what a one-step re-try of this arm costs, catch-up included
+            b.retry_extra_s = step_s - b.cost(b.retry_from) * emitted_tokens
         first_run = arm.samples == 0
         if not b.retry_burst and (first_run or cost < b.cost(b.retry_from)) and self.config.min_samples > 1:
             arm.recent.clear()
@@ -240,11 +260,13 @@ class BatchGate:
     def _end_retry(self, b: _Bucket) -> None:
         cfg = self.config
         if self._winner(b) == b.retry_from:   # the re-tried arm lost again
+            b.arms[b.retry_arm].retry_extra_s = max(b.retry_extra_s, 0.0)
             b.tried.add(b.retry_arm)
             if len(b.tried) >= len(b.arms) - 1:   # a full turn confirmed the winner: re-try half as often
                 b.explore_interval = min(2 * (b.explore_interval or cfg.explore_every), cfg.max_explore_every)
                 b.tried.clear()
         else:                                 # it won: back to the base rate, a new turn
+            b.arms[b.retry_arm].retry_extra_s = None
             b.explore_interval = cfg.explore_every
             b.tried.clear()
         b.steps_since_explore = 0

@@ -197,3 +197,29 @@ def test_re_tries_cost_at_most_their_overhead_budget_and_a_cheap_one_is_not_held
     # once every arm has run (the dear ones were presumed as cheap as K <= 1 until then), K <= 1 leads each turn
     later = [cap for i, cap in retries if i > 60]
     assert later and later[0] == 1
+
+
+def test_a_draft_that_catches_up_after_plain_steps_is_re_tried_by_what_its_re_tries_really_cost():
+    """A standalone draft runs only while speculating, so a speculative step after a stretch of plain decoding
+    first catches the draft up on every token since, up to the batch's live context (here 0.05x a plain step per
+    plain step skipped, at most 200 of them: a re-try costs up to 10 plain steps on top; at batch 16 on the
+    embedded target one cost ~3), while its steady rounds cost 1.5x per token. Median per-token costs hide that
+    one dear step, so re-tries timed by them (every 256 steps at most) cost ~4%; timed by what the arm's last
+    re-try really cost beyond the winner, they stay within about the overhead budget."""
+    gate = BatchGate()
+    batch, plain_ms, steady_spec_ms, catch_up_ms, live_context = 16, 1.0, 1.5, 0.05 * 16, 200
+    since_spec = 0
+
+    def step() -> tuple[float, bool]:
+        nonlocal since_spec
+        spec = gate.cap(batch) != 0
+        ms = steady_spec_ms * batch + catch_up_ms * min(since_spec, live_context) if spec else plain_ms * batch
+        since_spec = 0 if spec else since_spec + 1
+        gate.observe_step(batch, spec, ms / 1000, batch)
+        return ms, spec
+
+    for _ in range(600):   # the first measurements and the first turns of re-tries
+        step()
+    steps = [step() for _ in range(6000)]
+    assert sum(ms for ms, _ in steps) < plain_ms * batch * len(steps) * (1 + 0.015)
+    assert any(spec for _, spec in steps)   # the dear arms are still re-tried
