@@ -7,7 +7,7 @@ new tokens - time of 1) / (n - 1), so its prefill is excluded too), with the mea
 standalone path against transformers'. Then batches of `--batch-sizes` (16 and 32): speculation under
 the server's default policy (fallback and the measured batch gate) vs no-spec (--plain-floor: and with the gate
 pinned to plain decoding, what a plainly decoding step costs under each strategy). Then trees (issue 12, "trees that pay"): EAGLE-1's chain against its
-dynamic tree sized by the cost model (eagle-tree, tree_budget="cost") and EAGLE-2's fixed 16-node tree
+dynamic tree sized by the cost model (eagle-tree, tree_budget="cost": it drafts chains where they measure cheaper) and EAGLE-2's fixed 16-node tree
 (eagle-tree-fixed), each engine kept across `--tree-repeats` interleaved repetitions (order rotated; the cost
 tree keeps calibrating), batch 1, all prompts pooled: tau and ms/token as median (spread = max - min) over
 the repetitions, the speedup paired with the no-spec run of the same repetition.

@@ -267,7 +267,8 @@ class SpeculativeStrategy:
         for key, index in members.items():
             budgets[key].observe_step(len(index), step_s * len(index) / len(out.seqs),
                                       sum(len(new_tokens[i]) for i in index), query_tokens,
-                                      sum(nodes.get(i, 0) for i in index))
+                                      sum(nodes.get(i, 0) for i in index),
+                                      trees=any(drafts[i].is_tree for i in index if i in drafts))
 
     def _propose(self, engine: "LLMEngine", out: SchedulerOutput, spec_idx: list[int]) -> tuple[dict[int, SpecDraft], float]:
         """One proposer call for the sequences with lookahead slots -> their non-empty drafts, and its time."""

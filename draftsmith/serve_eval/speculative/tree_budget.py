@@ -16,6 +16,16 @@ the value-sorted candidates; a value-sorted prefix is closed under ancestors bec
 Expansion uses the same economics: a frontier node is drafted further only when its value reaches
 node_s x tokens per second (the value at which one more node pays for its verification), so the draft
 never spends forwards on branches that could not be kept.
+
+Shape. That model prices verified nodes, not the tree's own drafting: each depth drafts its whole frontier
+(top_k rows per expanded node) in a torch forward, where a chain's K steps run in one native loop. On the
+2-core CPU (fp32, K=4, 16 nodes) a tree round cost 12.6 ms (draft 3.9, a 17-row verify 7.6) against a chain's
+5.6 (1.3, 3.8), so the tree's tau 3.03 against 2.56 ran at 0.81x of plain decoding where the chain ran 1.44x.
+So the budget also measures both shapes and drafts the one that costs less per emitted token: the median
+seconds per token of each shape's latest rounds; the losing shape is re-tried one round at a time, every
+`shape_retry_every` rounds of the winner, that interval doubling (to 16x) each time it loses again. Where the
+verify rows are nearly free (a GPU at small batch) the tree keeps winning; where they are not, the budget runs
+chains, and its tree calibration keeps learning from the re-tries.
 """
 
 from __future__ import annotations
@@ -23,6 +33,7 @@ from __future__ import annotations
 import bisect
 import statistics
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -40,6 +51,9 @@ class TreeBudgetConfig:
     prior_strength: float = 2.0  # prior pseudo-trials; a few verified rounds outweigh it
     ema: float = 0.1  # weight of a new step in the round-cost and tokens-per-round averages
     probe_repeats: int = 3  # timed forwards per probed query length (median kept)
+    shape_window: int = 8  # a shape's cost: the median seconds per emitted token of its latest rounds
+    shape_min_rounds: int = 3  # rounds of each shape before they are compared
+    shape_retry_every: int = 16  # rounds of the winning shape between re-tries of the other (doubling, to 16x)
 
     def __post_init__(self) -> None:
         if not 0 < self.prior_accept < 1 or self.prior_strength <= 0:
@@ -47,6 +61,9 @@ class TreeBudgetConfig:
                              f"{self.prior_accept}, {self.prior_strength}")
         if not 0 < self.ema <= 1 or self.probe_repeats < 1:
             raise ValueError(f"tree budget: ema in (0, 1] and probe_repeats >= 1, got {self.ema}, {self.probe_repeats}")
+        if not 1 <= self.shape_min_rounds <= self.shape_window or self.shape_retry_every < 1:
+            raise ValueError(f"tree budget: 1 <= shape_min_rounds <= shape_window and shape_retry_every >= 1, got "
+                             f"{self.shape_min_rounds}, {self.shape_window}, {self.shape_retry_every}")
 
 
 class AcceptanceCalibration:
@@ -154,17 +171,71 @@ class _Averages:
     query_tokens: int = 1  # query tokens of the last speculative step (where the curve's slope is read)
 
 
+TREE, CHAIN = "tree", "chain"
+
+
+@dataclass
+class ShapeChoice:
+    """Tree or chain, by measured seconds per emitted token (the module docstring's "Shape")."""
+
+    config: TreeBudgetConfig
+    costs: dict[str, deque] = field(init=False)  # shape -> seconds per token of its latest rounds
+    retry_every: int = field(init=False)
+    rounds_since_retry: int = 0
+
+    def __post_init__(self) -> None:
+        self.costs = {shape: deque(maxlen=self.config.shape_window) for shape in (TREE, CHAIN)}
+        self.retry_every = self.config.shape_retry_every
+
+    def winner(self) -> str | None:
+        """The cheaper shape per token; None until both have their first rounds (a tie keeps the tree)."""
+        if any(len(c) < self.config.shape_min_rounds for c in self.costs.values()):
+            return None
+        return CHAIN if statistics.median(self.costs[CHAIN]) < statistics.median(self.costs[TREE]) else TREE
+
+    def next_shape(self) -> str:
+        """Trees first (their calibration needs rounds), then chains, then the winner with a re-try of the other
+        every `retry_every` rounds."""
+        for shape in (TREE, CHAIN):
+            if len(self.costs[shape]) < self.config.shape_min_rounds:
+                return shape
+        best = self.winner()
+        if self.rounds_since_retry >= self.retry_every:
+            return CHAIN if best == TREE else TREE
+        return best
+
+    def observe(self, shape: str, seconds_per_token: float) -> None:
+        best = self.winner()
+        self.costs[shape].append(seconds_per_token)
+        if best is None:
+            return
+        if shape == best:
+            self.rounds_since_retry += 1
+            return
+        self.rounds_since_retry = 0   # a re-try: back off while it keeps losing, back to the base rate if it won
+        cap = 16 * self.config.shape_retry_every
+        self.retry_every = (min(2 * self.retry_every, cap) if self.winner() == best
+                            else self.config.shape_retry_every)
+
+
 @dataclass
 class TreeBudget:
-    """The shared state a dynamic tree is sized by: calibration, the verify cost curve, measured round costs."""
+    """The shared state a dynamic tree is sized by: calibration, the verify cost curve, measured round costs,
+    and whether a tree pays at all against a chain from the same draft."""
 
     config: TreeBudgetConfig = field(default_factory=TreeBudgetConfig)
     curve: VerifyCostCurve | None = None
     calibration: AcceptanceCalibration = field(init=False)
     averages: _Averages = field(default_factory=_Averages, init=False)
+    shape: ShapeChoice = field(init=False)
 
     def __post_init__(self) -> None:
         self.calibration = AcceptanceCalibration(self.config.prior_accept, self.config.prior_strength)
+        self.shape = ShapeChoice(self.config)
+
+    def use_chain(self) -> bool:
+        """Whether the next proposal drafts chains instead of trees (the module docstring's "Shape")."""
+        return self.shape.next_shape() == CHAIN
 
     @property
     def measured(self) -> bool:
@@ -196,9 +267,13 @@ class TreeBudget:
         self.calibration.observe(cells, parents, accepted_node_ids)
 
     def observe_step(self, batch_size: int, step_s: float, emitted_tokens: int, query_tokens: int,
-                     draft_nodes: int) -> None:
-        """One pure speculative decode step of `batch_size` sequences (all of them drafted)."""
+                     draft_nodes: int, trees: bool = True) -> None:
+        """One pure speculative decode step of `batch_size` sequences (all of them drafted), trees or chains;
+        the tree's round averages learn from tree steps only."""
         if batch_size < 1 or step_s <= 0 or emitted_tokens <= 0:
+            return
+        self.shape.observe(TREE if trees else CHAIN, step_s / emitted_tokens)
+        if not trees:
             return
         avg, w = self.averages, self.config.ema
         sample = (step_s / batch_size, emitted_tokens / batch_size, draft_nodes / batch_size)

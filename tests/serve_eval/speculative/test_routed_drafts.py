@@ -95,7 +95,8 @@ def test_the_server_serves_from_a_recommendations_file_and_shows_the_choice(tmp_
 def test_routed_trees_feed_each_childs_cost_model(tmp_path):
     """tree='dynamic' under routing: the EAGLE child proposes cost-sized trees and the n-gram child chains; the
     target's verify curve is probed into the EAGLE child's cost model, every verified tree of its requests
-    calibrates it, its step share is measured, and greedy output stays exact."""
+    calibrates it, its step share is measured, and greedy output stays exact (trees or chains, as its budget
+    chooses)."""
     target = make_llama(tmp_path / "target")
     eagle = feature_draft("eagle", target, tmp_path / "eagle")
     prompts, lengths = workload(6, seed=7)
@@ -113,5 +114,7 @@ def test_routed_trees_feed_each_childs_cost_model(tmp_path):
     assert proposer.tree_budgets() == (budget,)
     assert budget.curve is not None and budget.measured
     stats = engine.stats().spec
-    assert budget.calibration.rounds == stats.by_domain["chat"].num_rounds > 0   # chat routes to EAGLE only
+    # chat routes to EAGLE only: its rounds are trees (each calibrates) or, where the budget measured them cheaper,
+    # chains
+    assert 0 < budget.calibration.rounds <= stats.by_domain["chat"].num_rounds
     assert stats.by_domain["code"].num_rounds > 0   # n-gram chains in the same engine

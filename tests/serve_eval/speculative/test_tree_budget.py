@@ -175,7 +175,8 @@ def test_bad_budget_config_names_the_field():
 @pytest.mark.skipif(not proposer_available("eagle"), reason="EAGLE proposer not installed")
 def test_engine_probes_costs_and_calibrates_while_staying_exact(tmp_path):
     """In the engine: the verify curve is probed at attach, every verified tree feeds the calibration, trees
-    stay within the node budget, and greedy output equals plain decoding."""
+    stay within the node budget, both shapes are measured (the budget drafts chains where they cost less), and
+    greedy output equals plain decoding whichever shape each round took."""
     target = make_llama(tmp_path / "target", layers=2, seed=0)
     draft = feature_draft("eagle", target, tmp_path / "eagle")
     engine_opts = dict(block_size=4, max_model_len=96, num_gpu_blocks=200)
@@ -189,5 +190,39 @@ def test_engine_probes_costs_and_calibrates_while_staying_exact(tmp_path):
     assert got == expected
     budget = engine.strategy.proposer.tree_budget
     assert budget is not None and budget.curve is not None and budget.curve.tokens[:3] == (1, 4, 7)
-    assert budget.calibration.rounds == engine.strategy.metrics.total.num_rounds > 0
+    assert 0 < budget.calibration.rounds < engine.strategy.metrics.total.num_rounds   # the rest were chains
+    assert all(budget.shape.costs.values())
     assert budget.measured
+
+
+def drive_shapes(budget: TreeBudget, rounds: int, seconds_per_token: dict[str, float]) -> list[bool]:
+    """`rounds` scripted rounds at these costs per shape; returns use_chain() of each."""
+    chains = []
+    for _ in range(rounds):
+        chain = budget.use_chain()
+        chains.append(chain)
+        budget.observe_step(1, seconds_per_token["chain" if chain else "tree"] * 3, 3, 1 + (4 if chain else 16),
+                            4 if chain else 16, trees=not chain)
+    return chains
+
+
+def test_the_budget_drafts_the_shape_that_costs_less_per_token_and_re_tries_the_other():
+    """Trees dearer per token than chains (as on a CPU, where their drafting and verify rows are not free): after
+    both shapes' first rounds the budget drafts chains, re-trying a tree at a backed-off rate; with the costs
+    swapped it keeps trees. The tree's round averages learn from tree rounds only."""
+    budget = TreeBudget()
+    chains = drive_shapes(budget, 400, {"tree": 4.0e-3, "chain": 2.0e-3})
+    assert chains[:3] == [False] * 3 and chains[3:6] == [True] * 3
+    later = chains[6:]
+    assert sum(later) > 0.97 * len(later) and not all(later)   # trees re-tried, rarely
+    assert budget.averages.round_s == pytest.approx(4.0e-3 * 3)
+    keep = TreeBudget()
+    assert sum(drive_shapes(keep, 400, {"tree": 2.0e-3, "chain": 3.0e-3})[6:]) < 0.1 * 394
+
+
+def test_a_shape_that_becomes_cheaper_is_found_again():
+    """Chains win first; then trees get cheap (e.g. a batch that makes verify rows free): the re-tries find it."""
+    budget = TreeBudget()
+    drive_shapes(budget, 200, {"tree": 4.0e-3, "chain": 2.0e-3})
+    chains = drive_shapes(budget, 2000, {"tree": 1.0e-3, "chain": 2.0e-3})
+    assert sum(chains[-200:]) < 0.1 * 200

@@ -18,7 +18,8 @@ Per propose call, for all sequences at once:
    calibrated acceptance of serve_eval.speculative.tree_budget under tree_budget='cost'); each depth runs
    the draft only on its new frontier nodes, which attend to the committed entries plus their tree
    ancestors' entries (serve_eval.speculative.proposers.eagle_tree). Tree nodes are point masses. Confidence is the plain softmax of the draft logits (EAGLE-2's),
-   independent of the request's temperature, so T = 0 trees still branch.
+   independent of the request's temperature, so T = 0 trees still branch. Under a cost budget a call drafts
+   chains instead where they cost less per emitted token (TreeBudget.use_chain, measured per shape).
 
 The draft KV cache is PAGED (its own KVCacheManager over its own block pool, kernels.attention for the
 math): it batches sequences of different lengths in one forward with the same kernels the target uses
@@ -256,7 +257,7 @@ class EagleProposer(Proposer):
             q.state.num_committed += len(q.token_ids)
         ready_seqs = [seqs[b] for b in ready]
         root_positions = [len(s.token_ids) - 1 for s in ready_seqs]
-        if self.tree is not None:
+        if self.tree is not None and not (self.tree_budget is not None and self.tree_budget.use_chain()):
             results = self._trees([q.state for q in queries], root_positions, root_feats)
         else:
             results = self._chains(ready_seqs, [num_tokens[b] for b in ready], [q.state for q in queries],
