@@ -126,15 +126,16 @@ def prefill(hf: Any, variants: dict[str, ModelExecutor], context: int, table: li
     return cache
 
 
+def our_step(executor: ModelExecutor, length: int, token: int, table: list[int]) -> torch.Tensor:
+    """One decode step of `token` at position length - 1: its logits."""
+    # Metadata construction is inside the timed region: it is part of what a decode step costs us.
+    meta = AttentionMetadata.build([1], [length], [table], BLOCK_SIZE)
+    return executor.forward(torch.tensor([token]), torch.tensor([length - 1]), meta).logits[0]
+
+
 def time_steps(hf: Any, cache: Any, variants: dict[str, ModelExecutor], args: argparse.Namespace,
                table: list[int]) -> Timings:
     """Decode steps interleaved variant by variant, so every variant sees the same machine load."""
-
-    def our_step(executor: ModelExecutor, length: int, token: int) -> torch.Tensor:
-        # Metadata construction is inside the timed region: it is part of what a decode step costs us.
-        meta = AttentionMetadata.build([1], [length], [table], BLOCK_SIZE)
-        return executor.forward(torch.tensor([token]), torch.tensor([length - 1]), meta).logits[0]
-
     # Wall time, and process CPU time: on a shared, oversubscribed machine the CPU time of a single-threaded
     # run is what the step would take on an idle core (wall time then also counts waiting for a core).
     names = ["transformers", *variants]
@@ -148,7 +149,7 @@ def time_steps(hf: Any, cache: Any, variants: dict[str, ModelExecutor], args: ar
             elapsed = {"transformers": (time.perf_counter() - start, time.process_time() - cpu_start)}
             for name, executor in variants.items():
                 start, cpu_start = time.perf_counter(), time.process_time()
-                logits = our_step(executor, length, token)
+                logits = our_step(executor, length, token, table)
                 elapsed[name] = (time.perf_counter() - start, time.process_time() - cpu_start)
                 # Same tokens, same weights: the logits agree up to rounding (a sanity check, not a test).
                 diff = (logits - reference.float()).abs().max().item()
@@ -201,9 +202,8 @@ def time_after_pauses(executor: ModelExecutor, args: argparse.Namespace, table: 
     prompt = torch.randint(0, executor.vocab_size, (PAUSE_PREFILL_TOKENS,), generator=torch.Generator().manual_seed(1))
 
     def step() -> float:
-        meta = AttentionMetadata.build([1], [length], [table], BLOCK_SIZE)
         start = time.perf_counter()
-        executor.forward(torch.tensor([7]), torch.tensor([length - 1]), meta)
+        our_step(executor, length, 7, table)
         return time.perf_counter() - start
 
     def busy_python() -> None:

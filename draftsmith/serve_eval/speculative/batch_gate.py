@@ -192,13 +192,13 @@ class BatchGate:
             return
         b.arms[chosen].observe(cost)
         self._presume_larger_k(b, chosen)
-        if self._winner(b) is None:
+        winner = self._winner(b)
+        if winner is None:
             return
-        if chosen == self._winner(b):
+        if chosen == winner:
             b.winner_step_s.append(step_s)
         b.steps_since_explore += 1
         if b.steps_since_explore >= (b.explore_interval or self.config.explore_every):
-            winner = self._winner(b)
             losers = [key for key in b.arms if key != winner]
             # the first arm not yet re-tried this turn whose re-try is affordable now (a dear one waits longer,
             # without holding up a cheap one)
@@ -206,7 +206,7 @@ class BatchGate:
                         and b.steps_since_explore >= self._affordable_after(b, key, winner)), None)
             if arm is not None:
                 b.retry_arm, b.retry_from = arm, winner
-                b.retry_left, b.retry_burst, b.retry_extra_s = 1, False, 0.0
+                b.retry_left, b.retry_burst = 1, False   # its first step sets retry_extra_s
 
     def _affordable_after(self, b: _Bucket, arm: int, winner: int) -> int:
         """Steps of the winner after which a re-try of `arm` costs at most `explore_overhead` of them: its expected
