@@ -23,6 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from draftsmith.serve_eval.engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
+from draftsmith.serve_eval.eval import step_cost  # noqa: E402
 from draftsmith.serve_eval.engine.model_executor import dtype_name  # noqa: E402
 from draftsmith.serve_eval.eval.interleave import interleave  # noqa: E402
 from draftsmith.serve_eval.speculative.config import SpecConfig  # noqa: E402
@@ -62,14 +63,14 @@ def load_prompts(artifacts: Path, tokenizer) -> list[list[int]]:
     return list(seen.values())
 
 
-def build_engine(args, target: Path, drafts: dict[str, Path], name: str) -> LLMEngine:
+def build_engine(args, target: Path, drafts: dict[str, Path], name: str, executor=None) -> LLMEngine:
     cfg = EngineConfig(str(target), dtype=args.dtype, kv_cache_memory_gb=0.25)
     if name == "nospec":
-        return LLMEngine(cfg)
+        return LLMEngine(cfg, executor=executor)
     method, k = name.split(":")
     spec = SpecConfig(method, draft_path=str(drafts[method]), num_speculative_tokens=int(k),
                       policy=SpecPolicyConfig(fallback=False))
-    return LLMEngine(cfg, speculative=spec)
+    return LLMEngine(cfg, speculative=spec, executor=executor)
 
 
 def run_once(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams) -> tuple[float, list[list[int]]]:
@@ -147,7 +148,8 @@ def main() -> None:
     artifacts = Path(args.artifacts)
     target, drafts = find_inputs(artifacts, args.target)
     names = args.configs.split(",")
-    engines = {name: build_engine(args, target, drafts, name) for name in ([args.profile] if args.profile else names)}
+    engines = step_cost.build_engines([args.profile] if args.profile else names,
+                                      lambda name, ex: build_engine(args, target, drafts, name, ex))
     prompts = load_prompts(artifacts, next(iter(engines.values())).tokenizer)
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
     for engine in engines.values():  # warm-up: first-call allocations, kernel selection

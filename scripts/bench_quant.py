@@ -36,7 +36,7 @@ from draftsmith.drafts.quant import QuantConfig, weight_bytes  # noqa: E402
 from draftsmith.drafts.quantize_job import quantize_dir  # noqa: E402
 from draftsmith.kernels.quant import QuantServingLinear  # noqa: E402
 from draftsmith.serve_eval.engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
-from draftsmith.serve_eval.eval.step_cost import PLAIN, instrument, interleaved  # noqa: E402
+from draftsmith.serve_eval.eval.step_cost import PLAIN, build_engines, instrument, interleaved  # noqa: E402
 
 KINDS = ("standalone", "medusa", "eagle", "eagle3", "block")
 
@@ -105,16 +105,16 @@ def make_variants(drafts: dict[str, Path], out: Path, group_size: int, quantize_
 # ------------------------------------------------------------------------------------------- measuring
 
 
-def build(target: Path, name: str, draft: Path | None, k: int, kv_gb: float) -> LLMEngine:
+def build(target: Path, name: str, draft: Path | None, k: int, kv_gb: float, executor=None) -> LLMEngine:
     from draftsmith.serve_eval.speculative.config import SpecConfig
     from draftsmith.serve_eval.speculative.policy import SpecPolicyConfig
 
     cfg = EngineConfig(str(target), dtype="bfloat16", kv_cache_memory_gb=kv_gb, max_num_seqs=32)
     if draft is None:
-        return LLMEngine(cfg)
+        return LLMEngine(cfg, executor=executor)
     spec = SpecConfig(name.split("/")[0], draft_path=str(draft), num_speculative_tokens=k,
                       draft_dtype="bfloat16", policy=SpecPolicyConfig(fallback=False))
-    return LLMEngine(cfg, speculative=spec)
+    return LLMEngine(cfg, speculative=spec, executor=executor)
 
 
 def serving_linears(engine: LLMEngine) -> list:
@@ -171,8 +171,8 @@ def linears_ms(engine: LLMEngine, repeats: int, calls: int = 200) -> float:
 
 
 def measure_speed(target: Path, variants: dict[str, Path], k: int, steps: int, repeats: int) -> dict:
-    engines = {PLAIN: build(target, PLAIN, None, k, 0.05)}
-    engines.update({name: build(target, name, path, k, 0.05) for name, path in variants.items()})
+    drafts: dict[str, Path | None] = {PLAIN: None, **variants}
+    engines = build_engines(list(drafts), lambda name, ex: build(target, name, drafts[name], k, 0.05, ex))
     modes = {name: kernel_modes(e) for name, e in engines.items() if name != PLAIN}
     gemv = {name: linears_ms(e, repeats) for name, e in engines.items() if name != PLAIN}
     timers = {m: instrument(e) for m, e in engines.items()}

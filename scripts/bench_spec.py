@@ -24,6 +24,7 @@ token prompts (domain "synthetic"). The table says which of these it used.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import random
@@ -40,7 +41,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from draftsmith.serve_eval.engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
-from draftsmith.serve_eval.engine.model_executor import dtype_name, resolve_dtype  # noqa: E402
+from draftsmith.serve_eval.engine.model_executor import ModelExecutor, dtype_name, resolve_dtype  # noqa: E402
 from draftsmith.serve_eval.eval.interleave import interleave, rotation  # noqa: E402
 from draftsmith.serve_eval.speculative.batch_gate import BatchGateConfig  # noqa: E402
 from draftsmith.serve_eval.speculative.config import SpecConfig  # noqa: E402
@@ -139,17 +140,26 @@ def engine_config(args, target: Path) -> EngineConfig:
                         max_model_len=args.max_model_len, num_threads=args.threads)
 
 
+@functools.lru_cache(maxsize=None)
+def target_executor(target: str, dtype: str, device: str) -> ModelExecutor:
+    """The target's weights, loaded once for every engine of the run (as the eval's engines share them): with a copy
+    per engine, each interleaved turn started on weights the other copies had pushed out of the CPU's cache.
+    Engines on one executor share its KV cache, so they run one at a time (each run finishes its requests)."""
+    return ModelExecutor(target, dtype, device)
+
+
 def engine_for(args, target: Path, method: str, drafts: dict[str, Path], fallback: bool = True,
                batch_gate: "str | BatchGateConfig" = "off", tree: dict | None = None) -> LLMEngine:
     cfg = engine_config(args, target)
+    executor = target_executor(str(target), args.dtype, args.device)
     if method == "nospec":
-        return LLMEngine(cfg)
+        return LLMEngine(cfg, executor=executor)
     from draftsmith.serve_eval.speculative.policy import SpecPolicyConfig
 
     spec = SpecConfig(method, draft_path=None if method == "ngram" else str(drafts[method]),
                       num_speculative_tokens=args.k, policy=SpecPolicyConfig(fallback=fallback), batch_gate=batch_gate,
                       **(tree or {}))
-    return LLMEngine(cfg, speculative=spec)
+    return LLMEngine(cfg, speculative=spec, executor=executor)
 
 
 def decode_ms_per_token(engine: LLMEngine, prompts: list, params: SamplingParams, batch: int) -> float:
@@ -234,7 +244,7 @@ def resolve_inputs(args: argparse.Namespace, tmp: Path) -> tuple[Path, dict[str,
     target_source = "given" if args.target else ("embedded (artifacts)" if target else "untrained (no artifacts)")
     target = target or untrained_target(tmp)
     drafts, draft_source = find_drafts(args.artifacts, target, tmp)
-    base = LLMEngine(engine_config(args, target))
+    base = LLMEngine(engine_config(args, target), executor=target_executor(str(target), args.dtype, args.device))
     prompts, prompt_source = load_prompts(args.artifacts, args.prompts_per_domain, base.executor.vocab_size,
                                           base.tokenizer)
     threads = base.threads

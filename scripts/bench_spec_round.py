@@ -81,9 +81,9 @@ def trained_drafts(artifacts: Path, target: Path) -> dict[str, Path]:
 
 
 # -- engines and timers: serve_eval.eval.step_cost (the pipeline's cost stage measures with the same code) --
-def build_engine(method: str, target: Path, drafts: dict[str, Path], args) -> LLMEngine:
+def build_engine(method: str, target: Path, drafts: dict[str, Path], args, executor=None) -> LLMEngine:
     return step_cost.build_engine(method, target, drafts, args.k, args.dtype, kind=kind_of(method),
-                                  tree=TREES.get(method), device=args.device)
+                                  tree=TREES.get(method), device=args.device, executor=executor)
 
 
 # -- report -------------------------------------------------------------------------------------
@@ -150,7 +150,7 @@ def main() -> None:
         sources[kind] = "trained" if kind in drafts else "RANDOM WEIGHTS (no trained draft)"
         if kind not in drafts:
             drafts[kind] = random_draft(kind, target, root)
-    engines = {m: build_engine(m, target, drafts, args) for m in methods}
+    engines = step_cost.build_engines(methods, lambda m, ex: build_engine(m, target, drafts, args, ex))
     chosen = getattr(next(iter(engines.values())), "num_threads", torch.get_num_threads())
     timers = {m: step_cost.instrument(e) for m, e in engines.items()}
     target_params = weights_read(target)

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from draftsmith.serve_eval.eval.step_cost import PLAIN, Timers, build_engine, measure_costs
+from draftsmith.serve_eval.engine import SamplingParams
+from draftsmith.serve_eval.eval.step_cost import PLAIN, Timers, build_engine, build_engines, measure_costs
 from spec_helpers import make_llama
 
 REPO = Path(__file__).resolve().parents[3]
@@ -54,6 +55,27 @@ def test_engines_take_the_settings_the_eval_serves_with(tmp_path):
         engine = build_engine(method, target, {"standalone": draft}, 2, "float32", device="cpu", attn_backend="torch",
                               block_size=8)
         assert (engine.config.block_size, engine.config.attn_backend, engine.config.device) == (8, "torch", "cpu")
+
+
+def test_interleaved_engines_share_one_target_and_stay_exact(tmp_path):
+    """build_engines puts every method on the first engine's target executor (the weights load once, as the eval's
+    engines share them); run one at a time, each still decodes exactly the target's greedy tokens."""
+    target = make_llama(tmp_path / "target", layers=2)
+    draft = make_llama(tmp_path / "draft", hidden=32, layers=1, seed=1)
+    engines = build_engines([PLAIN, "standalone"], lambda m, ex: build_engine(
+        m, target, {"standalone": draft}, 3, "float32", device="cpu", executor=ex))
+    assert engines["standalone"].executor is engines[PLAIN].executor
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    outputs: dict[str, list[list[int]]] = {}
+    for turn in range(2):   # interleaved turns: each engine's requests finish before the other's start
+        for method, engine in engines.items():
+            engine.add_request(f"{method}-{turn}", [5, 9, 2, 7, 11], params)
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    if out.finished:
+                        outputs.setdefault(method, []).append(list(out.output_token_ids))
+    assert len(outputs[PLAIN]) == 2 and outputs["standalone"] == outputs[PLAIN]
+    assert outputs[PLAIN][0] == outputs[PLAIN][1]
 
 
 def test_bench_block_cost_runs_one_draft_forward_per_round_whatever_k(tmp_path):
