@@ -27,7 +27,8 @@ in one of two ways:
   beyond the winner (its steps' seconds against the winner's cost of their tokens, catch-up included), in
   steps of the winner; a per-token median hides the one dear step that carries the catch-up.
 
-  Estimates are medians of an arm's last `window` steps, because one step's cost on a shared CPU has
+  Estimates are medians of an arm's last `window` steps (the arms and the re-try interval are
+  speculative.measured_arms', which the tree budget's tree-or-chain choice shares), because one step's cost on a shared CPU has
   spikes of several times its typical value. A re-try is one step; if that step would make the arm the
   winner, the re-try extends to a burst of `min_samples` steps whose median alone (fresh) decides. So a
   spike can neither keep a losing arm from being re-tried in earnest nor promote one. (With an EMA and
@@ -45,6 +46,8 @@ import math
 import statistics
 from collections import deque
 from dataclasses import dataclass, field
+
+from draftsmith.serve_eval.speculative.measured_arms import ArmCosts, RetryBackoff
 
 MODES = ("off", "table", "measured")
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)   # upper bounds of the batch-size buckets
@@ -86,23 +89,18 @@ class BatchGateConfig:
 
 
 @dataclass
-class _Arm:
-    recent: deque          # seconds per token of its latest steps (maxlen: the config's window)
-    samples: int = 0       # steps measured in all
+class _Arm(ArmCosts):
+    """An arm's measured costs (speculative.measured_arms), and what the gate presumes or learned of its re-tries."""
+
     presumed_ratio: float | None = None   # its cost / plain decoding's, presumed from a smaller K's loss
     retry_extra_s: float | None = None    # seconds its latest lost re-try's first step cost beyond the winner's rate
-
-    def observe(self, value: float) -> None:
-        self.recent.append(value)
-        self.samples += 1
 
 
 @dataclass
 class _Bucket:
     arms: dict[int, _Arm]          # arm key (UNCAPPED, a cap in k_caps, PLAIN) -> its cost per token
+    retries: RetryBackoff          # steps of the winning arm between re-tries, and since the last one
     steps: int = 0
-    explore_interval: int = 0      # steps of the winning arm between re-tries (0: not set yet)
-    steps_since_explore: int = 0
     tried: set[int] = field(default_factory=set)   # losers re-tried (and lost again) in the current turn
     retry_arm: int | None = None   # the arm of the re-try burst under way
     retry_left: int = 0            # its steps still to run
@@ -114,12 +112,11 @@ class _Bucket:
     def cost(self, key: int) -> float | None:
         """Seconds per token of an arm: the median of its latest steps; before it has run, its presumed
         ratio times plain decoding's cost; None if neither is known."""
-        arm = self.arms[key]
+        arm, plain = self.arms[key], self.arms[PLAIN].median()
         if arm.recent:
-            return statistics.median(arm.recent)
-        plain = self.arms[PLAIN].recent
-        if arm.presumed_ratio is not None and plain:
-            return arm.presumed_ratio * statistics.median(plain)
+            return arm.median()
+        if arm.presumed_ratio is not None and plain is not None:
+            return arm.presumed_ratio * plain
         return None
 
     def measured(self, key: int, min_samples: int) -> bool:
@@ -143,7 +140,9 @@ class BatchGate:
     def _bucket(self, batch_size: int) -> _Bucket:
         size = self.bucket_of(batch_size)
         if size not in self._buckets:
-            self._buckets[size] = _Bucket({key: _Arm(deque(maxlen=self.config.window)) for key in self._arm_keys})
+            cfg = self.config
+            self._buckets[size] = _Bucket({key: _Arm(cfg.window) for key in self._arm_keys},
+                                          RetryBackoff(cfg.explore_every, cfg.max_explore_every))
         return self._buckets[size]
 
     def cap(self, batch_size: int) -> int | None:
@@ -197,13 +196,13 @@ class BatchGate:
             return
         if chosen == winner:
             b.winner_step_s.append(step_s)
-        b.steps_since_explore += 1
-        if b.steps_since_explore >= (b.explore_interval or self.config.explore_every):
+        b.retries.tick()
+        if b.retries.due:
             losers = [key for key in b.arms if key != winner]
             # the first arm not yet re-tried this turn whose re-try is affordable now (a dear one waits longer,
             # without holding up a cheap one)
             arm = next((key for key in losers if key not in b.tried
-                        and b.steps_since_explore >= self._affordable_after(b, key, winner)), None)
+                        and b.retries.since >= self._affordable_after(b, key, winner)), None)
             if arm is not None:
                 b.retry_arm, b.retry_from = arm, winner
                 b.retry_left, b.retry_burst = 1, False   # its first step sets retry_extra_s
@@ -250,7 +249,7 @@ class BatchGate:
             b.retry_extra_s = step_s - b.cost(b.retry_from) * emitted_tokens
         first_run = arm.samples == 0
         if not b.retry_burst and (first_run or cost < b.cost(b.retry_from)) and self.config.min_samples > 1:
-            arm.recent.clear()
+            arm.restart()
             b.retry_burst, b.retry_left = True, self.config.min_samples
         arm.observe(cost)
         b.retry_left -= 1
@@ -258,18 +257,18 @@ class BatchGate:
             self._end_retry(b)
 
     def _end_retry(self, b: _Bucket) -> None:
-        cfg = self.config
         if self._winner(b) == b.retry_from:   # the re-tried arm lost again
             b.arms[b.retry_arm].retry_extra_s = max(b.retry_extra_s, 0.0)
             b.tried.add(b.retry_arm)
             if len(b.tried) >= len(b.arms) - 1:   # a full turn confirmed the winner: re-try half as often
-                b.explore_interval = min(2 * (b.explore_interval or cfg.explore_every), cfg.max_explore_every)
+                b.retries.confirm()
                 b.tried.clear()
+            else:
+                b.retries.restart()
         else:                                 # it won: back to the base rate, a new turn
             b.arms[b.retry_arm].retry_extra_s = None
-            b.explore_interval = cfg.explore_every
+            b.retries.flip()
             b.tried.clear()
-        b.steps_since_explore = 0
 
     def to_dict(self) -> dict:
         """Per bucket: the cap its next step runs (None: no cap), each arm's seconds per token (measured or

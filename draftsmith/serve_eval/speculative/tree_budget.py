@@ -23,7 +23,8 @@ Shape. That model prices verified nodes, not the tree's own drafting: each depth
 5.6 (1.3, 3.8), so the tree's tau 3.03 against 2.56 ran at 0.81x of plain decoding where the chain ran 1.44x.
 So the budget also measures both shapes and drafts the one that costs less per emitted token: the median
 seconds per token of each shape's latest rounds; the losing shape is re-tried one round at a time, every
-`shape_retry_every` rounds of the winner, that interval doubling (to 16x) each time it loses again. Where the
+`shape_retry_every` rounds of the winner, that interval doubling (to 16x) each time it loses again (the batch gate's
+way of choosing arms, speculative.measured_arms). Where the
 verify rows are nearly free (a GPU at small batch) the tree keeps winning; where they are not, the budget runs
 chains, and its tree calibration keeps learning from the re-tries.
 """
@@ -33,12 +34,13 @@ from __future__ import annotations
 import bisect
 import statistics
 import time
-from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
+
+from draftsmith.serve_eval.speculative.measured_arms import ArmCosts, RetryBackoff
 
 CONFIDENCE_EDGES = (0.02, 0.05, 0.1, 0.2, 0.5)  # bin upper edges of the draft's confidence (roughly log-spaced)
 DEPTH_BUCKETS = 3  # depths 1, 2, 3+
@@ -176,46 +178,45 @@ TREE, CHAIN = "tree", "chain"
 
 @dataclass
 class ShapeChoice:
-    """Tree or chain, by measured seconds per emitted token (the module docstring's "Shape")."""
+    """Tree or chain, by measured seconds per emitted token (the module docstring's "Shape"; the arms and their
+    re-tries are speculative.measured_arms')."""
 
     config: TreeBudgetConfig
-    costs: dict[str, deque] = field(init=False)  # shape -> seconds per token of its latest rounds
-    retry_every: int = field(init=False)
-    rounds_since_retry: int = 0
+    arms: dict[str, ArmCosts] = field(init=False)  # shape -> seconds per token of its latest rounds
+    retries: RetryBackoff = field(init=False)      # rounds of the winner between re-tries of the other
 
     def __post_init__(self) -> None:
-        self.costs = {shape: deque(maxlen=self.config.shape_window) for shape in (TREE, CHAIN)}
-        self.retry_every = self.config.shape_retry_every
+        self.arms = {shape: ArmCosts(self.config.shape_window) for shape in (TREE, CHAIN)}
+        self.retries = RetryBackoff(self.config.shape_retry_every, 16 * self.config.shape_retry_every)
 
     def winner(self) -> str | None:
         """The cheaper shape per token; None until both have their first rounds (a tie keeps the tree)."""
-        if any(len(c) < self.config.shape_min_rounds for c in self.costs.values()):
+        if any(arm.samples < self.config.shape_min_rounds for arm in self.arms.values()):
             return None
-        return CHAIN if statistics.median(self.costs[CHAIN]) < statistics.median(self.costs[TREE]) else TREE
+        return CHAIN if self.arms[CHAIN].median() < self.arms[TREE].median() else TREE
 
     def next_shape(self) -> str:
         """Trees first (their calibration needs rounds), then chains, then the winner with a re-try of the other
-        every `retry_every` rounds."""
+        every `retries.interval` rounds."""
         for shape in (TREE, CHAIN):
-            if len(self.costs[shape]) < self.config.shape_min_rounds:
+            if self.arms[shape].samples < self.config.shape_min_rounds:
                 return shape
         best = self.winner()
-        if self.rounds_since_retry >= self.retry_every:
+        if self.retries.due:
             return CHAIN if best == TREE else TREE
         return best
 
     def observe(self, shape: str, seconds_per_token: float) -> None:
         best = self.winner()
-        self.costs[shape].append(seconds_per_token)
+        self.arms[shape].observe(seconds_per_token)
         if best is None:
             return
         if shape == best:
-            self.rounds_since_retry += 1
-            return
-        self.rounds_since_retry = 0   # a re-try: back off while it keeps losing, back to the base rate if it won
-        cap = 16 * self.config.shape_retry_every
-        self.retry_every = (min(2 * self.retry_every, cap) if self.winner() == best
-                            else self.config.shape_retry_every)
+            self.retries.tick()
+        elif self.winner() == best:   # a re-try that lost: back off
+            self.retries.confirm()
+        else:                         # a re-try that won
+            self.retries.flip()
 
 
 @dataclass

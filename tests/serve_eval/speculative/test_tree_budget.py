@@ -191,7 +191,7 @@ def test_engine_probes_costs_and_calibrates_while_staying_exact(tmp_path):
     budget = engine.strategy.proposer.tree_budget
     assert budget is not None and budget.curve is not None and budget.curve.tokens[:3] == (1, 4, 7)
     assert 0 < budget.calibration.rounds < engine.strategy.metrics.total.num_rounds   # the rest were chains
-    assert all(budget.shape.costs.values())
+    assert all(arm.samples for arm in budget.shape.arms.values())
     assert budget.measured
 
 

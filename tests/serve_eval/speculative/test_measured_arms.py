@@ -1,0 +1,46 @@
+"""speculative.measured_arms: an arm's cost is the median of its latest measurements, and the re-try interval
+doubles with each confirmation up to its cap and falls back to its base when a re-tried arm wins."""
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from draftsmith.serve_eval.speculative.measured_arms import ArmCosts, RetryBackoff
+
+
+def test_an_arms_cost_is_the_median_of_its_window_so_one_spike_does_not_move_it():
+    arm = ArmCosts(window=5)
+    assert arm.median() is None
+    for cost in (1.0, 1.1, 0.9, 1.0, 9.0):   # one step at 9x its typical cost
+        arm.observe(cost)
+    assert arm.median() == 1.0
+    for cost in (2.0, 2.0, 2.0):             # the window keeps the latest five: the arm got dearer
+        arm.observe(cost)
+    assert arm.median() == 2.0 and arm.samples == 8
+    arm.restart()
+    assert arm.median() is None and arm.samples == 8
+
+
+@given(st.integers(1, 8), st.integers(0, 6), st.lists(st.sampled_from(["tick", "confirm", "flip", "restart"]),
+                                                      max_size=60))
+def test_retry_interval_doubles_per_confirmation_up_to_its_cap_and_a_flip_resets_it(base, doublings, events):
+    cap = base * 2 ** doublings
+    backoff, confirms, since = RetryBackoff(base, cap), 0, 0
+    for event in events:
+        if event == "tick":
+            backoff.tick()
+            since += 1
+        else:
+            getattr(backoff, event)()
+            since = 0
+            confirms = 0 if event == "flip" else confirms + (event == "confirm")
+        assert backoff.interval == min(base * 2 ** confirms, cap)
+        assert backoff.since == since and backoff.due == (since >= backoff.interval)
+
+
+def test_bad_settings_name_the_values():
+    with pytest.raises(ValueError, match="window must be >= 1, got 0"):
+        ArmCosts(window=0)
+    with pytest.raises(ValueError, match="base 8, cap 4"):
+        RetryBackoff(8, 4)
