@@ -108,6 +108,8 @@ def recipes(target_vocab: int, target_layers: int) -> list[Recipe]:
         Recipe("block", "alt-decay0.8", "offsets weighted 0.8^(j-1)", {"position_weight_decay": 0.8}),
         Recipe("block", "alt-3layers", "3 layers (a costlier round)", {"num_layers": 3}),
         Recipe("block", "alt-anchors16", "16 anchors per answer a step (the previous default)", {"max_anchors": 16}),
+        Recipe("block", "alt-aux-final", f"the profile's block draft on aux layers {final} (the final hidden, EAGLE-1's "
+               "feature, in place of layer L-3)", {"aux_layers": final}),
         Recipe("block", "alt-bs5-anchors32", "block 5 and 32 anchors a step", {"block_size": 5, "max_anchors": 32}),
         Recipe("medusa", "old", "greedy data", {}, GREEDY),
         Recipe("medusa", "new", "mixed data", {}),

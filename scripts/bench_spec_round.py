@@ -8,7 +8,8 @@ engine.sample) and the rest (the step minus those: scheduling, batch building, m
 metrics). Each component is the median over `--repeats` interleaved repetitions of `--steps` decode steps,
 with its spread (max - min over the repetitions, ms), at 1 torch thread and at the count the
 engine chose for itself (EngineConfig.num_threads="auto"); c = draft ms / (K x plain decode step ms) is printed
-beside the draft's weight ratio (draft parameters / target parameters).
+beside the draft's weight ratio (draft parameters / target parameters), and rows: the target rows a step
+verifies (1 + the tokens drafted).
 
 Models: --target DIR with trained drafts under --artifacts when present; else RANDOM-WEIGHT models of the
 embedded target's shape (conf/target/embedded.yaml) and untrained drafts of each kind, which the output
@@ -17,6 +18,12 @@ says: their acceptance is ~0, so the rounds measure cost, not speedup.
   python scripts/bench_spec_round.py                                   # embedded shape, all methods
   python scripts/bench_spec_round.py --methods standalone,eagle --steps 8 --repeats 3 --layers 2  # quick
   python scripts/bench_spec_round.py --methods nospec,standalone,eagle --temperature 1   # sampled rounds
+  python scripts/bench_spec_round.py --methods nospec,ngram,standalone,eagle --prompt-period 8   # + n-gram rows
+
+ngram drafts from the context itself and reads no draft weights, so its rounds cost what verifying its rows costs
+(the rows column: it drafts only where the context repeats, hence --prompt-period); on a CPU whose cache holds the
+target's weights, a draft's own weights also make the target's verify forward dearer than the same rows without
+them.
 """
 from __future__ import annotations
 
@@ -34,11 +41,12 @@ sys.path.insert(0, str(ROOT))
 from draftsmith.serve_eval.engine import LLMEngine  # noqa: E402
 from draftsmith.serve_eval.engine.model_executor import dtype_name  # noqa: E402
 from draftsmith.serve_eval.eval import step_cost  # noqa: E402
-from draftsmith.serve_eval.eval.step_cost import COMPONENTS, weights_read  # noqa: E402
+from draftsmith.serve_eval.eval.step_cost import COMPONENTS, ROWS, weights_read  # noqa: E402
 
 # eagle-tree: the dynamic tree sized by the cost model (tree_budget="cost", <= 16 nodes); eagle-tree-fixed: EAGLE-2's
 # raw-confidence tree of exactly 16 nodes (top-k 4), the shape the cost model replaced.
-METHODS = ("nospec", "standalone", "medusa", "eagle", "eagle3", "block", "eagle-tree", "eagle-tree-fixed")
+METHODS = ("nospec", "ngram", "standalone", "medusa", "eagle", "eagle3", "block", "eagle-tree", "eagle-tree-fixed")
+WEIGHTLESS = ("nospec", "ngram")   # no draft model: nothing to load, no weight ratio
 TREES = {"eagle-tree": {"tree": "dynamic", "tree_top_k": 4, "max_draft_nodes": 16, "tree_budget": "cost"},
          "eagle-tree-fixed": {"tree": "dynamic", "tree_top_k": 4, "max_draft_nodes": 16, "tree_budget": "fixed"}}
 
@@ -89,13 +97,13 @@ def build_engine(method: str, target: Path, drafts: dict[str, Path], args, execu
 # -- report -------------------------------------------------------------------------------------
 def print_table(label: str, rows: dict[str, dict[str, tuple[float, float]]], ratios: dict[str, float], k: int) -> None:
     print(f"\n-- {label}: ms per step, median (spread) over repetitions")
-    print(f"{'method':12}" + "".join(f"{c:>16}" for c in COMPONENTS) + f"{'c':>7}{'weights':>9}")
+    print(f"{'method':12}" + "".join(f"{c:>16}" for c in COMPONENTS) + f"{'c':>7}{'weights':>9}{'rows':>6}")
     plain = rows.get("nospec", {}).get("step", (0.0, 0.0))[0]
     for method, comps in rows.items():
         cells = "".join(f"{m:9.3f} ({s:4.2f})" for m, s in (comps[c] for c in COMPONENTS))
         c = f"{comps['draft'][0] / (k * plain):7.3f}" if plain and method != "nospec" else f"{'-':>7}"
         ratio = f"{ratios[method]:9.3f}" if method in ratios else f"{'-':>9}"
-        print(f"{method:12}{cells}{c}{ratio}")
+        print(f"{method:12}{cells}{c}{ratio}{comps[ROWS][0]:6.2f}")
 
 
 def embedded_shape() -> dict:
@@ -121,6 +129,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--dtype", default="auto", help="float32, bfloat16, or auto: the engine's rule (fp32 where the native CPU kernels run, else bf16 where faster)")
     ap.add_argument("--device", default="cpu", help="cpu or cuda (timers synchronize around each component on a GPU)")
     ap.add_argument("--prompt-len", type=int, default=64)
+    ap.add_argument("--prompt-period", type=int, default=0,
+                    help="the prompt repeats every this many tokens (0: no repeat), so ngram drafts K tokens a round")
     ap.add_argument("--target", default=None, help="trained target dir (drafts found under --artifacts)")
     ap.add_argument("--artifacts", default=str(ROOT / "artifacts"))
     ap.add_argument("--layers", type=int, default=shape["num_layers"], help="random target: layers (scale down for a quick run)")
@@ -146,7 +156,7 @@ def main() -> None:
     else:
         target, drafts = random_target(root, args), {}
     sources = {}
-    for kind in {kind_of(m) for m in methods} - {"nospec"}:
+    for kind in {kind_of(m) for m in methods} - set(WEIGHTLESS):
         sources[kind] = "trained" if kind in drafts else "RANDOM WEIGHTS (no trained draft)"
         if kind not in drafts:
             drafts[kind] = random_draft(kind, target, root)
@@ -155,9 +165,10 @@ def main() -> None:
     timers = {m: step_cost.instrument(e) for m, e in engines.items()}
     target_params = weights_read(target)
     ratios = {m: weights_read(drafts[kind_of(m)]) / target_params
-              for m in methods if m != "nospec"}
+              for m in methods if m not in WEIGHTLESS}
     shape = engines[methods[0]].executor.config  # the target's own shape (--target), not the random defaults
-    prompt = [(7 * i + 3) % (int(shape.vocab_size) - 2) + 1 for i in range(args.prompt_len)]
+    period = args.prompt_period or args.prompt_len
+    prompt = [(7 * (i % period) + 3) % (int(shape.vocab_size) - 2) + 1 for i in range(args.prompt_len)]
     print(f"target {'random weights, embedded shape' if not args.target else target} ({shape.num_hidden_layers} "
           f"layers, hidden {shape.hidden_size}, vocab {shape.vocab_size}, {target_params / 1e6:.2f}M params), "
           f"{args.dtype} on {args.device}, batch 1, "

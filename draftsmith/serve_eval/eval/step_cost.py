@@ -25,6 +25,7 @@ from draftsmith.serve_eval.engine.model_executor import ModelExecutor
 from draftsmith.serve_eval.eval.interleave import interleave
 
 COMPONENTS = ("draft", "forward", "verify", "rest", "step")
+ROWS = "rows"   # target rows a step verifies: 1 + the tokens drafted (a round that drafted nothing verifies one row)
 PLAIN = "nospec"
 
 
@@ -52,7 +53,7 @@ def build_engine(method: str, target: Path, drafts: dict[str, Path], k: int, dty
     if method == PLAIN:
         return LLMEngine(cfg, executor=executor)
     kind = kind or method
-    spec = SpecConfig(kind, draft_path=str(drafts[kind]), num_speculative_tokens=k,
+    spec = SpecConfig(kind, draft_path=None if kind == "ngram" else str(drafts[kind]), num_speculative_tokens=k,
                       policy=SpecPolicyConfig(fallback=False), **(tree or {}))
     return LLMEngine(cfg, speculative=spec, executor=executor)
 
@@ -116,23 +117,32 @@ def one_repetition(engine: LLMEngine, timers: Timers, prompt: list[int], steps: 
     engine.step()  # first decode (the proposer's features arrive)
     timers.sync()
     timers.seconds.clear()
+    proposed0 = _proposed(engine)
     t0 = time.perf_counter()
     for _ in range(steps):
         engine.step()
     timers.sync()
     total = time.perf_counter() - t0
+    drafted = _proposed(engine) - proposed0
     engine.abort(rid)
     engine.step()  # let the strategy release the aborted request
     s = timers.seconds
     out = {c: 1000 * s[c] / steps for c in ("draft", "forward", "verify")}
     out["step"] = 1000 * total / steps
     out["rest"] = out["step"] - out["draft"] - out["forward"] - out["verify"]
+    out[ROWS] = 1 + drafted / steps
     return out
+
+
+def _proposed(engine: LLMEngine) -> int:
+    """Draft tokens the engine's rounds have proposed so far (0 without speculation)."""
+    spec = engine.stats().spec
+    return 0 if spec is None else spec.total.num_proposed
 
 
 def summarize(samples: list[dict[str, float]]) -> dict[str, tuple[float, float]]:
     return {c: (statistics.median(s[c] for s in samples), max(s[c] for s in samples) - min(s[c] for s in samples))
-            for c in COMPONENTS}
+            for c in (*COMPONENTS, ROWS)}
 
 
 def interleaved(engines: dict[str, LLMEngine], timers: dict[str, Timers], prompt: list[int], steps: int,

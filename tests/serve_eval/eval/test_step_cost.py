@@ -89,3 +89,19 @@ def test_bench_block_cost_runs_one_draft_forward_per_round_whatever_k(tmp_path):
             for line in proc.stdout.splitlines() if line.startswith(("eagle3 ", "block "))}
     assert rows == {("eagle3", 1): 1.0, ("eagle3", 2): 2.0, ("eagle3", 4): 4.0,
                     ("block 1-layer", 2): 1.0, ("block 1-layer", 4): 1.0}
+
+
+def test_bench_spec_round_prints_an_ngram_row_without_a_weight_ratio(tmp_path):
+    """ngram reads no draft weights (no ratio printed); every row says how many target rows its steps verified."""
+    proc = subprocess.run([sys.executable, "scripts/bench_spec_round.py", "--methods", "nospec,ngram,standalone",
+                           "--layers", "2", "--hidden", "64", "--intermediate", "128", "--vocab", "256", "--steps", "4",
+                           "--repeats", "1", "--prompt-period", "4", "--prompt-len", "24", "--threads", "1",
+                           "--artifacts", str(tmp_path)], cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = {line.split()[0]: line.split() for line in proc.stdout.splitlines()
+            if line.split() and line.split()[0] in ("nospec", "ngram", "standalone")}
+    assert set(rows) == {"nospec", "ngram", "standalone"}
+    assert float(rows["ngram"][1]) > 0 and rows["ngram"][-2] == "-" and rows["standalone"][-2] != "-"
+    # the rows column: plain decoding verifies one row a step, a draft at K=4 five, ngram as many as it drafted
+    assert float(rows["nospec"][-1]) == 1.0 and float(rows["standalone"][-1]) == 5.0
+    assert 1.0 <= float(rows["ngram"][-1]) <= 5.0
