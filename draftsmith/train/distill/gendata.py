@@ -34,12 +34,25 @@ HIDDEN_DTYPE = torch.bfloat16
 REQUIRED_ROW_FIELDS = ("input_ids", "prompt_length")
 
 
+def aux_columns(stored: list[int], needed: list[int]) -> list[int] | None:
+    """Which stored aux blocks (of hidden_size each, in the stored order) hold the layers `needed`, in its order;
+    None where the needed layers are exactly the stored ones (the tensor is read as it is)."""
+    if list(needed) == list(stored):
+        return None
+    missing = [layer for layer in needed if layer not in stored]
+    if missing:
+        raise ValueError(f"aux layers {missing} are not stored (the dataset holds {list(stored)})")
+    return [list(stored).index(layer) for layer in needed]
+
+
 @dataclass
 class StoredExtras:
     """What the teacher-forced pass stores per position."""
 
     final_hidden: bool = False  # target final-norm hidden (Medusa / EAGLE-1 features; EAGLE-3 soft labels)
-    aux_layers: list[int] = field(default_factory=list)  # EAGLE-3 layers, HF hidden_states indexing
+    # the layers EAGLE-3 and the block draft read (HF hidden_states indexing), in the order they are stored; a
+    # dataset may hold more than one kind needs (the union of the kinds', each reading its own, aux_columns)
+    aux_layers: list[int] = field(default_factory=list)
     topk: int = 0  # top-k target log-probs
 
     @property
@@ -54,7 +67,7 @@ class StoredExtras:
         """True when a cache with these extras holds everything `other` needs."""
         return (
             (self.final_hidden or not other.final_hidden)
-            and (not other.aux_layers or list(self.aux_layers) == list(other.aux_layers))
+            and set(other.aux_layers) <= set(self.aux_layers)
             and self.topk >= other.topk
         )
 
@@ -178,7 +191,8 @@ def finalize(cache_dir: Path, manifest: Manifest) -> None:
 class DistillDataset(torch.utils.data.Dataset):
     """Indexable examples for the distill trainer: input_ids, prompt_length and the stored extras it needs.
 
-    Fields (names the objectives read): ``hidden`` [T,d] bf16, ``aux_hidden`` [T,3d] bf16,
+    Fields (names the objectives read): ``hidden`` [T,d] bf16, ``aux_hidden`` [T,3d] bf16 (the job's own aux layers,
+    in its order, of those stored),
     ``topk_ids`` [T,k] int64, ``topk_logprobs`` [T,k] fp32. String columns (domain) stay on ``rows``.
     """
 
@@ -201,6 +215,8 @@ class DistillDataset(torch.utils.data.Dataset):
                 f"{self.cache_dir / MANIFEST}: field 'extras' holds {asdict(self.manifest.extras)}, but this job needs "
                 f"{asdict(self.need)} (regenerate with the draft's mode/topk settings)"
             )
+        self._aux_columns = aux_columns(self.manifest.extras.aux_layers, self.need.aux_layers) \
+            if self.need.aux_layers else None
         self.rows = datasets.load_from_disk(str(self.cache_dir / "dataset"))
         missing = [name for name in REQUIRED_ROW_FIELDS if name not in self.rows.column_names]
         if missing:
@@ -235,7 +251,11 @@ class DistillDataset(torch.utils.data.Dataset):
             if self.need.final_hidden:
                 example["hidden"] = tensors.get_tensor(f"{eid}.hidden")
             if self.need.aux_layers:
-                example["aux_hidden"] = tensors.get_tensor(f"{eid}.aux")
+                aux = tensors.get_tensor(f"{eid}.aux")   # [T, stored layers x d]
+                if self._aux_columns is not None:
+                    blocks = aux.view(aux.shape[0], len(self.manifest.extras.aux_layers), -1)
+                    aux = blocks[:, self._aux_columns].reshape(aux.shape[0], -1)
+                example["aux_hidden"] = aux
             if self.need.topk:
                 example["topk_ids"] = tensors.get_tensor(f"{eid}.topk_ids")[:, : self.need.topk].long()
                 example["topk_logprobs"] = tensors.get_tensor(f"{eid}.topk_logprobs")[:, : self.need.topk].float()

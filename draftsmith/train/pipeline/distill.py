@@ -121,10 +121,13 @@ def union_extras(needs: list[Any]) -> Any:
     """The smallest StoredExtras covering every kind's needs (one dataset for all)."""
     from draftsmith.train.distill.gendata import StoredExtras
 
-    aux = [list(n.aux_layers) for n in needs if n.aux_layers]
-    if any(a != aux[0] for a in aux):
-        raise ValueError(f"pipeline.drafts: kinds need different aux_layers {aux}; one dataset can hold one set")
-    return StoredExtras(final_hidden=any(n.final_hidden for n in needs), aux_layers=aux[0] if aux else [],
+    aux: list[int] = []   # every aux layer a kind reads, once: each kind reads its own (gendata.aux_columns)
+    for need in needs:
+        if not aux:
+            aux = list(need.aux_layers)   # the first kind's as they are (its order, a repeat kept)
+        else:
+            aux += [layer for layer in need.aux_layers if layer not in aux]
+    return StoredExtras(final_hidden=any(n.final_hidden for n in needs), aux_layers=aux,
                         topk=max((n.topk for n in needs), default=0))
 
 

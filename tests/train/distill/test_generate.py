@@ -64,6 +64,27 @@ def test_answers_are_target_greedy_and_extras_match_a_forward(world, capsys):
         assert (ex["topk_ids"] == top.indices).all()
 
 
+def test_a_job_reads_its_own_aux_layers_of_those_stored(tmp_path):
+    """A dataset holding several kinds' aux layers (the pipeline's union) serves each job its own, in its order;
+    a layer it does not hold stops the job naming the layers."""
+    from draftsmith.train.distill.gendata import DistillDataset, Manifest, StoredExtras
+    from draftsmith.train.distill.objectives.teacher import Teacher
+    from transformers import AutoModelForCausalLM
+
+    world = tmp_path, make_target(tmp_path / "target"), make_corpus(tmp_path / "corpus.jsonl", per_domain=8)
+    out = generate(world, **{"draft.aux_layers": "[2,0,1]"})   # its own artifacts: a covering dataset is reused
+    stored = Manifest.read(out).extras
+    assert stored.aux_layers == [2, 0, 1]
+    dataset = DistillDataset(out, stored_fp := Manifest.read(out).target_fingerprint, StoredExtras(True, [1, 2]))
+    teacher = Teacher(AutoModelForCausalLM.from_pretrained(str(world[1])).eval())
+    ex = dataset[0]
+    with torch.no_grad():
+        fwd = teacher(torch.tensor([ex["input_ids"]]), torch.ones(1, len(ex["input_ids"]), dtype=torch.bool), [1, 2])
+    torch.testing.assert_close(ex["aux_hidden"].float(), fwd.aux_hidden[0], atol=0.02, rtol=0.01)
+    with pytest.raises(ValueError, match="holds"):
+        DistillDataset(out, stored_fp, StoredExtras(True, [1, 3]))
+
+
 def test_resume_skips_complete_shards(world):
     """A killed run (a shard missing, manifest incomplete) resumes: only the missing shard is regenerated."""
     out = generate(world)

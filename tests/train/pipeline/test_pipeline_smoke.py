@@ -152,15 +152,18 @@ def test_kind_configs_compose_from_their_entries():
 
 
 def test_union_extras_covers_every_kind():
-    """The one dataset stores what every kind needs: final hidden if any, EAGLE-3's aux layers, the largest top-k."""
+    """The one dataset stores what every kind needs: final hidden if any, every aux layer a kind reads, the largest
+    top-k."""
     from draftsmith.train.distill.gendata import StoredExtras
 
     union = union_extras([StoredExtras(), StoredExtras(final_hidden=True), StoredExtras(True, [2, 4, 5]),
                           StoredExtras(topk=8)])
     assert union == StoredExtras(final_hidden=True, aux_layers=[2, 4, 5], topk=8)
     assert all(union.covers(n) for n in [StoredExtras(True), StoredExtras(True, [2, 4, 5]), StoredExtras(topk=4)])
-    with pytest.raises(ValueError, match="aux_layers"):
-        union_extras([StoredExtras(True, [1, 2, 3]), StoredExtras(True, [2, 4, 5])])
+    # kinds on different layers (EAGLE-3's, the block draft's) share one dataset holding both sets
+    both = union_extras([StoredExtras(True, [2, 4, 5]), StoredExtras(True, [2, 4, 6])])
+    assert both.aux_layers == [2, 4, 5, 6] and both.covers(StoredExtras(True, [2, 4, 6]))
+    assert not both.covers(StoredExtras(True, [2, 3, 6]))
 
 
 def test_summary_keeps_best_k_per_method_and_temperature():
