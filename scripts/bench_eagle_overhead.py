@@ -64,7 +64,7 @@ def load_prompts(artifacts: Path, tokenizer) -> list[list[int]]:
 
 
 def build_engine(args, target: Path, drafts: dict[str, Path], name: str, executor=None) -> LLMEngine:
-    cfg = EngineConfig(str(target), dtype=args.dtype, kv_cache_memory_gb=0.25)
+    cfg = EngineConfig(str(target), dtype=args.dtype, kv_cache_memory_gb=0.25, enable_prefix_caching=False)  # a shared KV
     if name == "nospec":
         return LLMEngine(cfg, executor=executor)
     method, k = name.split(":")

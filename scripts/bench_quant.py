@@ -109,7 +109,8 @@ def build(target: Path, name: str, draft: Path | None, k: int, kv_gb: float, exe
     from draftsmith.serve_eval.speculative.config import SpecConfig
     from draftsmith.serve_eval.speculative.policy import SpecPolicyConfig
 
-    cfg = EngineConfig(str(target), dtype="bfloat16", kv_cache_memory_gb=kv_gb, max_num_seqs=32)
+    # no prefix caching: the engines share one target executor's KV cache (step_cost.build_engines)
+    cfg = EngineConfig(str(target), dtype="bfloat16", kv_cache_memory_gb=kv_gb, max_num_seqs=32, enable_prefix_caching=False)
     if draft is None:
         return LLMEngine(cfg, executor=executor)
     spec = SpecConfig(name.split("/")[0], draft_path=str(draft), num_speculative_tokens=k,

@@ -63,6 +63,8 @@ class Recipe:
 def recipes(target_vocab: int, target_layers: int) -> list[Recipe]:
     old_vocab = min(1024, target_vocab // 2)
     final = [2, target_layers // 2, target_layers]   # HF hidden_states: L = the final norm's output
+    eagle3_layers = [2, target_layers // 2, target_layers - 3]
+    last_input = [2, target_layers // 2, target_layers - 1]
     return [
         Recipe("standalone", "old", "sequence KD, greedy data",
                {"loss": "sequence_kd", "hard_weight": 0.0, "teacher": "auto"}, GREEDY),
@@ -108,8 +110,10 @@ def recipes(target_vocab: int, target_layers: int) -> list[Recipe]:
         Recipe("block", "alt-decay0.8", "offsets weighted 0.8^(j-1)", {"position_weight_decay": 0.8}),
         Recipe("block", "alt-3layers", "3 layers (a costlier round)", {"num_layers": 3}),
         Recipe("block", "alt-anchors16", "16 anchors per answer a step (the previous default)", {"max_anchors": 16}),
-        Recipe("block", "alt-aux-final", f"the profile's block draft on aux layers {final} (the final hidden, EAGLE-1's "
-               "feature, in place of layer L-3)", {"aux_layers": final}),
+        Recipe("block", "alt-aux-l3", f"aux layers {eagle3_layers} (EAGLE-3's, the previous default)",
+               {"aux_layers": eagle3_layers}),
+        Recipe("block", "alt-aux-l1", f"aux layers {last_input} (the last layer's input, which vLLM's aux capture can "
+               "give, in place of the final hidden)", {"aux_layers": last_input}),
         Recipe("block", "alt-bs5-anchors32", "block 5 and 32 anchors a step", {"block_size": 5, "max_anchors": 32}),
         Recipe("medusa", "old", "greedy data", {}, GREEDY),
         Recipe("medusa", "new", "mixed data", {}),
@@ -188,9 +192,6 @@ def dataset_for(ctx: Any, job: Any) -> Path:
     # Hold the whole union the profile's kinds need, so every recipe on this data reads one cache.
     profile_needs = [dataset_needs(k, draft_config(ctx.cfg, k), int(target.shape["num_hidden_layers"]))
                      for k in ("standalone", "medusa", "eagle", "eagle3", "block")]
-    # A recipe on other aux layers than the profile's gets a dataset of its own (one dataset holds one set).
-    if len({tuple(n.aux_layers) for n in [needs, *profile_needs] if n.aux_layers}) > 1:
-        profile_needs = []
     data = DraftDataConfig(**as_dict(job.draft.data))
     return generate_dataset(Path(target.model_dir), target.fingerprint, ctx.results.corpus.records("distill"),
                             data, union_extras([needs, *profile_needs]), ctx.artifacts.data_dir(target.fingerprint))

@@ -136,7 +136,9 @@ PLAIN_GATE = BatchGateConfig(mode="table", k_by_batch_size={1: 0})   # K capped 
 
 
 def engine_config(args, target: Path) -> EngineConfig:
+    # no prefix caching: the engines share the target executor's KV cache (target_executor)
     return EngineConfig(str(target), dtype=args.dtype, device=args.device, kv_cache_memory_gb=args.kv_gb,
+                        enable_prefix_caching=False,
                         max_model_len=args.max_model_len, num_threads=args.threads)
 
 

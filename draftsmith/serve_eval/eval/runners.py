@@ -149,7 +149,8 @@ def build_engine_runner(target_dir: Path, method: str, K: int, engine_settings: 
                         executor: Any = None, strict_fingerprint: bool | None = None,
                         draft_dtype: str | None = None) -> EngineRunner:
     """An engine for one (method, K). spec_method None = no speculation. The executor (target
-    weights) can be shared between engines; each engine allocates its own KV cache on it.
+    weights) can be shared between engines that run one at a time: each engine's allocate_kv_cache replaces the
+    executor's cache, so they share it, and prefix caching must be off (engine_settings: EngineSettings's default).
     draft_dtype: the draft's dtype (None = the target's; bf16 for quantized drafts' int kernels)."""
     from draftsmith.serve_eval.engine.llm_engine import EngineConfig, LLMEngine
 

@@ -48,7 +48,10 @@ def build_engine(method: str, target: Path, drafts: dict[str, Path], k: int, dty
     from draftsmith.serve_eval.speculative.config import SpecConfig
     from draftsmith.serve_eval.speculative.policy import SpecPolicyConfig
 
+    # No prefix caching: engines on one executor share its KV cache, so one engine's cached prompt blocks would hold
+    # what another engine wrote there since.
     cfg = EngineConfig(str(target), dtype=dtype, kv_cache_memory_gb=0.25, device=device, attn_backend=attn_backend,
+                       enable_prefix_caching=False,
                        block_size=block_size)
     if method == PLAIN:
         return LLMEngine(cfg, executor=executor)

@@ -22,6 +22,11 @@ if TYPE_CHECKING:
     from draftsmith.serve_eval.schemas import EvalConfig
 
 
+# How the cost is measured, in the cache key: a file measured another way is measured again. 2: every engine on one
+# copy of the target's weights (step_cost.build_engines), where each had its own (c read on cold weights).
+COST_METHOD = 2
+
+
 def largest_eval_k(settings: EvalConfig) -> int:
     # The common K list's largest: every kind can draft it (a method's own larger K, e.g. a block draft's,
     # is costed per row by the eval itself).
@@ -42,7 +47,7 @@ def stage_cost(ctx: PipelineContext) -> dict[str, Any]:
              "block_size": engine.block_size}
     steps, repeats = ctx.cfg.pipeline.cost_steps, ctx.cfg.pipeline.cost_repeats
     key = stable_hash({"target": target.fingerprint, "drafts": {n: str(p) for n, p in drafts.items()},
-                       "k": k, "steps": steps, "repeats": repeats, **where})
+                       "k": k, "steps": steps, "repeats": repeats, **where, "method": COST_METHOD})
     out = ctx.artifacts.reports_dir(target.fingerprint) / f"cost-{key}.json"
     cached = out.is_file() and not ctx.forced("cost")
     if not cached:

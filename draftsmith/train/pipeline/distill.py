@@ -121,12 +121,9 @@ def union_extras(needs: list[Any]) -> Any:
     """The smallest StoredExtras covering every kind's needs (one dataset for all)."""
     from draftsmith.train.distill.gendata import StoredExtras
 
-    aux: list[int] = []   # every aux layer a kind reads, once: each kind reads its own (gendata.aux_columns)
-    for need in needs:
-        if not aux:
-            aux = list(need.aux_layers)   # the first kind's as they are (its order, a repeat kept)
-        else:
-            aux += [layer for layer in need.aux_layers if layer not in aux]
+    # every aux layer a kind reads, once and in ascending order (one key whichever kind asks first); each kind reads
+    # its own, in its order (gendata.aux_columns)
+    aux = sorted({layer for need in needs for layer in need.aux_layers})
     return StoredExtras(final_hidden=any(n.final_hidden for n in needs), aux_layers=aux,
                         topk=max((n.topk for n in needs), default=0))
 
