@@ -45,7 +45,7 @@ from torch import Tensor, nn
 
 from draftsmith.drafts.eagle import EagleConfig, EagleDraft
 from draftsmith.drafts.eagle3 import Eagle3Config, Eagle3Draft
-from draftsmith.drafts.export_verifier import Verifier, local_dir, resolve_verifier_info
+from draftsmith.drafts.export_verifier import Verifier, check_aux_layers_servable, local_dir, resolve_verifier_info
 from draftsmith.drafts.export_verifier import resolve_verifier as resolve_verifier  # (drafts.quant_export imports it from here)
 from draftsmith.drafts.files import write_json
 from draftsmith.drafts.io import draft_state_dict, load_draft, write_safetensors
@@ -113,6 +113,7 @@ def _export_eagle_vllm(model: EagleDraft, verifier: Verifier, k: int) -> tuple[d
 
 
 def _export_eagle3_speculators(model: Eagle3Draft, verifier: Verifier, k: int) -> tuple[dict, dict]:
+    check_aux_layers_servable(list(model.config.aux_layers), verifier)
     cfg = model.config
     config = {
         "architectures": ["Eagle3Speculator"],
@@ -136,6 +137,7 @@ def _export_eagle3_speculators(model: Eagle3Draft, verifier: Verifier, k: int) -
 def _export_eagle3_sglang(model: Eagle3Draft, verifier: Verifier, k: int) -> tuple[dict, dict]:
     """SGLang's (and SpecForge's) EAGLE-3 layout, the same for Llama and Qwen3 / Qwen3-MoE targets: SpecForge's
     Qwen3 drafts are LlamaForCausalLMEagle3 too, a one-layer Llama with the target's head_dim and rope."""
+    check_aux_layers_servable(list(model.config.aux_layers), verifier)
     cfg = model.config
     config = {
         "architectures": ["LlamaForCausalLMEagle3"],
@@ -174,6 +176,8 @@ def _export_medusa(model: MedusaDraft, verifier: Verifier, k: int) -> tuple[dict
 
 def _export_block_speculators(model, verifier: Verifier, k: int) -> tuple[dict, dict]:
     from draftsmith.drafts.export_block import export_block_speculators  # the DFlash layout lives beside its draft
+
+    check_aux_layers_servable(list(model.config.aux_layers), verifier)
 
     return export_block_speculators(model, verifier, k, _layer_config, _speculators_config, SPECULATORS_VERSION)
 

@@ -55,3 +55,21 @@ def local_dir(name: str | None) -> Path | None:
         return None
     path = Path(name).expanduser()
     return path.resolve() if path.is_dir() else None
+
+
+def check_aux_layers_servable(aux_layers: list[int], verifier: Verifier) -> None:
+    """ValueError where an aux layer id is one an engine cannot capture: vLLM and SGLang take id i as the input of the
+    verifier's decoder layer i (HF hidden_states[i]), so ids run 0..num_hidden_layers - 1, and the final norm's
+    output (HF hidden_states[L], which draftsmith's own engine serves) has no id there. Checked against a local
+    verifier's config.json; a hub id is not read."""
+    path = local_dir(verifier.name_or_path)
+    config = path / "config.json" if path is not None else None
+    if config is None or not config.is_file():
+        return
+    num_layers = json.loads(config.read_text()).get("num_hidden_layers")
+    bad = [layer for layer in aux_layers if num_layers is not None and not 0 <= layer < int(num_layers)]
+    if bad:
+        raise ValueError(f"aux layer ids {bad}: an engine captures the inputs of {config.parent.name}'s decoder layers "
+                         f"0..{int(num_layers) - 1}; layer {num_layers} (the final norm's output) serves in draftsmith "
+                         f"only. A draft for vLLM/SGLang trains on layers below {num_layers} "
+                         f"(e.g. pipeline.drafts.<kind>.aux_layers=[2,{int(num_layers) // 2},{int(num_layers) - 1}])")

@@ -51,6 +51,19 @@ def test_bad_input_block_larger_than_trained(world):
                                                                               num_speculative_tokens=9))
 
 
+def test_export_refuses_the_final_hidden_as_an_aux_layer_an_engine_cannot_capture(world, tmp_path):
+    """A draft on layer L (the final norm's output) serves in our engine; vLLM/SGLang capture layer inputs 0..L-1, so
+    its speculators export stops naming the layers and the way to a servable draft."""
+    from draftsmith.drafts.io import save_draft
+    from draftsmith.drafts.identity import target_fingerprint
+
+    _, target, _ = world
+    draft = BlockDraft.from_target_config(target, aux_layers=[1, 2, 4])   # the target has 4 layers
+    save_draft(draft, tmp_path / "final", "block", target_fingerprint(target))
+    with pytest.raises(ValueError, match=r"aux layer ids \[4\]: .* decoder layers 0..3; .*aux_layers=\[2,2,3\]"):
+        export_draft(tmp_path / "final", "speculators", tmp_path / "out", verifier=str(target), num_speculative_tokens=4)
+
+
 def test_bad_input_aux_layers_the_target_lacks(world, tmp_path):
     _, target, _ = world
     with pytest.raises(ValueError, match=r"aux_layers \[1, 2, 7\]: \[7\] outside 0..4 \(the target has 4 layers\)"):
