@@ -18,20 +18,25 @@ class Verifier:
 
     name_or_path: str | None
     architectures: list[str]
+    num_hidden_layers: int | None = None   # from a local verifier's config.json (None: a hub id, not read)
 
 
 def resolve_verifier_info(verifier: str | None, architecture: str | None = None) -> Verifier:
     """The verifier (``resolve_verifier``) with its architecture: the one given, else the ``architectures`` of a
     local verifier dir's config.json, else LlamaForCausalLM (a hub id or no verifier: pass ``architecture``)."""
     name = resolve_verifier(verifier)
-    if architecture:
-        return Verifier(name, [architecture])
     local = local_dir(name)
-    if local is not None and (local / "config.json").is_file():
-        found = json.loads((local / "config.json").read_text()).get("architectures")
+    config_path = local / "config.json" if local is not None else None
+    config = json.loads(config_path.read_text()) if config_path is not None and config_path.is_file() else None
+    layers = (config or {}).get("num_hidden_layers")
+    layers = None if layers is None else int(layers)
+    if architecture:
+        return Verifier(name, [architecture], layers)
+    if config is not None:
+        found = config.get("architectures")
         if not found:
-            raise ValueError(f"export: {local / 'config.json'} names no architectures; pass --verifier-architecture")
-        return Verifier(name, list(found))
+            raise ValueError(f"export: {config_path} names no architectures; pass --verifier-architecture")
+        return Verifier(name, list(found), layers)
     return Verifier(name, list(DEFAULT_VERIFIER_ARCHITECTURES))
 
 
@@ -60,16 +65,15 @@ def local_dir(name: str | None) -> Path | None:
 def check_aux_layers_servable(aux_layers: list[int], verifier: Verifier) -> None:
     """ValueError where an aux layer id is one an engine cannot capture: vLLM and SGLang take id i as the input of the
     verifier's decoder layer i (HF hidden_states[i]), so ids run 0..num_hidden_layers - 1, and the final norm's
-    output (HF hidden_states[L], which draftsmith's own engine serves) has no id there. Checked against a local
-    verifier's config.json; a hub id is not read."""
-    path = local_dir(verifier.name_or_path)
-    config = path / "config.json" if path is not None else None
-    if config is None or not config.is_file():
+    output (HF hidden_states[L], which draftsmith's own engine serves) has no id there. Checked where the verifier's
+    layer count is known (a local verifier's config.json); a hub id is not read."""
+    num_layers = verifier.num_hidden_layers
+    if num_layers is None:
         return
-    num_layers = json.loads(config.read_text()).get("num_hidden_layers")
-    bad = [layer for layer in aux_layers if num_layers is not None and not 0 <= layer < int(num_layers)]
+    bad = [layer for layer in aux_layers if not 0 <= layer < num_layers]
     if bad:
-        raise ValueError(f"aux layer ids {bad}: an engine captures the inputs of {config.parent.name}'s decoder layers "
-                         f"0..{int(num_layers) - 1}; layer {num_layers} (the final norm's output) serves in draftsmith "
+        name = Path(verifier.name_or_path or "").name
+        raise ValueError(f"aux layer ids {bad}: an engine captures the inputs of {name}'s decoder layers "
+                         f"0..{num_layers - 1}; layer {num_layers} (the final norm's output) serves in draftsmith "
                          f"only. A draft for vLLM/SGLang trains on layers below {num_layers} "
-                         f"(e.g. pipeline.drafts.<kind>.aux_layers=[2,{int(num_layers) // 2},{int(num_layers) - 1}])")
+                         f"(e.g. pipeline.drafts.<kind>.aux_layers=[2,{num_layers // 2},{num_layers - 1}])")

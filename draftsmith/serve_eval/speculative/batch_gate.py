@@ -112,9 +112,10 @@ class _Bucket:
     def cost(self, key: int) -> float | None:
         """Seconds per token of an arm: the median of its latest steps; before it has run, its presumed
         ratio times plain decoding's cost; None if neither is known."""
-        arm, plain = self.arms[key], self.arms[PLAIN].median()
+        arm = self.arms[key]
         if arm.recent:
             return arm.median()
+        plain = self.arms[PLAIN].median()
         if arm.presumed_ratio is not None and plain is not None:
             return arm.presumed_ratio * plain
         return None

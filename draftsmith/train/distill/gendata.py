@@ -36,12 +36,10 @@ REQUIRED_ROW_FIELDS = ("input_ids", "prompt_length")
 
 def aux_columns(stored: list[int], needed: list[int]) -> list[int] | None:
     """Which stored aux blocks (of hidden_size each, in the stored order) hold the layers `needed`, in its order;
-    None where the needed layers are exactly the stored ones (the tensor is read as it is)."""
+    None where the needed layers are exactly the stored ones (the tensor is read as it is). Every needed layer is
+    stored: StoredExtras.covers checked that before."""
     if list(needed) == list(stored):
         return None
-    missing = [layer for layer in needed if layer not in stored]
-    if missing:
-        raise ValueError(f"aux layers {missing} are not stored (the dataset holds {list(stored)})")
     return [list(stored).index(layer) for layer in needed]
 
 
