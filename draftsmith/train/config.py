@@ -108,6 +108,9 @@ class PipelineConfig:
     # The `cost` stage: decode steps x interleaved repetitions per draft (at the largest eval K).
     cost_steps: int = 8
     cost_repeats: int = 3
+    # Consecutive distill_<kind> stages train in this many worker processes at once, each on cores / workers
+    # intra-op threads (train.pipeline.side_by_side); 1 = one after another in this process, on every core.
+    distill_workers: int = 1
 
 
 @dataclass

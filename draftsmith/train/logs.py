@@ -62,9 +62,22 @@ def stage(name: str) -> Iterator[dict[str, Any]]:
     log_event(stage=name, status="done", **fields)
 
 
+_BAR_LANE: tuple[int, str] | None = None   # (terminal line, name) of this process's bars; None: line 0, unnamed
+
+
+def progress_lane(position: int, name: str) -> None:
+    """This process's bars from now on sit on terminal line ``position`` and carry ``name``: workers that train
+    side by side (train.pipeline.side_by_side) each keep their own line instead of overwriting one."""
+    global _BAR_LANE
+    _BAR_LANE = (position, name)
+
+
 def progress(iterable: Iterable[T] | None = None, total: int | None = None, desc: str = "", **kwargs: Any) -> tqdm:
     """tqdm bar with ETA (elapsed<remaining) on stderr; quiet when DRAFTSMITH_NO_PROGRESS is set."""
     disable = bool(os.environ.get("DRAFTSMITH_NO_PROGRESS"))
+    if _BAR_LANE is not None:
+        kwargs.setdefault("position", _BAR_LANE[0])
+        desc = f"{desc} {_BAR_LANE[1]}".strip()
     return tqdm(iterable, total=total, desc=desc, file=sys.stderr, disable=disable, dynamic_ncols=True, **kwargs)
 
 

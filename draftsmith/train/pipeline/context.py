@@ -52,6 +52,7 @@ class StageResults:
     target: TargetResult | None = None  # target
     dataset: Path | None = None  # generate: the distillation data dir, one for every planned kind
     drafts: dict[str, Path] = field(default_factory=dict)  # distill_<kind>: kind -> draft dir, in stage order
+    trained_side_by_side: set[str] = field(default_factory=set)  # kinds a side-by-side group trained this run
     variants: dict[str, Path] = field(default_factory=dict)  # quantize: <kind>@<label> -> quantized draft dir
     cost: CostResult | None = None  # cost
     eval_dir: Path | None = None  # eval: the report dir

@@ -21,7 +21,7 @@ Configs: the draft of kind K is ``conf/draft/K.yaml`` (or the ``draft`` group wh
 from __future__ import annotations
 
 import shutil
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -163,10 +163,27 @@ def draft_key(job: DictConfig, fingerprint: str, data_key: str) -> str:
                         "train": trajectory, "seed": job.seed})
 
 
-def distill(ctx: PipelineContext, kind: str) -> dict[str, Any]:
+@dataclass(frozen=True)
+class DraftPlan:
+    """What a ``distill_<kind>`` stage trains and where it lands (picklable: a side-by-side worker trains from it)."""
+
+    kind: str
+    job: DictConfig            # the root config a ``draftsmith distill draft=<kind>`` job would see
+    target_dir: str
+    fingerprint: str
+    data_dir: str
+    out_dir: Path              # artifacts/targets/<fp>/drafts/<kind>-<key>
+    cached: bool               # a finished export is there (and the stage is not forced)
+
+    @property
+    def minutes(self) -> float:
+        """Its wall-clock cap (train.max_minutes), 0 when uncapped: what lanes are balanced by."""
+        return float(self.job.train.get("max_minutes") or 0.0)
+
+
+def draft_plan(ctx: PipelineContext, kind: str) -> DraftPlan:
     from draftsmith.train.distill.gendata import Manifest
     from draftsmith.train.distill.launch import LauncherConfig
-    from draftsmith.train.distill.run import Prepared, train_and_export
 
     target, data_dir = need(ctx.results.target, "target"), need(ctx.results.dataset, "generate")
     job = job_config(ctx.cfg, kind)
@@ -176,15 +193,32 @@ def distill(ctx: PipelineContext, kind: str) -> dict[str, Any]:
                          f"processes run `draftsmith distill draft={kind} launcher={launcher.name}`")
     out_dir = ctx.artifacts.drafts_dir(target.fingerprint) / f"{kind}-{draft_key(job, target.fingerprint, Manifest.read(data_dir).key)}"
     cached = (out_dir / DONE_MARKER).is_file() and not ctx.forced(f"{STAGE_PREFIX}{kind}")
-    if not cached:
-        shutil.rmtree(out_dir, ignore_errors=True)  # a half-written export of an interrupted run
-        train_and_export(job, Prepared(str(target.model_dir), target.fingerprint, str(data_dir)), out_dir=out_dir)
-        (out_dir / DONE_MARKER).write_text("")
-    ctx.results.drafts[kind] = out_dir
+    return DraftPlan(kind, job, str(target.model_dir), target.fingerprint, str(data_dir), out_dir, cached)
+
+
+def train_draft(plan: DraftPlan) -> None:
+    """Train and export one planned draft into its dir, marked complete once fully written."""
+    from draftsmith.train.distill.run import Prepared, train_and_export
+
+    shutil.rmtree(plan.out_dir, ignore_errors=True)  # a half-written export of an interrupted run
+    train_and_export(plan.job, Prepared(plan.target_dir, plan.fingerprint, plan.data_dir), out_dir=plan.out_dir)
+    (plan.out_dir / DONE_MARKER).write_text("")
+
+
+def distill(ctx: PipelineContext, kind: str) -> dict[str, Any]:
+    """The ``distill_<kind>`` stage: train the draft unless it is cached (or a side-by-side group trained it
+    this run, side_by_side.train_group), then record it and return its log fields."""
     from draftsmith.drafts.io import read_draft_meta
 
-    metrics = read_draft_meta(out_dir).metrics
-    fields = {"cached": cached, "dir": out_dir, "steps": metrics.get("steps")}
+    plan = draft_plan(ctx, kind)
+    trained_here = kind in ctx.results.trained_side_by_side
+    if not plan.cached and not trained_here:
+        train_draft(plan)
+    ctx.results.drafts[kind] = plan.out_dir
+    metrics = read_draft_meta(plan.out_dir).metrics
+    fields = {"cached": plan.cached and not trained_here, "dir": plan.out_dir, "steps": metrics.get("steps")}
+    if trained_here:
+        fields["side_by_side"] = True  # (trained beside other kinds; the group's line has the wall time)
     if metrics.get("stopped_by_time_cap"):
         fields["stopped_by_time_cap"] = True  # (train.max_minutes cut in; the trainer logged the step)
     if metrics.get("annealed_to_time_cap"):

@@ -49,9 +49,13 @@ def test_smoke_pipeline_report_registry_and_cached_rerun(tmp_path):
     first = run_pipeline(f"artifacts_root={tmp_path}", "wandb.mode=disabled")
     assert first.returncode == 0, first.stderr[-4000:]
     done = stage_lines(first)
-    assert list(done) == list(compose(["pipeline=smoke"]).pipeline.stages)
+    stages = list(compose(["pipeline=smoke"]).pipeline.stages)
+    first_distill = stages.index(f"distill_{KINDS[0]}")   # the distill stages train side by side first
+    assert list(done) == [*stages[:first_distill], "distill_side_by_side", *stages[first_distill:]]
+    assert "trained=4" in done["distill_side_by_side"] and "workers=2" in done["distill_side_by_side"]
     for name in ["generate", *[f"distill_{k}" for k in KINDS], "eval"]:
         assert "cached=False" in done[name], done[name]
+    assert all("side_by_side=True" in done[f"distill_{k}"] for k in KINDS)
 
     # The embedded recipes, tiny: mixed greedy/T=1 answers with top-16, standalone token KD on them, EAGLE-3's
     # vocabulary sized by coverage (logged), each draft's measured cost ratio c (cost stage, printed).
@@ -93,6 +97,7 @@ def test_smoke_pipeline_report_registry_and_cached_rerun(tmp_path):
     redone = stage_lines(again)
     for name in ["corpus", "tokenizer", "target", "generate", *[f"distill_{k}" for k in KINDS], "cost", "eval"]:
         assert "cached=True" in redone[name], redone[name]
+    assert "trained=0" in redone["distill_side_by_side"]
     assert f"{VARIANT}=cached" in redone["quantize"], redone["quantize"]
     assert all(f"{k}=cached" in redone["register"] for k in KINDS)
     assert printed_report(again) == str(report_path)
