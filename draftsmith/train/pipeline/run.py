@@ -41,7 +41,7 @@ from draftsmith.train.pipeline.context import MissingStageResult, PipelineContex
 from draftsmith.train.pipeline.cost import stage_cost
 from draftsmith.train.pipeline.quantize import stage_quantize
 from draftsmith.train.pipeline.distill import STAGE_PREFIX, distill, stage_generate
-from draftsmith.train.pipeline.side_by_side import group_at, train_group
+from draftsmith.train.pipeline.side_by_side import plan_stages
 from draftsmith.train.pipeline.evaluate import stage_eval, stage_register, stage_report
 
 Stage = Callable[[PipelineContext], dict[str, Any]]
@@ -138,26 +138,15 @@ def check_stage_configs(cfg: DictConfig) -> list[str]:
 
 def run_stages(ctx: PipelineContext, stage_fns: list[tuple[str, Stage]]) -> None:
     """Each stage in order, timed and logged; a stage reading an output no earlier stage made is named. With
-    pipeline.distill_workers > 1 each run of consecutive distill stages first trains side by side
-    (train.pipeline.side_by_side), timed and logged as one ``distill_side_by_side`` step."""
-    names = [name for name, _ in stage_fns]
-    grouped: set[str] = set()
-    for index, (name, fn) in enumerate(stage_fns):
-        kinds = group_at(names, index) if name not in grouped and ctx.cfg.pipeline.distill_workers > 1 else []
-        if len(kinds) > 1:
-            grouped.update(f"{STAGE_PREFIX}{kind}" for kind in kinds)
-            with stage("distill_side_by_side") as fields:
-                try:
-                    fields.update(train_group(ctx, kinds, ctx.cfg.pipeline.distill_workers))
-                except MissingStageResult as err:
-                    raise err.read_by(name) from None
-            ctx.wall_s["distill_side_by_side"] = fields["wall_s"]
+    pipeline.distill_workers > 1 each run of consecutive distill stages is preceded by a side-by-side stage that
+    trains them at once (train.pipeline.side_by_side)."""
+    for name, fn in plan_stages(stage_fns, ctx.cfg.pipeline.distill_workers):
         with stage(name) as fields:
             try:
                 fields.update(fn(ctx))
             except MissingStageResult as err:
                 raise err.read_by(name) from None
-        ctx.wall_s[name] = fields["wall_s"]
+        ctx.wall_s[name] = ctx.wall_s.get(name, 0.0) + fields["wall_s"]   # a stage may run more than once
 
 
 def run(cfg: DictConfig) -> StageResults:

@@ -3,22 +3,27 @@
 Why: a draft's training step is hundreds of small ops, and a second intra-op thread buys little of a core's
 worth. On the 2-core machine, trained two at a time on one thread each against alone on both cores, the steps in
 30 s were the standalone draft's 0.73x, EAGLE-1's 0.69-0.74x and Medusa's 0.55x (EAGLE-3 alone on one thread
-0.70x, the block draft 0.57x): two kinds trained together each get 1.1-1.5x the steps in the same wall time.
+0.70x, the block draft 0.57x). In a main job, lanes of 9 and 10 minutes against 9.25 minutes in sequence
+trained each kind 1.05x (block) to 1.8x (EAGLE-1) the steps.
 ``pipeline.distill_workers`` sets the lanes (1: the stages train one after another in this process, on every
 core).
 
-The kinds are dealt longest cap first to the lane with the fewest minutes so far, so lanes end close together;
-a worker trains its lane's kinds one after another, exactly what each stage would (``distill.train_draft`` on the stage's ``DraftPlan``), with
-``train.num_threads`` set to the cores / workers where it was ``auto``; the stages then run as usual, finding
-their drafts exported, and record them (their log line says ``side_by_side``).
+``plan_stages`` puts a ``distill_side_by_side`` stage before each run of consecutive distill stages. It deals the
+uncached kinds longest cap first to the lane with the fewest minutes (then the fewest kinds) so far, so lanes end
+close together; each lane's worker trains its kinds one after another, exactly what each stage would
+(``distill.train_draft`` on the stage's ``DraftPlan``), on cores / lanes threads where ``train.num_threads`` is
+auto. The distill stages then run as usual, find their drafts exported, and record them.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import multiprocessing
+import pickle
+import queue
 import sys
-from concurrent.futures import ProcessPoolExecutor, as_completed
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from omegaconf import open_dict
@@ -27,24 +32,45 @@ from draftsmith.train.logs import log_event, progress_lane
 from draftsmith.train.pipeline.context import PipelineContext
 from draftsmith.train.pipeline.distill import STAGE_PREFIX, DraftPlan, draft_plan, train_draft
 
+GROUP_STAGE = "distill_side_by_side"
+Train = Callable[[DraftPlan], None]
+log = logging.getLogger(__name__)
 
-def group_at(stage_names: list[str], index: int) -> list[str]:
-    """The kinds of the run of consecutive built-in distill stages starting at stage_names[index] ([] if none)."""
-    kinds = []
+
+def group_at(stage_names: Sequence[str], index: int) -> list[str]:
+    """The kinds of the run of consecutive built-in distill stages starting at stage_names[index] ([] if none); a
+    kind named twice ends the run (its second stage is a cache hit of the first, not a second training)."""
+    kinds: list[str] = []
     for name in stage_names[index:]:
-        if not name.startswith(STAGE_PREFIX) or ":" in name:
+        kind = name[len(STAGE_PREFIX):]
+        if not name.startswith(STAGE_PREFIX) or ":" in name or kind in kinds:
             break
-        kinds.append(name[len(STAGE_PREFIX):])
+        kinds.append(kind)
     return kinds
 
 
+def plan_stages(stages: Sequence[tuple[str, Any]], workers: int) -> list[tuple[str, Any]]:
+    """`stages` with a side-by-side stage before each run of 2+ consecutive distill stages (workers > 1)."""
+    if workers <= 1:
+        return list(stages)
+    names, planned, index = [name for name, _ in stages], [], 0
+    while index < len(stages):
+        kinds = group_at(names, index)
+        if len(kinds) > 1:
+            planned.append((GROUP_STAGE, functools.partial(train_group, kinds=kinds, workers=workers)))
+        span = max(1, len(kinds))
+        planned.extend(stages[index:index + span])
+        index += span
+    return planned
+
+
 def assign_lanes(plans: list[DraftPlan], lanes: int) -> list[list[DraftPlan]]:
-    """Longest cap first (ties in stage order), each to the lane with the fewest minutes so far: the lanes end
-    close together. Empty lanes are dropped."""
+    """Longest cap first (ties in stage order), each to the lane with the fewest minutes, then the fewest kinds,
+    so far (uncapped kinds spread evenly). Empty lanes are dropped."""
     assigned: list[list[DraftPlan]] = [[] for _ in range(lanes)]
     load = [0.0] * lanes
     for plan in sorted(plans, key=lambda p: -p.minutes):
-        lane = min(range(lanes), key=lambda i: (load[i], i))
+        lane = min(range(lanes), key=lambda i: (load[i], len(assigned[i]), i))
         assigned[lane].append(plan)
         load[lane] += plan.minutes
     return [lane for lane in assigned if lane]
@@ -60,46 +86,98 @@ def with_threads(plan: DraftPlan, threads: int) -> DraftPlan:
     return DraftPlan(plan.kind, job, plan.target_dir, plan.fingerprint, plan.data_dir, plan.out_dir, plan.cached)
 
 
-def _train_lane(position: int, plans: list[DraftPlan]) -> list[str]:
-    """A worker: its lane's drafts one after another. Log lines go to stderr tagged with the kind (no Hydra file
-    handler in this process), progress bars on their own terminal line. A failure names its stage."""
-    kinds = []
+def named(error: BaseException, kind: str) -> BaseException:
+    """`error` with the stage it failed in leading its message (its type kept, so bad input stays one line)."""
+    where = f"{STAGE_PREFIX}{kind} (trained side by side)"
+    if isinstance(error, OSError) and error.strerror:
+        error.strerror = f"{where}: {error.strerror}"
+    elif error.args and isinstance(error.args[0], str):
+        error.args = (f"{where}: {error.args[0]}", *error.args[1:])
+    else:
+        error.add_note(where)
+    return error
+
+
+def _lane_main(position: int, plans: list[DraftPlan], events: Any, log_files: list[str], train: Train) -> None:
+    """A worker: its lane's drafts one after another, each reported on `events` as (kind, None) or (kind, error);
+    a failure ends the lane. Log lines go to stderr and the run's log files, tagged with the kind."""
     for plan in plans:
-        logging.basicConfig(level=logging.INFO, stream=sys.stderr, force=True,
+        handlers: list[logging.Handler] = [logging.StreamHandler(sys.stderr)]
+        handlers += [logging.FileHandler(path) for path in log_files]   # append: the parent writes there too
+        logging.basicConfig(level=logging.INFO, handlers=handlers, force=True,
                             format=f"[%(asctime)s][distill {plan.kind}][%(levelname)s] - %(message)s")
         progress_lane(position, plan.kind)
         try:
-            train_draft(plan)
-        except Exception as error:   # re-raised in the parent: only the message crosses the process boundary
-            raise RuntimeError(f"{STAGE_PREFIX}{plan.kind} (trained side by side): {type(error).__name__}: {error}") \
-                from None
-        kinds.append(plan.kind)
-    return kinds
+            train(plan)
+        except Exception as error:
+            log.exception("%s%s failed", STAGE_PREFIX, plan.kind)
+            try:
+                pickle.dumps(error)
+            except Exception:   # an error the queue cannot carry crosses as its text
+                error = RuntimeError(f"{type(error).__name__}: {error}")
+            events.put((plan.kind, error))
+            return
+        events.put((plan.kind, None))
 
 
-def train_group(ctx: PipelineContext, kinds: list[str], workers: int) -> dict[str, Any]:
-    """Train the uncached drafts of `kinds` in `workers` processes; returns the group's log fields."""
+def run_lanes(lanes: list[list[DraftPlan]], train: Train = train_draft, poll_s: float = 0.5) -> list[str]:
+    """Each lane in its own spawned process; returns the kinds trained, in the order they finished. The first
+    failure is raised (named, after every lane has ended: what the others finish stays exported); a lane whose
+    process died names the kinds it left. An interrupt of this process stops every worker."""
+    context = multiprocessing.get_context("spawn")   # a forked worker would inherit torch's pools and Hydra's state
+    events = context.Queue()
+    log_files = [h.baseFilename for h in logging.getLogger().handlers if isinstance(h, logging.FileHandler)]
+    workers = [context.Process(target=_lane_main, args=(i, lane, events, log_files, train), name=f"distill-lane-{i}")
+               for i, lane in enumerate(lanes)]
+    pending = {plan.kind for lane in lanes for plan in lane}
+    trained: list[str] = []
+    failures: list[BaseException] = []
+    try:
+        for worker in workers:
+            worker.start()
+        while pending and (any(w.is_alive() for w in workers) or not events.empty()):
+            try:
+                kind, error = events.get(timeout=poll_s)
+            except queue.Empty:
+                continue
+            pending.discard(kind)
+            if error is None:
+                trained.append(kind)
+                log_event(stage=f"{STAGE_PREFIX}{kind}", status="trained", side_by_side=True)
+            else:
+                failures.append(named(error, kind))
+                log_event(stage=f"{STAGE_PREFIX}{kind}", status="failed", side_by_side=True, error=str(error))
+        for worker in workers:
+            worker.join()
+    except BaseException:
+        for worker in workers:
+            if worker.is_alive():
+                worker.terminate()
+        for worker in workers:
+            worker.join()
+        raise
+    died = [(w, [p.kind for p in lane if p.kind in pending]) for w, lane in zip(workers, lanes)]
+    died = [(w, kinds) for w, kinds in died if kinds and w.exitcode != 0]
+    if failures:
+        raise failures[0]
+    if died:
+        worker, kinds = died[0]
+        raise RuntimeError(f"{GROUP_STAGE}: the worker training {', '.join(kinds)} died (exit code {worker.exitcode}); "
+                           "rerun the pipeline to train what is left")
+    return trained
+
+
+def train_group(ctx: PipelineContext, kinds: list[str], workers: int, train: Train = train_draft) -> dict[str, Any]:
+    """The side-by-side stage: train the uncached drafts of `kinds` in up to `workers` lanes; its log fields."""
     from draftsmith.train.distill.launch import available_cores
 
-    plans = [draft_plan(ctx, kind) for kind in kinds]
-    todo = [p for p in plans if not p.cached]
-    threads = max(1, available_cores() // workers)
-    if len(todo) < 2:   # nothing to overlap: the stages train on every core as usual
-        return {"kinds": ",".join(kinds), "trained": len(todo), "workers": 1}
-    lanes = assign_lanes([with_threads(p, threads) for p in todo], workers)
-    # spawn: a fresh interpreter per worker (a forked one would inherit torch's thread pools and Hydra's state).
-    # A failing lane does not stop the others: what they finish is exported (cached for the next run).
-    errors: list[BaseException] = []
-    with ProcessPoolExecutor(len(lanes), mp_context=multiprocessing.get_context("spawn")) as pool:
-        futures = [pool.submit(_train_lane, position, lane) for position, lane in enumerate(lanes)]
-        for future in as_completed(futures):
-            if future.exception() is not None:
-                errors.append(future.exception())
-                continue
-            for kind in future.result():
-                ctx.results.trained_side_by_side.add(kind)
-                log_event(stage=f"{STAGE_PREFIX}{kind}", status="trained", side_by_side=True)
-    if errors:
-        raise errors[0]
+    todo = [plan for plan in (draft_plan(ctx, kind) for kind in kinds) if not plan.cached]
+    cores = available_cores()
+    if len(todo) < 2 or min(workers, cores) < 2:   # nothing to overlap: the stages train on every core as usual
+        return {"kinds": ",".join(kinds), "trained": 0, "workers": 0}
+    lanes = assign_lanes(todo, min(workers, cores))   # a lane per core at most: two on one core only halve each
+    threads = max(1, cores // len(lanes))
+    lanes = [[with_threads(plan, threads) for plan in lane] for lane in lanes]
+    ctx.results.trained_side_by_side.update(run_lanes(lanes, train))
     return {"kinds": ",".join(kinds), "trained": len(todo), "workers": len(lanes), "threads_per_worker": threads,
             "lanes": " | ".join(",".join(p.kind for p in lane) for lane in lanes)}

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from draftsmith.train.config import compose
+from draftsmith.train.distill.launch import available_cores
 from draftsmith.train.pipeline.distill import draft_config, job_config, planned_kinds, union_extras
 from draftsmith.train.pipeline.evaluate import render_table, summary_rows
 
@@ -52,10 +53,11 @@ def test_smoke_pipeline_report_registry_and_cached_rerun(tmp_path):
     stages = list(compose(["pipeline=smoke"]).pipeline.stages)
     first_distill = stages.index(f"distill_{KINDS[0]}")   # the distill stages train side by side first
     assert list(done) == [*stages[:first_distill], "distill_side_by_side", *stages[first_distill:]]
-    assert "trained=4" in done["distill_side_by_side"] and "workers=2" in done["distill_side_by_side"]
     for name in ["generate", *[f"distill_{k}" for k in KINDS], "eval"]:
         assert "cached=False" in done[name], done[name]
-    assert all("side_by_side=True" in done[f"distill_{k}"] for k in KINDS)
+    if available_cores() >= 2:   # (one core: the stages train one after another)
+        assert "trained=4" in done["distill_side_by_side"] and "workers=2" in done["distill_side_by_side"]
+        assert all("side_by_side=True" in done[f"distill_{k}"] for k in KINDS)
 
     # The embedded recipes, tiny: mixed greedy/T=1 answers with top-16, standalone token KD on them, EAGLE-3's
     # vocabulary sized by coverage (logged), each draft's measured cost ratio c (cost stage, printed).

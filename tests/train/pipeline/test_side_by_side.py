@@ -1,18 +1,28 @@
-"""Side-by-side distill stages: which stages group, the order lanes take them in, the thread count per worker."""
+"""Side-by-side distill stages: where the group stage goes, how lanes are dealt and threaded, and what the lanes'
+workers report (a fake training, so the processes are real and cheap)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 from omegaconf import OmegaConf
 
-from draftsmith.train.pipeline.distill import DraftPlan
-from draftsmith.train.pipeline.side_by_side import assign_lanes, group_at, with_threads
+from draftsmith.train.pipeline.distill import DONE_MARKER, DraftPlan
+from draftsmith.train.pipeline.side_by_side import GROUP_STAGE, assign_lanes, group_at, plan_stages, run_lanes, with_threads
 
 
-def plan(kind: str, minutes: float | None, threads: object = "auto") -> DraftPlan:
+def plan(kind: str, minutes: float | None, threads: object = "auto", out: Path = Path("/drafts")) -> DraftPlan:
     job = OmegaConf.create({"train": {"max_minutes": minutes, "num_threads": threads}})
-    return DraftPlan(kind, job, "target", "fp", "data", Path(f"/drafts/{kind}"), cached=False)
+    return DraftPlan(kind, job, "target", "fp", "data", out / kind, cached=False)
+
+
+def fake_train(plan: DraftPlan) -> None:
+    """Runs in a worker process: 'bad*' kinds fail as bad input does; the others export a marker."""
+    if plan.kind.startswith("bad"):
+        raise ValueError(f"draft.init_from: no such dir for {plan.kind}")
+    plan.out_dir.mkdir(parents=True)
+    (plan.out_dir / DONE_MARKER).write_text("")
 
 
 def test_a_group_is_the_run_of_consecutive_distill_stages():
@@ -22,20 +32,52 @@ def test_a_group_is_the_run_of_consecutive_distill_stages():
     assert group_at(names, 3) == ["eagle"]
     assert group_at(names, 5) == ["block"]   # a 'module:function' stage is not a built-in distill stage
     assert group_at(names, 0) == [] and group_at(names, 6) == []
+    assert group_at(["distill_eagle", "distill_medusa", "distill_eagle"], 0) == ["eagle", "medusa"]  # no twin lanes
+
+
+def test_the_group_stage_goes_before_each_run_of_two_or_more_distill_stages():
+    stages = [(name, None) for name in ["generate", "distill_standalone", "distill_eagle", "quantize",
+                                        "distill_block", "distill_medusa", "eval"]]
+    planned = plan_stages(stages, workers=2)
+    assert [name for name, _ in planned] == ["generate", GROUP_STAGE, "distill_standalone", "distill_eagle",
+                                             "quantize", GROUP_STAGE, "distill_block", "distill_medusa", "eval"]
+    assert planned[1][1].keywords == {"kinds": ["standalone", "eagle"], "workers": 2}
+    assert planned[5][1].keywords["kinds"] == ["block", "medusa"]
+    assert plan_stages(stages, workers=1) == stages
+    single = [("generate", None), ("distill_eagle", None), ("eval", None)]
+    assert plan_stages(single, workers=2) == single
 
 
 def test_lanes_are_dealt_longest_cap_first_to_the_least_loaded_lane():
     plans = [plan("standalone", 4.0), plan("medusa", 2.0), plan("eagle", 4.0), plan("eagle3", 5.0), plan("block", 3.5)]
     lanes = assign_lanes(plans, 2)
     assert [[p.kind for p in lane] for lane in lanes] == [["eagle3", "block"], ["standalone", "eagle", "medusa"]]
-    assert sorted(p.kind for lane in assign_lanes(plans, 8) for p in lane) == sorted(p.kind for p in plans)
     assert len(assign_lanes(plans, 8)) == 5   # no empty lanes
     assert [[p.kind for p in lane] for lane in assign_lanes(plans, 1)] == [["eagle3", "standalone", "eagle", "block",
                                                                             "medusa"]]
+    uncapped = assign_lanes([plan(k, None) for k in ("a", "b", "c", "d")], 2)   # no caps: spread by count
+    assert [[p.kind for p in lane] for lane in uncapped] == [["a", "c"], ["b", "d"]]
 
 
 def test_workers_share_the_cores_unless_the_count_is_given():
-    shared = with_threads(plan("eagle", 1.0), 1)
-    assert shared.job.train.num_threads == 1 and shared.out_dir == Path("/drafts/eagle")
-    assert plan("eagle", 1.0).job.train.num_threads == "auto"   # the stage's own plan is left as it was
-    assert with_threads(plan("eagle", 1.0, threads=3), 1).job.train.num_threads == 3
+    original = plan("eagle", 1.0)
+    shared = with_threads(original, 1)
+    assert shared.job.train.num_threads == 1 and shared.out_dir == original.out_dir
+    assert original.job.train.num_threads == "auto"   # the stage's own plan is left as it was
+    given = plan("eagle", 1.0, threads=3)
+    assert with_threads(given, 1) is given
+
+
+def test_lanes_train_in_their_own_processes(tmp_path):
+    lanes = [[plan("eagle3", 2.0, out=tmp_path)], [plan("eagle", 1.0, out=tmp_path), plan("medusa", 1.0, out=tmp_path)]]
+    assert sorted(run_lanes(lanes, fake_train, poll_s=0.05)) == ["eagle", "eagle3", "medusa"]
+    assert all((tmp_path / kind / DONE_MARKER).is_file() for kind in ("eagle3", "eagle", "medusa"))
+
+
+def test_a_failing_lane_is_named_its_type_kept_and_the_other_lane_finishes(tmp_path):
+    lanes = [[plan("bad_eagle3", 2.0, out=tmp_path), plan("block", 1.0, out=tmp_path)],
+             [plan("eagle", 1.0, out=tmp_path)]]
+    with pytest.raises(ValueError, match=r"^distill_bad_eagle3 \(trained side by side\): draft.init_from: no such dir"):
+        run_lanes(lanes, fake_train, poll_s=0.05)
+    assert (tmp_path / "eagle" / DONE_MARKER).is_file()    # the other lane's draft stays exported
+    assert not (tmp_path / "block").exists()                # its lane stopped at the failure
