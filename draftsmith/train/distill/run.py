@@ -267,6 +267,21 @@ def read_throughput(metrics_file: Path) -> float | None:
     return sum(rates) / len(rates) if rates else None
 
 
+def run_name(cfg: DictConfig, data_key: str, launcher: Any) -> str:
+    """``<kind>-<key>``: the training run's dir under ``targets/<fp>/distill/``, where its checkpoints resume from.
+    Keyed by what shapes the weights only: a rerun with another thread count or time cap (a pipeline switching
+    pipeline.distill_workers, say) resumes the same run."""
+    dcfg = cfg.draft
+    draft_container = OmegaConf.to_container(dcfg, resolve=True)
+    keyed = {"draft": {k: v for k, v in draft_container.items() if k != "init_from"},
+             "init_from": dcfg.init_from, "data": data_key,
+             "train": trainer_config(cfg, Path("unused")).trajectory_fields(), "seed": cfg.seed}
+    if launcher.world_size > 1:  # checkpoints resume only under the same layout: own run dir per layout
+        keyed["layout"] = {"strategy": launcher.strategy, "world_size": launcher.world_size,
+                           "zero_stage": launcher.zero_stage if launcher.strategy == "deepspeed" else None}
+    return f"{dcfg.kind}-{stable_hash(keyed)}"
+
+
 def train_and_export(cfg: DictConfig, prepared: Prepared, out_dir: Path | None = None,
                      extra_metrics: dict[str, Any] | None = None) -> Path | None:
     """Train and export; ``out_dir`` (default: the keyed drafts dir) and ``extra_metrics`` (into
@@ -290,15 +305,8 @@ def train_and_export(cfg: DictConfig, prepared: Prepared, out_dir: Path | None =
 
     draft_container = OmegaConf.to_container(dcfg, resolve=True)
     launcher = LauncherConfig(**OmegaConf.to_container(cfg.launcher, resolve=True))
-    keyed = {"draft": {k: v for k, v in draft_container.items() if k != "init_from"},
-             "init_from": dcfg.init_from, "data": Manifest.read(data_dir).key,
-             "train": OmegaConf.to_container(cfg.train, resolve=True), "seed": cfg.seed}
-    if launcher.world_size > 1:  # checkpoints resume only under the same layout: own run dir per layout
-        keyed["layout"] = {"strategy": launcher.strategy, "world_size": launcher.world_size,
-                           "zero_stage": launcher.zero_stage if launcher.strategy == "deepspeed" else None}
-    run_key = stable_hash(keyed)
     artifacts = artifacts_from_config(cfg)
-    name = f"{kind}-{run_key}"
+    name = run_name(cfg, Manifest.read(data_dir).key, launcher)
     train_cfg = trainer_config(cfg, artifacts.target_dir(fingerprint) / "distill" / name)
     is_main = int(os.environ.get("RANK", "0")) == 0
     wandb_run = init_wandb(cfg, job_type="distill", wandb_dir=artifacts.wandb_dir, name=name) if is_main else None
