@@ -17,6 +17,7 @@ auto. The distill stages then run as usual, find their drafts exported, and reco
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import multiprocessing
@@ -83,7 +84,7 @@ def with_threads(plan: DraftPlan, threads: int) -> DraftPlan:
     job = plan.job.copy()
     with open_dict(job):
         job.train.num_threads = threads
-    return DraftPlan(plan.kind, job, plan.target_dir, plan.fingerprint, plan.data_dir, plan.out_dir, plan.cached)
+    return dataclasses.replace(plan, job=job)
 
 
 def named(error: BaseException, kind: str) -> BaseException:
