@@ -14,10 +14,12 @@ Recipes (a recipe = the draft's objective settings + the data it trains on):
   eagle3      old: TTT 2, 1024-token vocabulary, greedy answers | new: TTT 4, equal step weights, vocabulary
               covering 99% of the answer tokens, lr 5e-3, mixed answers | alt: step weights 0.8^j at lr 2e-3
               (the previous default) | alt: 0.8^j at lr 5e-3 | alt: 95% coverage | alt: the full vocabulary |
-              alt: aux layers [2, L/2, L] (the final hidden in place of layer L-3)
-  medusa      old: greedy answers | new: mixed answers | alt: mixed answers, equal head weights
-  block       new: the profile's (2 layers, block 9, 32 anchors, weights 0.6^(j-1)) | alt: block 5 | alt: weights
-              0.8^(j-1) | alt: 3 layers | alt: 16 anchors a step | alt: block 5 with 32 anchors (--kinds block --k 4)
+              alt: aux layers [2, L/2, L] (the final hidden in place of layer L-3) | alt: the greedy half
+  medusa      old: an all-greedy dataset | new: the greedy half of the mixed dataset (train_temperatures [0]) | alt:
+              every answer of the mixed dataset (the previous default) | alt: equal head weights, every answer
+  block       new: the profile's (2 layers, block 9, 32 anchors, weights 0.6^(j-1), the greedy half) | alt: every
+              answer of the mixed dataset | alt: an all-greedy dataset | alt: block 5 | alt: weights 0.8^(j-1) |
+              alt: 3 layers | alt: 16 anchors a step | alt: block 5 with 32 anchors (--kinds block --k 4)
 
 The data the new defaults train on is the pipeline profile's own (pipeline.data): with the same
 --artifacts as a pipeline run, its target and dataset are reused, not rebuilt. "old" data = the profile's
@@ -103,9 +105,14 @@ def recipes(target_vocab: int, target_layers: int) -> list[Recipe]:
         Recipe("eagle3", "alt-cov0.95", "TTT 4, vocab by 95% coverage, mixed data", {"draft_vocab_coverage": 0.95}),
         Recipe("eagle3", "alt-fullvocab", "TTT 4, full vocab, mixed data",
                {"draft_vocab_size": None, "draft_vocab_coverage": None}),
+        Recipe("eagle3", "alt-greedy-half", "the new recipe on the greedy half of the mixed dataset (served at T=0 only)",
+               {"train_temperatures": [0.0]}),
         Recipe("eagle3", "alt-aux-final", f"the new recipe on aux layers {final} (the final hidden, EAGLE-1's "
                "feature, in place of layer L-3)", {"aux_layers": final}),
-        Recipe("block", "new", "the profile's block draft (2 layers, block 9, 32 anchors, offsets weighted 0.6^(j-1))", {}),
+        Recipe("block", "new", "the profile's block draft (2 layers, block 9, 32 anchors, offsets weighted 0.6^(j-1), "
+               "the greedy half)", {}),
+        Recipe("block", "alt-all", "every answer of the mixed dataset (greedy and T=1)", {"train_temperatures": None}),
+        Recipe("block", "alt-greedy", "an all-greedy dataset", {"train_temperatures": None}, GREEDY),
         Recipe("block", "alt-bs5", "block 5 (K <= 4): every mask an offset the eval reads", {"block_size": 5}),
         Recipe("block", "alt-decay0.8", "offsets weighted 0.8^(j-1)", {"position_weight_decay": 0.8}),
         Recipe("block", "alt-3layers", "3 layers (a costlier round)", {"num_layers": 3}),
@@ -115,9 +122,11 @@ def recipes(target_vocab: int, target_layers: int) -> list[Recipe]:
         Recipe("block", "alt-aux-l1", f"aux layers {last_input} (the last layer's input, which vLLM's aux capture can "
                "give, in place of the final hidden)", {"aux_layers": last_input}),
         Recipe("block", "alt-bs5-anchors32", "block 5 and 32 anchors a step", {"block_size": 5, "max_anchors": 32}),
-        Recipe("medusa", "old", "greedy data", {}, GREEDY),
-        Recipe("medusa", "new", "mixed data", {}),
-        Recipe("medusa", "alt-flat", "equal head weights, mixed data", {"head_weight_decay": 1.0}),
+        Recipe("medusa", "old", "an all-greedy dataset", {"train_temperatures": None}, GREEDY),
+        Recipe("medusa", "new", "the greedy half of the mixed dataset", {}),
+        Recipe("medusa", "alt-all", "every answer of the mixed dataset (the previous default)", {"train_temperatures": None}),
+        Recipe("medusa", "alt-flat", "equal head weights, every answer", {"head_weight_decay": 1.0,
+                                                                          "train_temperatures": None}),
     ]
 
 

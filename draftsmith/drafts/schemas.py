@@ -57,10 +57,22 @@ def answer_temperature(data: DraftDataConfig, example_id: int) -> float:
 
 
 @dataclass
-class StandaloneSchema:
-    kind: str = "standalone"
-    init_from: str | None = None  # warm start: an earlier standalone draft dir
+class DraftSchema:
+    """The fields every kind's schema has."""
+
+    kind: str = ""
+    init_from: str | None = None  # warm start: an earlier draft dir of the same kind
     data: DraftDataConfig = field(default_factory=DraftDataConfig)
+    # Train on the answers generated at these temperatures only (None: every answer of the dataset). A kind
+    # that proposes tokens it cannot see (Medusa's heads, the block draft's masks) learns the path it is served
+    # on: labels past the first drafted token follow the answer's own tokens, so T=1 answers teach a T=0 draft
+    # a blur of continuations it will never verify. The one dataset keeps serving every kind.
+    train_temperatures: list[float] | None = None
+
+
+@dataclass
+class StandaloneSchema(DraftSchema):
+    kind: str = "standalone"
     # Architecture (None = derived from the target: same width, L//4 layers).
     num_layers: int | None = None
     hidden_size: int | None = None
@@ -81,11 +93,9 @@ class StandaloneSchema:
 
 
 @dataclass
-class MedusaSchema:
+class MedusaSchema(DraftSchema):
     kind: str = "medusa"
-    init_from: str | None = None
     mode: str = "online"  # online | offline
-    data: DraftDataConfig = field(default_factory=DraftDataConfig)
     num_heads: int = 4
     num_layers: int = 1
     shared_lm_head: bool = True
@@ -98,11 +108,9 @@ class MedusaSchema:
 
 
 @dataclass
-class EagleSchema:
+class EagleSchema(DraftSchema):
     kind: str = "eagle"
-    init_from: str | None = None
     mode: str = "online"
-    data: DraftDataConfig = field(default_factory=DraftDataConfig)
     fc_bias: bool = False
     # Warm start: the decoder layer from the target's last layer, fc as the identity on the feature half
     # (drafts.eagle.EagleDraft.init_layer_from_target); False = EAGLE's random init.
@@ -114,11 +122,9 @@ class EagleSchema:
 
 
 @dataclass
-class Eagle3Schema:
+class Eagle3Schema(DraftSchema):
     kind: str = "eagle3"
-    init_from: str | None = None
     mode: str = "online"
-    data: DraftDataConfig = field(default_factory=DraftDataConfig)
     aux_layers: list[int] | None = None  # None = [2, L//2, L-3]
     draft_vocab_size: int | None = None  # None = the target's vocabulary; else the most frequent tokens
     draft_vocab_coverage: float | None = None  # with draft_vocab_size null: smallest vocab covering this share of answer tokens
@@ -130,13 +136,11 @@ class Eagle3Schema:
 
 
 @dataclass
-class BlockSchema:
+class BlockSchema(DraftSchema):
     """Block-parallel (DFlash-style) draft: one non-causal forward proposes the whole block."""
 
     kind: str = "block"
-    init_from: str | None = None
     mode: str = "online"
-    data: DraftDataConfig = field(default_factory=DraftDataConfig)
     aux_layers: list[int] | None = None  # None = EAGLE-3's [2, L//2, L-3]
     num_layers: int = 2
     block_size: int = 9  # query block length: 1 root + K_max masks (K_max = block_size - 1 >= the eval's K)

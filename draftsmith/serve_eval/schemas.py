@@ -99,6 +99,10 @@ class EvalConfig:
         """The K values `method` is measured at: its own num_speculative_tokens_of entry, else the common list."""
         return sorted(set(map(int, self.num_speculative_tokens_of.get(method, self.num_speculative_tokens))))
 
+    def temperatures_for(self, method: str) -> list[float]:
+        """The temperatures a draft `method` is measured at: its temperatures_of entry, else every one."""
+        return [float(t) for t in self.temperatures_of.get(method, self.temperatures)]
+
     def prompts_of(self, domain: str) -> int:
         """The most held-out prompts `domain` is measured on: its max_prompts_per_domain_of entry, else the common
         max_prompts_per_domain."""

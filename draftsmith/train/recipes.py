@@ -20,6 +20,7 @@ def check_recipe(kind: str, dcfg: Any, target_vocab: int | None) -> None:
     from draftsmith.train.distill.dataset.settings import check_data_config, data_config
 
     check_data_config(data_config(dcfg))
+    check_train_temperatures(dcfg)
     topk = int(dcfg.data.topk_logits)
     if kind == "standalone":
         if dcfg.loss == "token_kd" and dcfg.teacher == "topk" and topk <= 0:
@@ -43,6 +44,29 @@ def check_recipe(kind: str, dcfg: Any, target_vocab: int | None) -> None:
             raise ValueError(f"draft.max_anchors: {dcfg.max_anchors} must be >= 1")
 
 
+def generated_temperatures(data: Any) -> list[float]:
+    """The temperatures the dataset's answers are generated at (none for corpus references)."""
+    if data.source != "target":
+        return []
+    temps = [float(data.temperature)]
+    if data.sampled_fraction > 0 and float(data.sampled_temperature) not in temps:
+        temps.append(float(data.sampled_temperature))
+    return temps
+
+
+def check_train_temperatures(dcfg: Any) -> None:
+    """draft.train_temperatures must name temperatures the dataset generates answers at."""
+    wanted = dcfg.get("train_temperatures")
+    if wanted is None:
+        return
+    generated = generated_temperatures(dcfg.data)
+    missing = [float(t) for t in wanted if float(t) not in generated]
+    if not wanted or missing:
+        raise ValueError(f"draft.train_temperatures: {list(wanted)} names {missing or 'no temperature'}, but the "
+                         f"dataset's answers are generated at {generated or 'none (data.source=corpus)'} "
+                         "(data.temperature, and data.sampled_temperature where data.sampled_fraction > 0)")
+
+
 def check_eval_ks(kind: str, dcfg: Any, eval_ks: list[int]) -> None:
     """The block draft proposes at most block_size - 1 tokens: an eval K above that stops the job now (the
     proposer would refuse it after the draft trained)."""
@@ -63,10 +87,16 @@ def planned_target_vocab(cfg: Any) -> int | None:
     return cfg.target.get("vocab_size")
 
 
-def recipe_warnings(kind: str, dcfg: Any, eval_ks: list[int]) -> list[str]:
-    """Settings that work but waste the draft at the K the eval asks for."""
+def recipe_warnings(kind: str, dcfg: Any, eval_ks: list[int], eval_temperatures: list[float] = ()) -> list[str]:
+    """Settings that work but waste the draft at the K and temperatures the eval asks for."""
     largest = max(eval_ks, default=0)
     out = []
+    trained = dcfg.get("train_temperatures")
+    unseen = [float(t) for t in eval_temperatures if trained is not None and float(t) not in map(float, trained)]
+    if unseen:
+        out.append(f"{kind}: draft.train_temperatures={list(trained)} but the eval measures it at T={unseen}: "
+                   f"it never trained on answers sampled there (expect alpha to fall; add them, or set "
+                   f"eval.temperatures_of.{kind})")
     if kind == "eagle3" and dcfg.ttt_steps < largest:
         out.append(f"eagle3: draft.ttt_steps={dcfg.ttt_steps} is shorter than the largest eval K={largest}: "
                    f"positions past {dcfg.ttt_steps} are drafted from features the draft never trained on "

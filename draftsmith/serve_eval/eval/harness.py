@@ -136,8 +136,7 @@ def _open_runners(plans: list[MethodPlan], factory: RunnerFactory,
 
 def runs_at(cfg: EvalConfig, method: str, temperature: float) -> bool:
     """Whether `method` is measured at `temperature` (eval.temperatures_of; the baselines everywhere)."""
-    temps = cfg.temperatures_of.get(method)
-    return temps is None or method in (BASELINE_METHOD, HF_BASELINE) or float(temperature) in map(float, temps)
+    return method in (BASELINE_METHOD, HF_BASELINE) or float(temperature) in cfg.temperatures_for(method)
 
 
 def _sweep(cfg: EvalConfig, opened: list[tuple[MethodPlan, Runner]], prompts: dict[str, list[str]],

@@ -234,6 +234,14 @@ class DistillDataset(torch.utils.data.Dataset):
     def domain(self, i: int) -> str:
         return self.rows[self.indices[i]].get("domain", "")
 
+    def answer_temperatures(self) -> list[float]:
+        """Per example, the temperature its answer was generated at (-1: a corpus reference, or a cache from
+        before the field was stored)."""
+        if "temperature" not in self.rows.column_names:
+            return [-1.0] * len(self.indices)
+        column = self.rows["temperature"]
+        return [float(column[i]) for i in self.indices]
+
     def _tensors(self, shard: int) -> Any:
         from safetensors import safe_open
 

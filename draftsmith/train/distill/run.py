@@ -223,6 +223,20 @@ def holdout_split(num_examples: int, fraction: float) -> tuple[list[int], list[i
     return [i for i in range(num_examples) if i not in held], sorted(held)
 
 
+def trained_answers(dataset: DistillDataset, temperatures: list[float] | None) -> list[int]:
+    """The examples a kind trains and is held out on: the answers generated at ``temperatures``
+    (draft.train_temperatures; None: every example)."""
+    if temperatures is None:
+        return list(range(len(dataset)))
+    wanted = {round(float(t), 6) for t in temperatures}
+    generated = [round(t, 6) for t in dataset.answer_temperatures()]
+    kept = [i for i, t in enumerate(generated) if t in wanted]
+    if not kept:
+        raise ValueError(f"draft.train_temperatures: {sorted(wanted)} matches no answer in {dataset.cache_dir}: its "
+                         f"answers were generated at {sorted(set(generated))} (-1: corpus references)")
+    return kept
+
+
 # ----------------------------------------------------------------------------- the job
 
 
@@ -294,8 +308,12 @@ def train_and_export(cfg: DictConfig, prepared: Prepared, out_dir: Path | None =
     target_dir, fingerprint, data_dir = Path(prepared.target_dir), prepared.fingerprint, Path(prepared.data_dir)
     num_layers = int(json.loads((target_dir / "config.json").read_text())["num_hidden_layers"])
     dataset = DistillDataset(data_dir, fingerprint, dataset_needs(kind, dcfg, num_layers))
-    train_ids, eval_ids = holdout_split(len(dataset), dcfg.data.eval_fraction)
-    train_set, eval_set = dataset.subset(train_ids), dataset.subset(eval_ids)
+    answers = trained_answers(dataset, dcfg.get("train_temperatures"))
+    if len(answers) < len(dataset):
+        log_event(stage="distill", kind=kind, train_temperatures=list(dcfg.train_temperatures),
+                  answers=f"{len(answers)}/{len(dataset)}")
+    train_ids, eval_ids = holdout_split(len(answers), dcfg.data.eval_fraction)
+    train_set, eval_set = dataset.subset([answers[i] for i in train_ids]), dataset.subset([answers[i] for i in eval_ids])
     torch.manual_seed(cfg.seed)  # the draft's initial weights depend on the config only (and agree across ranks)
     draft = build_draft(kind, dcfg, target_dir, train_set)
     if dcfg.init_from:

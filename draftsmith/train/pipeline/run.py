@@ -130,7 +130,8 @@ def check_stage_configs(cfg: DictConfig) -> list[str]:
         check_recipe(kind, dcfg, vocab)
         eval_ks = eval_settings.ks_of(kind) if eval_settings is not None else []
         check_eval_ks(kind, dcfg, eval_ks)
-        warnings += recipe_warnings(kind, dcfg, eval_ks)
+        warnings += recipe_warnings(kind, dcfg, eval_ks,
+                                    eval_settings.temperatures_for(kind) if eval_settings is not None else [])
     for line in warnings:
         warn_event(check="recipe", warning=line)
     return warnings

@@ -76,3 +76,30 @@ def test_lr_schedule_warmup_then_decay() -> None:
     assert lr_factor(10, 4, 10, "cosine", 0.1) == pytest.approx(0.1)
     assert lr_factor(7, 4, 10, "linear", 0.0) == pytest.approx(0.5)
     assert lr_factor(9, 0, 10, "constant", 0.0) == 1.0
+
+
+class _Answers:
+    """A dataset's per-example answer temperatures (what trained_answers reads)."""
+
+    cache_dir = "cache/data"
+
+    def __init__(self, temperatures: list[float]) -> None:
+        self.temperatures = temperatures
+
+    def __len__(self) -> int:
+        return len(self.temperatures)
+
+    def answer_temperatures(self) -> list[float]:
+        return self.temperatures
+
+
+def test_trained_answers_keeps_the_named_temperatures_only() -> None:
+    from draftsmith.train.distill.run import trained_answers
+
+    answers = _Answers([0.0, 1.0, 0.0, 0.7, 1.0])
+    assert trained_answers(answers, None) == [0, 1, 2, 3, 4]
+    assert trained_answers(answers, [0.0]) == [0, 2]
+    assert trained_answers(answers, [1.0, 0.7]) == [1, 3, 4]
+    with pytest.raises(ValueError, match=r"draft.train_temperatures: \[0.5\] matches no answer in cache/data: its "
+                                         r"answers were generated at \[0.0, 0.7, 1.0\]"):
+        trained_answers(answers, [0.5])

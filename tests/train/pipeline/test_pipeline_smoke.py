@@ -64,6 +64,7 @@ def test_smoke_pipeline_report_registry_and_cached_rerun(tmp_path):
     assert "topk=16" in done["generate"] and "final_hidden=True" in done["generate"]
     log = first.stdout + first.stderr
     assert "kind=eagle3 draft_vocab=" in log and "draft_vocab_coverage=" in done["distill_eagle3"]
+    assert "kind=medusa train_temperatures=[0.0] answers=" in log   # Medusa trains on the greedy half
     assert all(f"c_{k}=" in done["cost"] for k in KINDS), done["cost"]
     assert "draft cost ratio c" in first.stdout
     assert all(any(line.strip().startswith(f"{k} ") and " c=" in line for line in first.stdout.splitlines())

@@ -12,7 +12,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from draftsmith.drafts.schemas import DraftDataConfig, Eagle3Schema, StandaloneSchema
+from draftsmith.drafts.schemas import BlockSchema, DraftDataConfig, Eagle3Schema, MedusaSchema, StandaloneSchema
 from draftsmith.train.config import compose
 from draftsmith.train.distill.gendata import Manifest, StoredExtras, find_covering
 from draftsmith.drafts.schemas import answer_temperature
@@ -37,6 +37,11 @@ def node(schema, **fields):
     ("eagle3", Eagle3Schema, {"data.sampled_fraction": -0.1}, "draft.data.sampled_fraction: -0.1 is outside [0, 1]"),
     ("eagle3", Eagle3Schema, {"draft_vocab_size": 5000}, "draft.draft_vocab_size: 5000 is outside 1..4096"),
     ("eagle3", Eagle3Schema, {"draft_vocab_coverage": 1.5}, "draft.draft_vocab_coverage: 1.5"),
+    ("medusa", MedusaSchema, {"train_temperatures": [0.0, 0.7], "data.sampled_fraction": 0.5},
+     "draft.train_temperatures: [0.0, 0.7] names [0.7], but the dataset's answers are generated at [0.0, 1.0]"),
+    ("medusa", MedusaSchema, {"train_temperatures": [1.0]}, "names [1.0], but the dataset's answers are generated at [0.0]"),
+    ("block", BlockSchema, {"train_temperatures": [0.0], "data.source": "corpus"}, "none (data.source=corpus)"),
+    ("block", BlockSchema, {"train_temperatures": []}, "names no temperature"),
 ])
 def test_recipe_that_cannot_work_is_one_line_naming_field_and_value(kind, schema, fields, message):
     with pytest.raises(ValueError) as err:
@@ -52,6 +57,15 @@ def test_working_recipes_pass_and_a_short_unroll_warns():
     assert "ttt_steps=2" in line and "K=4" in line
 
 
+def test_training_on_some_temperatures_passes_and_warns_where_the_eval_samples_elsewhere():
+    greedy_half = node(MedusaSchema, train_temperatures=[0.0], **{"data.sampled_fraction": 0.5})
+    check_recipe("medusa", greedy_half, 4096)
+    assert recipe_warnings("medusa", greedy_half, [4], [0.0]) == []
+    assert recipe_warnings("medusa", node(MedusaSchema, **{"data.sampled_fraction": 0.5}), [4], [0.0, 1.0]) == []
+    [line] = recipe_warnings("medusa", greedy_half, [4], [0.0, 1.0])
+    assert "draft.train_temperatures=[0.0]" in line and "T=[1.0]" in line and "eval.temperatures_of.medusa" in line
+
+
 def test_pipeline_checks_recipes_before_any_stage_and_keeps_warnings():
     with pytest.raises(ValueError, match=r"draft.data.sampled_fraction: 2.0 is outside \[0, 1\]"):
         check_stage_configs(compose(["pipeline=smoke", "pipeline.data.sampled_fraction=2.0"]))
@@ -59,6 +73,10 @@ def test_pipeline_checks_recipes_before_any_stage_and_keeps_warnings():
         check_stage_configs(compose(["pipeline=smoke", "+pipeline.drafts.eagle3.draft_vocab_size=9999"]))
     warnings = check_stage_configs(compose(["pipeline=smoke", "pipeline.drafts.eagle3.ttt_steps=1"]))
     assert any("ttt_steps=1" in w for w in warnings)
+    with pytest.raises(ValueError, match=r"draft.train_temperatures: \[0.5\] names \[0.5\]"):
+        check_stage_configs(compose(["pipeline=smoke", "pipeline.drafts.medusa.train_temperatures=[0.5]"]))
+    warnings = check_stage_configs(compose(["pipeline=smoke", "pipeline.eval.temperatures_of.medusa=[0.0,1.0]"]))
+    assert any("medusa: draft.train_temperatures=[0.0]" in w and "T=[1.0]" in w for w in warnings)
     assert check_stage_configs(compose(["pipeline=smoke"])) == []
     assert check_stage_configs(compose([])) == []  # the embedded default: TTT >= its largest K
 
