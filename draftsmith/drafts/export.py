@@ -49,6 +49,7 @@ from draftsmith.drafts.export_verifier import Verifier, check_aux_layers_servabl
 from draftsmith.drafts.export_verifier import resolve_verifier as resolve_verifier  # (drafts.quant_export imports it from here)
 from draftsmith.drafts.files import write_json
 from draftsmith.drafts.io import draft_state_dict, load_draft, write_safetensors
+from draftsmith.drafts.kinds import draft_kind
 from draftsmith.drafts.medusa import MedusaConfig, MedusaDraft
 from draftsmith.drafts.standalone import StandaloneDraft
 from draftsmith.kernels.layers.checkpoint import load_target_embed_and_head, read_file, tensor_names
@@ -113,7 +114,6 @@ def _export_eagle_vllm(model: EagleDraft, verifier: Verifier, k: int) -> tuple[d
 
 
 def _export_eagle3_speculators(model: Eagle3Draft, verifier: Verifier, k: int) -> tuple[dict, dict]:
-    check_aux_layers_servable(list(model.config.aux_layers), verifier)
     cfg = model.config
     config = {
         "architectures": ["Eagle3Speculator"],
@@ -137,7 +137,6 @@ def _export_eagle3_speculators(model: Eagle3Draft, verifier: Verifier, k: int) -
 def _export_eagle3_sglang(model: Eagle3Draft, verifier: Verifier, k: int) -> tuple[dict, dict]:
     """SGLang's (and SpecForge's) EAGLE-3 layout, the same for Llama and Qwen3 / Qwen3-MoE targets: SpecForge's
     Qwen3 drafts are LlamaForCausalLMEagle3 too, a one-layer Llama with the target's head_dim and rope."""
-    check_aux_layers_servable(list(model.config.aux_layers), verifier)
     cfg = model.config
     config = {
         "architectures": ["LlamaForCausalLMEagle3"],
@@ -177,8 +176,6 @@ def _export_medusa(model: MedusaDraft, verifier: Verifier, k: int) -> tuple[dict
 def _export_block_speculators(model, verifier: Verifier, k: int) -> tuple[dict, dict]:
     from draftsmith.drafts.export_block import export_block_speculators  # the DFlash layout lives beside its draft
 
-    check_aux_layers_servable(list(model.config.aux_layers), verifier)
-
     return export_block_speculators(model, verifier, k, _layer_config, _speculators_config, SPECULATORS_VERSION)
 
 
@@ -205,6 +202,8 @@ def export_draft(src: str | Path, fmt: str, out: str | Path, verifier: str | Non
     if num_speculative_tokens <= 0:
         raise ValueError(f"export: num_speculative_tokens must be > 0, got {num_speculative_tokens}")
     target = resolve_verifier_info(verifier, verifier_architecture)  # before anything is written: no half export
+    if draft_kind(loaded.kind).reads_aux_layers:  # its formats are all other engines', which capture layers 0..L-1
+        check_aux_layers_servable(list(loaded.model.config.aux_layers), target)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     if fmt == "hf":
