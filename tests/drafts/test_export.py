@@ -194,3 +194,16 @@ def test_standalone_hf_export_and_cli(tmp_path):
     with pytest.raises(ValueError, match="format='sglang' takes \\['eagle3'\\].*'standalone'"):
         export_draft(tmp_path / "src", "sglang", tmp_path / "bad")
     assert main(["--src", str(tmp_path / "src"), "--format", "medusa", "--out", str(tmp_path / "bad")]) == 2
+
+
+@pytest.mark.parametrize("fmt", ["speculators", "sglang"])
+def test_eagle3_on_the_final_hidden_is_refused_by_every_engine_layout(fmt, tmp_path, target_dir):
+    """Layer L (the final norm's output) serves in our engine only: both EAGLE-3 layouts stop before writing,
+    naming the layers an engine captures (the check sits once in export_draft, for every aux-reading kind)."""
+    torch.manual_seed(1)
+    draft = Eagle3Draft.from_target_config(TARGET, aux_layers=[1, 3, 6], draft_vocab_size=48)
+    draft.set_vocab_map(*build_reduced_vocab(torch.randint(0, 50, (V,)), 48))
+    save_draft(draft, tmp_path / "src")
+    with pytest.raises(ValueError, match=r"aux layer ids \[6\]: .* decoder layers 0..5"):
+        export_draft(tmp_path / "src", fmt, tmp_path / "out", verifier=str(target_dir))
+    assert not (tmp_path / "out").exists()
