@@ -7,7 +7,7 @@ Recipes (a recipe = the draft's objective settings + the data it trains on):
               + 0.1 hard CE | alt: the same on the stored top-16 (the previous default) | alt: TVD on the full
               distribution | alt: on the top-16: TVD, JSD without hard CE, TVD at lr 5e-3, TVD with 2 layers | alt:
               the new recipe with its layer copied from the target's last layer instead of its first | alt: the
-              new recipe with 2 or 3 layers
+              new recipe with 2 or 3 layers | alt: the new recipe on the T=1 half only
   eagle       old: feature + token loss on greedy answers | new: the same on the mixed answers | alt: token
               weight 0.5 on the mixed answers | alt: the layer warm-started from the target's last | alt: the
               first 512 prompts only (128 a domain)
@@ -84,6 +84,8 @@ def recipes(target_vocab: int, target_layers: int) -> list[Recipe]:
                {"init_target_layers": [-1]}),
         Recipe("standalone", "alt-tv-2l", "TVD top-k + 0.1 CE, 2 layers (costlier steps and rounds)",
                {"divergence": "tv", "teacher": "topk", "num_layers": 2}),
+        Recipe("standalone", "alt-sampled-half", "the profile's recipe on the T=1 half of the mixed dataset only",
+               {"train_temperatures": [1.0]}),
         Recipe("standalone", "alt-2l", "the profile's recipe with 2 layers (the target's first two)", {"num_layers": 2}),
         Recipe("standalone", "alt-3l", "the profile's recipe with 3 layers (the target's first three)", {"num_layers": 3}),
         Recipe("eagle", "old", "feature + token loss, greedy data", {}, GREEDY),
