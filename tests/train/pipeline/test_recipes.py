@@ -165,7 +165,7 @@ def test_bench_recipes_compares_old_new_and_alternatives_in_one_run(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = {line.split()[1]: line.split() for line in proc.stdout.splitlines() if line.startswith("standalone ")}
     assert set(rows) == {"old", "new", "alt-topk", "alt-hidden-tv", "alt-tv", "alt-jsd", "alt-tv-lr", "alt-last",
-                         "alt-tv-2l", "alt-2l", "alt-3l"}
+                         "alt-tv-2l", "alt-2l", "alt-3l", "alt-sampled-half"}
     assert all(cells[2] != "-" and cells[4] != "-" for cells in rows.values()), proc.stdout  # alpha at T=0 and T=1
     # the per-domain table: one row per recipe, alpha(T=1)/tau(T=0)/a_K(T=0) filled for every domain
     per_domain = {line.split()[0]: line.split()[1:] for line in proc.stdout.splitlines()
