@@ -56,6 +56,17 @@ def answer_temperature(data: DraftDataConfig, example_id: int) -> float:
     return data.sampled_temperature if (example_id * 0.6180339887498949) % 1.0 < data.sampled_fraction else data.temperature
 
 
+def generated_temperatures(data: DraftDataConfig) -> list[float]:
+    """The temperatures answer_temperature gives the answers of a regenerated dataset (none for corpus
+    references): ``temperature`` unless every answer is sampled, ``sampled_temperature`` where any is."""
+    if data.source != "target":
+        return []
+    temps = [float(data.temperature)] if data.sampled_fraction < 1 else []
+    if data.sampled_fraction > 0 and float(data.sampled_temperature) not in temps:
+        temps.append(float(data.sampled_temperature))
+    return temps
+
+
 @dataclass
 class DraftSchema:
     """The fields every kind's schema has."""

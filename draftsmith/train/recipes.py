@@ -12,6 +12,8 @@ from typing import Any
 
 import torch
 
+from draftsmith.drafts.schemas import generated_temperatures
+
 VOCAB_MULTIPLE = 64  # a coverage-sized vocabulary is rounded up to this (matmul-friendly widths)
 
 
@@ -44,16 +46,6 @@ def check_recipe(kind: str, dcfg: Any, target_vocab: int | None) -> None:
             raise ValueError(f"draft.max_anchors: {dcfg.max_anchors} must be >= 1")
 
 
-def generated_temperatures(data: Any) -> list[float]:
-    """The temperatures the dataset's answers are generated at (none for corpus references)."""
-    if data.source != "target":
-        return []
-    temps = [float(data.temperature)]
-    if data.sampled_fraction > 0 and float(data.sampled_temperature) not in temps:
-        temps.append(float(data.sampled_temperature))
-    return temps
-
-
 def check_train_temperatures(dcfg: Any) -> None:
     """draft.train_temperatures must name temperatures the dataset generates answers at."""
     wanted = dcfg.get("train_temperatures")
@@ -64,7 +56,7 @@ def check_train_temperatures(dcfg: Any) -> None:
     if not wanted or missing:
         raise ValueError(f"draft.train_temperatures: {list(wanted)} names {missing or 'no temperature'}, but the "
                          f"dataset's answers are generated at {generated or 'none (data.source=corpus)'} "
-                         "(data.temperature, and data.sampled_temperature where data.sampled_fraction > 0)")
+                         "(data.temperature where data.sampled_fraction < 1, data.sampled_temperature where it is > 0)")
 
 
 def check_eval_ks(kind: str, dcfg: Any, eval_ks: list[int]) -> None:

@@ -40,6 +40,8 @@ def node(schema, **fields):
     ("medusa", MedusaSchema, {"train_temperatures": [0.0, 0.7], "data.sampled_fraction": 0.5},
      "draft.train_temperatures: [0.0, 0.7] names [0.7], but the dataset's answers are generated at [0.0, 1.0]"),
     ("medusa", MedusaSchema, {"train_temperatures": [1.0]}, "names [1.0], but the dataset's answers are generated at [0.0]"),
+    ("medusa", MedusaSchema, {"train_temperatures": [0.0], "data.sampled_fraction": 1.0},
+     "names [0.0], but the dataset's answers are generated at [1.0]"),   # every answer sampled
     ("block", BlockSchema, {"train_temperatures": [0.0], "data.source": "corpus"}, "none (data.source=corpus)"),
     ("block", BlockSchema, {"train_temperatures": []}, "names no temperature"),
 ])
