@@ -4,7 +4,8 @@ Batch 1, T = 0 and T = 1, per domain: ms/token (decode phase, serve_eval.specula
 over our own no-spec engine for no-spec, n-gram, standalone, Medusa, EAGLE-1, EAGLE-3, block, and
 transformers' generate(assistant_model=...) with the same standalone draft (ms/token = (time of n
 new tokens - time of 1) / (n - 1), so its prefill is excluded too), with the mean over domains and our
-standalone path against transformers'. Then batches of `--batch-sizes` (16 and 32): speculation under
+standalone path against transformers'. Answers end at the target's EOS, as the main job's eval ends them (--eos
+ignore: every answer runs to --max-tokens). Then batches of `--batch-sizes` (16 and 32): speculation under
 the server's default policy (fallback and the measured batch gate) vs no-spec (--plain-floor: and with the gate
 pinned to plain decoding, what a plainly decoding step costs under each strategy). Then trees (issue 12, "trees that pay"): EAGLE-1's chain against its
 dynamic tree sized by the cost model (eagle-tree, tree_budget="cost": it drafts chains where they measure cheaper) and EAGLE-2's fixed 16-node tree
@@ -132,6 +133,7 @@ def load_prompts(artifacts: Path, per_domain: int, vocab: int, tokenizer) -> tup
 
 
 # -- measurement ------------------------------------------------------------------------------
+EOS_TEXT = {"honour": "answers end at EOS", "ignore": "EOS ignored (every answer runs to --max-tokens)"}
 PLAIN_GATE = BatchGateConfig(mode="table", k_by_batch_size={1: 0})   # K capped at 0 at every batch size
 
 
@@ -191,7 +193,9 @@ def hf_assisted_ms_per_token(args, target: Path, draft: Path, prompts: list, tem
     dtype = resolve_dtype(args.dtype, args.device)
     model = AutoModelForCausalLM.from_pretrained(target, dtype=dtype).to(args.device).eval()
     assistant = AutoModelForCausalLM.from_pretrained(draft, dtype=dtype).to(args.device).eval()
-    kw = dict(assistant_model=assistant, do_sample=temperature > 0, pad_token_id=0, eos_token_id=None)
+    kw = dict(assistant_model=assistant, do_sample=temperature > 0, pad_token_id=0)
+    if args.eos == "ignore":   # else the target's generation config ends answers at EOS, as our engine does
+        kw["eos_token_id"] = None
     if temperature > 0:
         kw["temperature"] = temperature
 
@@ -199,7 +203,8 @@ def hf_assisted_ms_per_token(args, target: Path, draft: Path, prompts: list, tem
         ids = torch.tensor([prompt], device=args.device)
         t0 = time.perf_counter()
         with torch.no_grad():
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n, **kw)
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
+                                 min_new_tokens=n if args.eos == "ignore" else 0, **kw)
         if args.device.startswith("cuda"):
             torch.cuda.synchronize()
         return time.perf_counter() - t0, out.shape[1] - ids.shape[1]
@@ -231,6 +236,10 @@ def parse_args() -> argparse.Namespace:
                     help="batch section: also each method with its gate pinned to plain decoding (<method>@plain), "
                          "the floor the gate can reach: below 1.0x, plain steps cost more under the strategy")
     ap.add_argument("--temperatures", default="0,1")
+    ap.add_argument("--eos", choices=("honour", "ignore"), default="honour",
+                    help="batch1 section: answers end at the target's EOS, as the main job's eval ends them "
+                         "(eval.ignore_eos: false), or run to --max-tokens (past the target's natural end, off the "
+                         "drafts' training data); the batch and trees sections run to --max-tokens")
     ap.add_argument("--threads", default="auto", help="engine intra-op threads: a count or 'auto'")
     ap.add_argument("--sections", default=",".join(SECTIONS), help=f"comma list of {SECTIONS}")
     ap.add_argument("--tree-repeats", type=int, default=5, help="trees section: interleaved repetitions")
@@ -304,15 +313,16 @@ def batch1_table(args: argparse.Namespace, target: Path, methods: list[str], dra
     cells = {m: c for m in methods if (c := cell_runner(args, target, m, drafts)) is not None}
     rows, by_method = [], {}
     for temperature in [float(t) for t in args.temperatures.split(",")]:
-        params = SamplingParams(temperature=temperature, max_tokens=args.max_tokens, ignore_eos=True, seed=0)
+        params = SamplingParams(temperature=temperature, max_tokens=args.max_tokens, ignore_eos=args.eos == "ignore",
+                                seed=0)
         for domain, domain_prompts in prompts.items():
             samples = interleaved(cells, args.repeats, domain_prompts, params, 1)
             for method, ms in samples.items():
                 cell = paired_summary(samples["nospec"], ms)
                 rows.append((f"T={temperature:g}", domain, method, *cell))
                 by_method.setdefault((temperature, method), []).append((cell[0], cell[2]))
-    print(f"\nbatch 1, {args.repeats} interleaved repetitions per cell: median ms/token (spread = max - min), "
-          "speed-up = median of the repetitions' paired ratios [min, max]")
+    print(f"\nbatch 1, {args.repeats} interleaved repetitions per cell, {EOS_TEXT[args.eos]}: median ms/token "
+          "(spread = max - min), speed-up = median of the repetitions' paired ratios [min, max]")
     print(f"{'temp':<6} {'domain':<10} {'method':<12} {'ms/token':>16} {'speedup':>24}")
     for temp, domain, method, ms, spread, sp, lo, hi in rows:
         print(f"{temp:<6} {domain:<10} {method:<12} {ms:8.2f} ({spread:5.2f}) {sp:8.2f}x [{lo:.2f}, {hi:.2f}]")
