@@ -113,7 +113,7 @@ class _Bucket:
         """Seconds per token of an arm: the median of its latest steps; before it has run, its presumed
         ratio times plain decoding's cost; None if neither is known."""
         arm = self.arms[key]
-        if arm.recent:
+        if arm.seconds:
             return arm.median()
         plain = self.arms[PLAIN].median()
         if arm.presumed_ratio is not None and plain is not None:
@@ -182,15 +182,14 @@ class BatchGate:
             return
         b = self._bucket(batch_size)
         chosen = self._choose(b)
-        cost = step_s / emitted_tokens
         if not speculative and chosen != PLAIN:
-            b.arms[PLAIN].observe(cost)
+            b.arms[PLAIN].observe(step_s, emitted_tokens)
             return
         b.steps += 1
         if b.retry_left:
             self._retry_step(b, step_s, emitted_tokens)
             return
-        b.arms[chosen].observe(cost)
+        b.arms[chosen].observe(step_s, emitted_tokens)
         self._presume_larger_k(b, chosen)
         winner = self._winner(b)
         if winner is None:
@@ -252,7 +251,7 @@ class BatchGate:
         if not b.retry_burst and (first_run or cost < b.cost(b.retry_from)) and self.config.min_samples > 1:
             arm.restart()
             b.retry_burst, b.retry_left = True, self.config.min_samples
-        arm.observe(cost)
+        arm.observe(step_s, emitted_tokens)
         b.retry_left -= 1
         if not b.retry_left:
             self._end_retry(b)

@@ -2,8 +2,8 @@
 (speculation capped at K, or plain decoding, per batch size; speculative.batch_gate) and the tree budget's shapes
 (tree or chain; speculative.tree_budget).
 
-Each arm's cost is the median of its latest measurements (seconds per emitted token): one step on a shared CPU
-has spikes of several times its typical cost, which a mean or an EMA would carry for many steps. The cheapest arm
+Each arm's cost is read from its latest measurements (seconds and emitted tokens) through a median: one step on a
+shared CPU has spikes of several times its typical cost, which a mean or an EMA would carry for many steps. The cheapest arm
 runs; the others are re-tried now and then, in case a change (another draft, longer contexts, another batch mix)
 made one of them cheaper. How often is a RetryBackoff: a base interval in steps of the winner, doubled each time
 the re-tries confirm the winner (up to a cap), back to the base when one wins, so an arm that keeps losing costs
@@ -19,28 +19,49 @@ from dataclasses import dataclass, field
 
 @dataclass
 class ArmCosts:
-    """One arm's measurements: the latest `window` costs (seconds per emitted token) and how many it ever had."""
+    """One arm's measurements: the seconds and emitted tokens of its latest `window` steps (or rounds), and how many
+    it ever had. Two readings of them:
+
+    - median(): the median of each measurement's own seconds per token, for arms whose measurements differ in
+      size (the batch gate's: one batch-size bucket holds steps of several batch sizes, each read as its own rate);
+    - rate(): the median seconds over the mean tokens, for arms whose measurements cost about the same and yield a
+      varying number of tokens (a batch-1 speculative round: K sets its cost, acceptance its tokens). The median of
+      per-round ratios there is not the rate: it drafted EAGLE-1's trees in 38% of the rounds at batch 1, where a
+      chain's rounds of 1-5 tokens put its median per-token cost above its rate, and ran 1.37x of plain decoding
+      against the chain's 1.76x; read as rate(), 1% of them, 1.77x against 1.83x (bench_spec --sections trees).
+    """
 
     window: int
-    recent: deque = field(init=False)
+    seconds: deque = field(init=False)
+    tokens: deque = field(init=False)
     samples: int = 0
 
     def __post_init__(self) -> None:
         if self.window < 1:
             raise ValueError(f"an arm's window must be >= 1, got {self.window}")
-        self.recent = deque(maxlen=self.window)
+        self.seconds = deque(maxlen=self.window)
+        self.tokens = deque(maxlen=self.window)
 
-    def observe(self, seconds_per_token: float) -> None:
-        self.recent.append(seconds_per_token)
+    def observe(self, seconds: float, tokens: float) -> None:
+        if tokens <= 0:
+            raise ValueError(f"an arm's measurement needs tokens > 0, got {tokens}")
+        self.seconds.append(seconds)
+        self.tokens.append(tokens)
         self.samples += 1
 
     def median(self) -> float | None:
-        """The arm's cost: the median of its latest measurements (None before the first)."""
-        return statistics.median(self.recent) if self.recent else None
+        """The median of the latest measurements' seconds per token (None before the first)."""
+        return statistics.median(s / t for s, t in zip(self.seconds, self.tokens)) if self.seconds else None
+
+    def rate(self) -> float | None:
+        """Seconds per token as the median seconds of the latest measurements over their mean tokens (None before
+        the first): the median keeps a spiked step out, the mean counts every token (tokens have no spikes)."""
+        return statistics.median(self.seconds) / statistics.mean(self.tokens) if self.seconds else None
 
     def restart(self) -> None:
         """Forget the window (a fresh burst decides alone); the count of samples stays."""
-        self.recent.clear()
+        self.seconds.clear()
+        self.tokens.clear()
 
 
 @dataclass

@@ -21,8 +21,9 @@ Shape. That model prices verified nodes, not the tree's own drafting: each depth
 (top_k rows per expanded node) in a torch forward, where a chain's K steps run in one native loop. On the
 2-core CPU (fp32, K=4, 16 nodes) a tree round cost 12.6 ms (draft 3.9, a 17-row verify 7.6) against a chain's
 5.6 (1.3, 3.8), so the tree's tau 3.03 against 2.56 ran at 0.81x of plain decoding where the chain ran 1.44x.
-So the budget also measures both shapes and drafts the one that costs less per emitted token: the median
-seconds per token of each shape's latest rounds; the losing shape is re-tried one round at a time, every
+So the budget also measures both shapes and drafts the one that costs less per emitted token: the median seconds
+of each shape's latest rounds over their mean tokens (ArmCosts.rate: a round's cost is set by its shape, its tokens
+by acceptance); the losing shape is re-tried one round at a time, every
 `shape_retry_every` rounds of the winner, that interval doubling (to 16x) each time it loses again (the batch gate's
 way of choosing arms, speculative.measured_arms). Where the
 verify rows are nearly free (a GPU at small batch) the tree keeps winning; where they are not, the budget runs
@@ -53,7 +54,7 @@ class TreeBudgetConfig:
     prior_strength: float = 2.0  # prior pseudo-trials; a few verified rounds outweigh it
     ema: float = 0.1  # weight of a new step in the round-cost and tokens-per-round averages
     probe_repeats: int = 3  # timed forwards per probed query length (median kept)
-    shape_window: int = 8  # a shape's cost: the median seconds per emitted token of its latest rounds
+    shape_window: int = 32  # a shape's cost: the median seconds over the mean tokens of its latest rounds
     shape_min_rounds: int = 3  # rounds of each shape before they are compared
     shape_retry_every: int = 16  # rounds of the winning shape between re-tries of the other (doubling, to 16x)
 
@@ -193,7 +194,7 @@ class ShapeChoice:
         """The cheaper shape per token; None until both have their first rounds (a tie keeps the tree)."""
         if any(arm.samples < self.config.shape_min_rounds for arm in self.arms.values()):
             return None
-        return CHAIN if self.arms[CHAIN].median() < self.arms[TREE].median() else TREE
+        return CHAIN if self.arms[CHAIN].rate() < self.arms[TREE].rate() else TREE
 
     def next_shape(self) -> str:
         """Trees first (their calibration needs rounds), then chains, then the winner with a re-try of the other
@@ -206,9 +207,9 @@ class ShapeChoice:
             return CHAIN if best == TREE else TREE
         return best
 
-    def observe(self, shape: str, seconds_per_token: float) -> None:
+    def observe(self, shape: str, seconds: float, tokens: float) -> None:
         best = self.winner()
-        self.arms[shape].observe(seconds_per_token)
+        self.arms[shape].observe(seconds, tokens)
         if best is None:
             return
         if shape == best:
@@ -273,7 +274,7 @@ class TreeBudget:
         the tree's round averages learn from tree steps only."""
         if batch_size < 1 or step_s <= 0 or emitted_tokens <= 0:
             return
-        self.shape.observe(TREE if trees else CHAIN, step_s / emitted_tokens)
+        self.shape.observe(TREE if trees else CHAIN, step_s, emitted_tokens)
         if not trees:
             return
         avg, w = self.averages, self.config.ema

@@ -1,5 +1,5 @@
-"""speculative.measured_arms: an arm's cost is the median of its latest measurements, and the re-try interval
-doubles with each confirmation up to its cap and falls back to its base when a re-tried arm wins."""
+"""speculative.measured_arms: an arm's cost is read through a median of its latest measurements (per measurement, or
+its seconds over its mean tokens), and the re-try interval doubles with each confirmation up to its cap and falls back to its base when a re-tried arm wins."""
 from __future__ import annotations
 
 import pytest
@@ -13,13 +13,25 @@ def test_an_arms_cost_is_the_median_of_its_window_so_one_spike_does_not_move_it(
     arm = ArmCosts(window=5)
     assert arm.median() is None
     for cost in (1.0, 1.1, 0.9, 1.0, 9.0):   # one step at 9x its typical cost
-        arm.observe(cost)
+        arm.observe(2 * cost, 2)
     assert arm.median() == 1.0
     for cost in (2.0, 2.0, 2.0):             # the window keeps the latest five: the arm got dearer
-        arm.observe(cost)
+        arm.observe(cost, 1)
     assert arm.median() == 2.0 and arm.samples == 8
     arm.restart()
-    assert arm.median() is None and arm.samples == 8
+    assert arm.median() is None and arm.rate() is None and arm.samples == 8
+
+
+def test_an_arms_rate_counts_every_token_where_its_median_per_measurement_does_not():
+    """Rounds of one cost (6 ms) that emit 1, 1 or 5 tokens: 7/3 tokens a round, so 6 / (7/3) ms per token; the median
+    of the rounds' own ratios reads the 1-token rounds alone (6 ms). A spiked round still stays out of the rate."""
+    arm = ArmCosts(window=9)
+    for tokens in (1, 1, 5) * 3:
+        arm.observe(6.0, tokens)
+    assert arm.median() == 6.0
+    assert arm.rate() == pytest.approx(6.0 / (7 / 3))
+    arm.observe(60.0, 1)   # one spike (it pushes out the first round, a 1-token one)
+    assert arm.rate() == pytest.approx(6.0 / (21 / 9))
 
 
 @given(st.integers(1, 8), st.integers(0, 6), st.lists(st.sampled_from(["tick", "confirm", "flip", "restart"]),
@@ -42,5 +54,7 @@ def test_retry_interval_doubles_per_confirmation_up_to_its_cap_and_a_flip_resets
 def test_bad_settings_name_the_values():
     with pytest.raises(ValueError, match="window must be >= 1, got 0"):
         ArmCosts(window=0)
+    with pytest.raises(ValueError, match="tokens > 0, got 0"):
+        ArmCosts(window=1).observe(1.0, 0)
     with pytest.raises(ValueError, match="base 8, cap 4"):
         RetryBackoff(8, 4)

@@ -220,6 +220,19 @@ def test_the_budget_drafts_the_shape_that_costs_less_per_token_and_re_tries_the_
     assert sum(drive_shapes(keep, 400, {"tree": 2.0e-3, "chain": 3.0e-3})[6:]) < 0.1 * 394
 
 
+def test_shapes_are_compared_by_their_rates_not_their_median_rounds():
+    """Chain rounds of one cost that accept nothing or everything (1, 1, 5 tokens: 7/3 a round) against tree rounds
+    of a steadier 2.8 tokens at a higher cost: the chain emits a token for 7.1 / (7/3) = 3.04 ms, the tree for
+    9 / 2.8 = 3.21, so the chain wins (the median of the chain rounds' own ratios, 7.1 ms a token, had picked the
+    tree)."""
+    shapes = TreeBudget().shape
+    for tokens in (1, 1, 5) * 3:
+        shapes.observe("chain", 7.1e-3, tokens)
+        shapes.observe("tree", 9.0e-3, 2.8)
+    assert shapes.arms["chain"].median() > shapes.arms["tree"].median()
+    assert shapes.winner() == "chain"
+
+
 def test_a_shape_that_becomes_cheaper_is_found_again():
     """Chains win first; then trees get cheap (e.g. a batch that makes verify rows free): the re-tries find it."""
     budget = TreeBudget()
