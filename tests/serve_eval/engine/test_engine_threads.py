@@ -84,3 +84,26 @@ def test_engine_sets_each_steps_count(tmp_path, restore_threads, monkeypatch):
     while engine.has_unfinished_requests():
         engine.step()
     assert seen == [(wide + 8, 2), (1, 1), (1, 1)]
+
+
+def test_a_drafts_catch_up_forward_runs_at_its_own_rows_count_inside_a_one_thread_step(tmp_path, restore_threads,
+                                                                                          monkeypatch):
+    """A standalone draft's first proposal catches up on the whole prompt (wide + 8 tokens) inside a decode step of
+    1 + K tokens: that forward runs on both cores, its K - 1 decode steps and the target's verify forward on one."""
+    from draftsmith.serve_eval.speculative.config import SpecConfig
+
+    monkeypatch.setattr("draftsmith.serve_eval.engine.threads.available_cores", lambda: 2)
+    target, draft = make_llama(tmp_path / "t"), make_llama(tmp_path / "d", layers=1, seed=1)
+    engine = LLMEngine(EngineConfig(str(target), num_gpu_blocks=64),
+                       speculative=SpecConfig("standalone", draft_path=str(draft), num_speculative_tokens=2))
+    proposer = engine.strategy.proposer
+    seen = []
+    forward = proposer.executor.forward
+    monkeypatch.setattr(proposer.executor, "forward",
+                        lambda ids, *a, **k: seen.append((ids.numel(), torch.get_num_threads())) or forward(ids, *a, **k))
+    wide = engine.threads.wide_from_tokens
+    engine.add_request("long", list(range(1, wide + 9)), SamplingParams(max_tokens=4, ignore_eos=True))
+    engine.step()   # the target's prefill (both cores)
+    engine.step()   # the first round: catch-up on the prompt and the first token, then one draft step
+    assert seen[0] == (wide + 9, 2)
+    assert all(threads == 1 for _, threads in seen[1:]) and torch.get_num_threads() == 1

@@ -46,6 +46,7 @@ from draftsmith.kernels.attention.torch_paged import paged_attention as torch_pa
 from draftsmith.kernels.layers.native_draft_loop import LoopSampling, padded_tables
 from draftsmith.kernels.sampling import logits_to_probs
 from draftsmith.serve_eval.engine.kv_cache_manager import cdiv
+from draftsmith.serve_eval.engine.threads import ThreadChoice, threads_for
 from draftsmith.serve_eval.speculative.proposers.base import (
     Proposal,
     Proposer,
@@ -150,6 +151,7 @@ class EagleProposer(Proposer):
         self.device, self.dtype = weight.device, weight.dtype
         self.block_size, self.attn_backend = block_size, attn_backend
         self.cache: DraftKVCache | None = None
+        self.threads: ThreadChoice | None = None   # the engine's thread rule, for the catch-up forward (attach)
         if num_blocks is not None:
             self._allocate(num_blocks)
         self.tree = tree
@@ -161,6 +163,7 @@ class EagleProposer(Proposer):
     def attach(self, engine: Any) -> None:
         """Size the draft pool like the engine's: every target KV token may need a draft entry, plus
         each running sequence's lookahead and one partly filled block."""
+        self.threads = engine.threads
         if self.cache is not None:
             return
         tokens = engine.kv.num_gpu_blocks * engine.config.block_size
@@ -250,7 +253,8 @@ class EagleProposer(Proposer):
                 queries.append(query)
         if not ready:
             return out
-        hidden = self._forward(queries)
+        with threads_for(self.threads, sum(len(q.token_ids) for q in queries)):   # a catch-up may be long
+            hidden = self._forward(queries)
         ends = torch.tensor([len(q.token_ids) for q in queries]).cumsum(0) - 1
         root_feats = hidden[ends.to(hidden.device)]  # [R, d]: predicted feature at each root position
         for q in queries:

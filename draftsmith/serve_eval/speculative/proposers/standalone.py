@@ -25,6 +25,7 @@ from draftsmith.kernels.layers.native_draft_loop import LoopSampling
 from draftsmith.kernels.sampling import logits_to_probs, sample
 from draftsmith.serve_eval.engine.kv_cache_manager import KVCacheManager, cdiv
 from draftsmith.serve_eval.engine.model_executor import ModelExecutor
+from draftsmith.serve_eval.engine.threads import ThreadChoice, threads_for
 from draftsmith.serve_eval.speculative.proposers.base import (
     Proposal,
     Proposer,
@@ -67,6 +68,7 @@ class StandaloneProposer(Proposer):
         self.generator = torch.Generator().manual_seed(seed)  # draws of unseeded requests
         self._states: dict[str, _DraftSeq] = {}
         self._next_id = 0
+        self.threads: ThreadChoice | None = None   # the engine's thread rule, for the catch-up forward (attach)
 
     @classmethod
     def from_spec_config(cls, config, engine) -> "StandaloneProposer":
@@ -97,6 +99,7 @@ class StandaloneProposer(Proposer):
 
     def attach(self, engine) -> None:
         """Size the draft pool like the target's (GPU + swap blocks) plus lookahead room per sequence."""
+        self.threads = engine.threads
         bs = self.block_size or engine.kv.block_size
         if self.num_blocks is None:
             per_seq = cdiv(engine.strategy.max_lookahead_tokens + 1, bs) + 1
@@ -191,8 +194,9 @@ class StandaloneProposer(Proposer):
             tables.append(self.kv.get_block_ids(state))
         last_rows = torch.tensor(qlens).cumsum(0) - 1
         meta = AttentionMetadata.build(qlens, slens, tables, bs, dev)
-        logits = ex.forward(torch.tensor(ids, device=dev), torch.tensor(positions, device=dev), meta,
-                            last_rows.to(dev)).logits
+        with threads_for(self.threads, len(ids)):
+            logits = ex.forward(torch.tensor(ids, device=dev), torch.tensor(positions, device=dev), meta,
+                                last_rows.to(dev)).logits
         for state in states:
             state.num_computed_tokens = state.root + 1
         picked = self._pick([seqs[b] for b in active], logits, active, drafted, rows)
