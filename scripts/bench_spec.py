@@ -5,7 +5,7 @@ over our own no-spec engine for no-spec, n-gram, standalone, Medusa, EAGLE-1, EA
 transformers' generate(assistant_model=...) with the same standalone draft (ms/token = (time of n
 new tokens - time of 1) / (n - 1), so its prefill is excluded too), with the mean over domains and our
 standalone path against transformers'. Answers end at the target's EOS, as the main job's eval ends them (--eos
-ignore: every answer runs to --max-tokens). Then batches of `--batch-sizes` (16 and 32): speculation under
+ignore: every answer runs to --max-tokens, as the batch and trees sections always do). Then batches of `--batch-sizes` (16 and 32): speculation under
 the server's default policy (fallback and the measured batch gate) vs no-spec (--plain-floor: and with the gate
 pinned to plain decoding, what a plainly decoding step costs under each strategy). Then trees (issue 12, "trees that pay"): EAGLE-1's chain against its
 dynamic tree sized by the cost model (eagle-tree, tree_budget="cost": it drafts chains where they measure cheaper) and EAGLE-2's fixed 16-node tree
@@ -194,7 +194,7 @@ def hf_assisted_ms_per_token(args, target: Path, draft: Path, prompts: list, tem
     model = AutoModelForCausalLM.from_pretrained(target, dtype=dtype).to(args.device).eval()
     assistant = AutoModelForCausalLM.from_pretrained(draft, dtype=dtype).to(args.device).eval()
     kw = dict(assistant_model=assistant, do_sample=temperature > 0, pad_token_id=0)
-    if args.eos == "ignore":   # else the target's generation config ends answers at EOS, as our engine does
+    if args.eos == "ignore":   # else the target's generation config ends answers at its EOS
         kw["eos_token_id"] = None
     if temperature > 0:
         kw["temperature"] = temperature
@@ -236,7 +236,7 @@ def parse_args() -> argparse.Namespace:
                     help="batch section: also each method with its gate pinned to plain decoding (<method>@plain), "
                          "the floor the gate can reach: below 1.0x, plain steps cost more under the strategy")
     ap.add_argument("--temperatures", default="0,1")
-    ap.add_argument("--eos", choices=("honour", "ignore"), default="honour",
+    ap.add_argument("--eos", choices=tuple(EOS_TEXT), default="honour",
                     help="batch1 section: answers end at the target's EOS, as the main job's eval ends them "
                          "(eval.ignore_eos: false), or run to --max-tokens (past the target's natural end, off the "
                          "drafts' training data); the batch and trees sections run to --max-tokens")

@@ -2,9 +2,9 @@
 (speculation capped at K, or plain decoding, per batch size; speculative.batch_gate) and the tree budget's shapes
 (tree or chain; speculative.tree_budget).
 
-Each arm's cost is read from its latest measurements (seconds and emitted tokens) through a median: one step on a
-shared CPU has spikes of several times its typical cost, which a mean or an EMA would carry for many steps. The cheapest arm
-runs; the others are re-tried now and then, in case a change (another draft, longer contexts, another batch mix)
+Each arm's cost is read from its latest measurements (seconds and emitted tokens) through a median: one step on
+a shared CPU has spikes of several times its typical cost, which a mean or an EMA would carry for many steps. The
+cheapest arm runs; the others are re-tried now and then, in case a change (another draft, longer contexts, another batch mix)
 made one of them cheaper. How often is a RetryBackoff: a base interval in steps of the winner, doubled each time
 the re-tries confirm the winner (up to a cap), back to the base when one wins, so an arm that keeps losing costs
 ever less to watch.
@@ -24,21 +24,25 @@ class ArmCosts:
 
     - median(): the median of each measurement's own seconds per token, for arms whose measurements differ in
       size (the batch gate's: one batch-size bucket holds steps of several batch sizes, each read as its own rate);
-    - rate(): the median seconds over the mean tokens, for arms whose measurements cost about the same and yield a
-      varying number of tokens (a batch-1 speculative round: K sets its cost, acceptance its tokens). The median of
-      per-round ratios there is not the rate: it drafted EAGLE-1's trees in 38% of the rounds at batch 1, where a
-      chain's rounds of 1-5 tokens put its median per-token cost above its rate, and ran 1.37x of plain decoding
-      against the chain's 1.76x; read as rate(), 1% of them, 1.77x against 1.83x (bench_spec --sections trees).
+    - rate(): the median of the latest `rate_seconds` seconds over the mean tokens of the whole window, for arms
+      whose measurements cost about the same and yield a varying number of tokens (a speculative round per sequence:
+      K sets its cost, acceptance its tokens; a short seconds window follows a change of cost, a long tokens window
+      averages acceptance). The median of per-round ratios there is not the rate: with it EAGLE-1 drafted trees in
+      38% of its rounds at batch 1 (a chain's rounds of 1-5 tokens put its median per-token cost above its rate) and
+      ran at 1.37x of plain decoding against the chain's 1.76x in one interleaved run; read as rate(), 1.72x against
+      1.77x (bench_spec --sections trees).
     """
 
     window: int
+    rate_seconds: int | None = None   # rate()'s seconds: the latest this many (None: the whole window)
     seconds: deque = field(init=False)
     tokens: deque = field(init=False)
     samples: int = 0
 
     def __post_init__(self) -> None:
-        if self.window < 1:
-            raise ValueError(f"an arm's window must be >= 1, got {self.window}")
+        if self.window < 1 or not 1 <= (self.rate_seconds or 1) <= self.window:
+            raise ValueError(f"an arm's window must be >= 1 and its rate_seconds in [1, window], got {self.window} and "
+                             f"{self.rate_seconds}")
         self.seconds = deque(maxlen=self.window)
         self.tokens = deque(maxlen=self.window)
 
@@ -56,7 +60,10 @@ class ArmCosts:
     def rate(self) -> float | None:
         """Seconds per token as the median seconds of the latest measurements over their mean tokens (None before
         the first): the median keeps a spiked step out, the mean counts every token (tokens have no spikes)."""
-        return statistics.median(self.seconds) / statistics.mean(self.tokens) if self.seconds else None
+        if not self.seconds:
+            return None
+        latest = list(self.seconds)[-(self.rate_seconds or self.window):]
+        return statistics.median(latest) / statistics.mean(self.tokens)
 
     def restart(self) -> None:
         """Forget the window (a fresh burst decides alone); the count of samples stays."""

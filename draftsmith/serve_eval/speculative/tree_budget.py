@@ -54,7 +54,7 @@ class TreeBudgetConfig:
     prior_strength: float = 2.0  # prior pseudo-trials; a few verified rounds outweigh it
     ema: float = 0.1  # weight of a new step in the round-cost and tokens-per-round averages
     probe_repeats: int = 3  # timed forwards per probed query length (median kept)
-    shape_window: int = 32  # a shape's cost: the median seconds over the mean tokens of its latest rounds
+    shape_window: int = 32  # a shape's cost: its latest rounds' mean tokens under the median seconds of the last 8
     shape_min_rounds: int = 3  # rounds of each shape before they are compared
     shape_retry_every: int = 16  # rounds of the winning shape between re-tries of the other (doubling, to 16x)
 
@@ -175,6 +175,7 @@ class _Averages:
 
 
 TREE, CHAIN = "tree", "chain"
+SHAPE_RATE_SECONDS = 8   # a shape's round seconds: the median of its latest 8 (a change of cost shows in 5 re-tries)
 
 
 @dataclass
@@ -183,11 +184,12 @@ class ShapeChoice:
     re-tries are speculative.measured_arms')."""
 
     config: TreeBudgetConfig
-    arms: dict[str, ArmCosts] = field(init=False)  # shape -> seconds per token of its latest rounds
+    arms: dict[str, ArmCosts] = field(init=False)  # shape -> seconds and tokens per sequence of its latest rounds
     retries: RetryBackoff = field(init=False)      # rounds of the winner between re-tries of the other
 
     def __post_init__(self) -> None:
-        self.arms = {shape: ArmCosts(self.config.shape_window) for shape in (TREE, CHAIN)}
+        seconds = min(SHAPE_RATE_SECONDS, self.config.shape_window)
+        self.arms = {shape: ArmCosts(self.config.shape_window, seconds) for shape in (TREE, CHAIN)}
         self.retries = RetryBackoff(self.config.shape_retry_every, 16 * self.config.shape_retry_every)
 
     def winner(self) -> str | None:
@@ -274,7 +276,8 @@ class TreeBudget:
         the tree's round averages learn from tree steps only."""
         if batch_size < 1 or step_s <= 0 or emitted_tokens <= 0:
             return
-        self.shape.observe(TREE if trees else CHAIN, step_s, emitted_tokens)
+        # per sequence: a window spans steps of several batch sizes
+        self.shape.observe(TREE if trees else CHAIN, step_s / batch_size, emitted_tokens / batch_size)
         if not trees:
             return
         avg, w = self.averages, self.config.ema

@@ -9,7 +9,13 @@ import pytest
 import torch
 
 from draftsmith.serve_eval.engine import EngineConfig, LLMEngine, SamplingParams
-from draftsmith.serve_eval.engine.threads import SMALL_MODEL_PARAMS, WIDE_STEP_TOKENS, choose_threads, estimate_num_params
+from draftsmith.serve_eval.engine.threads import (
+    SMALL_MODEL_PARAMS,
+    WIDE_STEP_TOKENS,
+    choose_threads,
+    estimate_num_params,
+    threads_for,
+)
 from spec_helpers import make_llama
 
 
@@ -89,7 +95,8 @@ def test_engine_sets_each_steps_count(tmp_path, restore_threads, monkeypatch):
 def test_a_drafts_catch_up_forward_runs_at_its_own_rows_count_inside_a_one_thread_step(tmp_path, restore_threads,
                                                                                           monkeypatch):
     """A standalone draft's first proposal catches up on the whole prompt (wide + 8 tokens) inside a decode step of
-    1 + K tokens: that forward runs on both cores, its K - 1 decode steps and the target's verify forward on one."""
+    1 + K tokens: that forward runs on both cores, and the step's one thread is back for what follows (any draft
+    forward after it, and the target's verify forward)."""
     from draftsmith.serve_eval.speculative.config import SpecConfig
 
     monkeypatch.setattr("draftsmith.serve_eval.engine.threads.available_cores", lambda: 2)
@@ -107,3 +114,18 @@ def test_a_drafts_catch_up_forward_runs_at_its_own_rows_count_inside_a_one_threa
     engine.step()   # the first round: catch-up on the prompt and the first token, then one draft step
     assert seen[0] == (wide + 9, 2)
     assert all(threads == 1 for _, threads in seen[1:]) and torch.get_num_threads() == 1
+
+
+def test_threads_for_sets_a_forwards_count_and_restores_the_previous_one(restore_threads):
+    """Inside: the count for the forward's rows; after (an exception included): the count before; no choice (no
+    engine attached): nothing changes."""
+    choice = choose_threads("auto", SMALL_MODEL_PARAMS - 1, "cpu", cores=2)
+    torch.set_num_threads(1)
+    with threads_for(choice, 512):
+        assert torch.get_num_threads() == 2
+    assert torch.get_num_threads() == 1
+    with pytest.raises(RuntimeError), threads_for(choice, 512):
+        raise RuntimeError("the forward failed")
+    assert torch.get_num_threads() == 1
+    with threads_for(None, 512):
+        assert torch.get_num_threads() == 1

@@ -147,7 +147,8 @@ def test_a_batchs_chains_run_in_one_c_call_with_the_reference_tokens(kind, opts,
         if temperature == 0:
             assert proposal.draft_probs is None
         else:
-            torch.testing.assert_close(proposal.draft_probs, rows, atol=1e-5, rtol=2e-4)  # C loop vs torch sums: 1.3e-4 of one value (AVX2)
+            # rtol: the C loop sums in another order than torch (one value 1.3e-4 off on an AVX2-only CPU)
+            torch.testing.assert_close(proposal.draft_probs, rows, atol=1e-6, rtol=2e-4)
             proposal.validate(VOCAB)
     if temperature > 0:
         assert len({tuple(p.tokens.tolist()) for p in proposals if p.num_tokens > 2}) > 1

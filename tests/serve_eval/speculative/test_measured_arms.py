@@ -1,5 +1,5 @@
-"""speculative.measured_arms: an arm's cost is read through a median of its latest measurements (per measurement, or
-its seconds over its mean tokens), and the re-try interval doubles with each confirmation up to its cap and falls back to its base when a re-tried arm wins."""
+"""speculative.measured_arms: an arm's cost is read through a median of its latest measurements (per measurement,
+or its seconds over its mean tokens), and the re-try interval doubles with each confirmation up to its cap and falls back to its base when a re-tried arm wins."""
 from __future__ import annotations
 
 import pytest
@@ -34,6 +34,16 @@ def test_an_arms_rate_counts_every_token_where_its_median_per_measurement_does_n
     assert arm.rate() == pytest.approx(6.0 / (21 / 9))
 
 
+def test_an_arms_rate_follows_a_change_of_cost_in_its_short_seconds_window():
+    """rate_seconds 3 of a window of 9: three rounds at a new cost move the rate; the tokens stay averaged over 9."""
+    arm = ArmCosts(window=9, rate_seconds=3)
+    for tokens in (1, 1, 5) * 3:
+        arm.observe(6.0, tokens)
+    for tokens in (1, 1, 5):
+        arm.observe(3.0, tokens)
+    assert arm.rate() == pytest.approx(3.0 / (7 / 3))
+
+
 @given(st.integers(1, 8), st.integers(0, 6), st.lists(st.sampled_from(["tick", "confirm", "flip", "restart"]),
                                                       max_size=60))
 def test_retry_interval_doubles_per_confirmation_up_to_its_cap_and_a_flip_resets_it(base, doublings, events):
@@ -52,8 +62,10 @@ def test_retry_interval_doubles_per_confirmation_up_to_its_cap_and_a_flip_resets
 
 
 def test_bad_settings_name_the_values():
-    with pytest.raises(ValueError, match="window must be >= 1, got 0"):
+    with pytest.raises(ValueError, match="got 0 and None"):
         ArmCosts(window=0)
+    with pytest.raises(ValueError, match="got 4 and 5"):
+        ArmCosts(window=4, rate_seconds=5)
     with pytest.raises(ValueError, match="tokens > 0, got 0"):
         ArmCosts(window=1).observe(1.0, 0)
     with pytest.raises(ValueError, match="base 8, cap 4"):

@@ -233,6 +233,16 @@ def test_shapes_are_compared_by_their_rates_not_their_median_rounds():
     assert shapes.winner() == "chain"
 
 
+def test_a_shapes_rate_is_per_sequence_when_its_window_spans_batch_sizes():
+    """Chain steps of 4 sequences (their share of the step's seconds and tokens) between steps of 1: the shape's
+    rate is the per-sequence one, 7.1 ms over 7/3 tokens, whichever batch sizes its window holds."""
+    budget = TreeBudget()
+    for tokens in (1, 1, 5) * 3:
+        budget.observe_step(4, 4 * 7.1e-3, 4 * tokens, 4 * 5, 4 * 4, trees=False)
+        budget.observe_step(1, 7.1e-3, tokens, 5, 4, trees=False)
+    assert budget.shape.arms["chain"].rate() == pytest.approx(7.1e-3 / (7 / 3))
+
+
 def test_a_shape_that_becomes_cheaper_is_found_again():
     """Chains win first; then trees get cheap (e.g. a batch that makes verify rows free): the re-tries find it."""
     budget = TreeBudget()
