@@ -91,11 +91,32 @@ def toy_records(out: Path) -> list[dict]:
     return records
 
 
+_HANDED_OUT: set[int] = set()   # ports this process has handed out (each rendezvous gets its own)
+
+
 def free_port() -> int:
-    """A free loopback port for one torchrun / accelerate rendezvous."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """A free loopback port for one torchrun / accelerate rendezvous, outside the kernel's ephemeral range. A port
+    from bind(0) is an ephemeral one, which a distributed job started beside this one (its gloo listeners, its store's
+    client sockets) may take before this rendezvous binds it: a CI run failed with EADDRINUSE on such a port."""
+    low, high = 32768, 60999
+    try:
+        low, high = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    except (OSError, ValueError):
+        pass
+    candidates = range(10000, low) if low > 11000 else range(high + 1, 65536)
+    rng = random.Random()
+    for _ in range(500):
+        port = rng.choice(candidates)
+        if port in _HANDED_OUT:
+            continue
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _HANDED_OUT.add(port)
+        return port
+    raise RuntimeError(f"no free loopback port in {candidates.start}-{candidates.stop - 1}")
 
 
 def tensor_digest(tensor: torch.Tensor) -> str:

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
+
+from distill_fixtures import free_port
 
 from draftsmith.train.distill import checkpoint as ckpt
 from draftsmith.train.distill.launch import LauncherConfig, relaunch_command
@@ -54,10 +55,7 @@ def test_nan_loss_stops_with_step_and_batch_and_keeps_checkpoint(tmp_path: Path)
 def test_nan_on_one_rank_stops_both(tmp_path: Path) -> None:
     """With 2 DDP ranks and a NaN on rank 1 only, both ranks stop at the same step (no hang in the
     gradient all-reduce); rank 1 names the loss, rank 0 says it came from another rank."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    launcher = LauncherConfig(strategy="ddp", num_processes=2, main_process_port=port)
+    launcher = LauncherConfig(strategy="ddp", num_processes=2, main_process_port=free_port())
     command = relaunch_command(
         launcher,
         ["--out", str(tmp_path), "--strategy", "ddp", "--batch-size", "2", "--max-steps", "6",
