@@ -276,12 +276,12 @@ class TreeBudget:
         the tree's round averages learn from tree steps only."""
         if batch_size < 1 or step_s <= 0 or emitted_tokens <= 0:
             return
-        # per sequence: a window spans steps of several batch sizes
-        self.shape.observe(TREE if trees else CHAIN, step_s / batch_size, emitted_tokens / batch_size)
+        # per sequence: the shape window and the averages span steps of several batch sizes
+        sample = (step_s / batch_size, emitted_tokens / batch_size, draft_nodes / batch_size)
+        self.shape.observe(TREE if trees else CHAIN, sample[0], sample[1])
         if not trees:
             return
         avg, w = self.averages, self.config.ema
-        sample = (step_s / batch_size, emitted_tokens / batch_size, draft_nodes / batch_size)
         if avg.round_s is None:
             avg.round_s, avg.tokens_per_round, avg.nodes_per_round = sample
         else:
