@@ -10,9 +10,10 @@ in one of two ways:
 - `measured` (the default): per batch-size bucket, a few arms -- no cap (the policy's K), the caps in
   `k_caps` (K <= 1, K <= 2) and plain decoding (cap 0) -- each with the engine's own measured seconds
   per emitted token. The cheapest arm runs (a speculative one only if it beats plain decoding by
-  `margin`). The others are re-tried in turn after `explore_every` steps of the bucket, so that a change
-  (another draft, longer contexts) is seen; each full turn of re-tries that confirms the winner doubles
-  that interval (up to `max_explore_every`), while a flip resets it. Every arm starts with `min_samples`
+  `margin`). The others are re-tried now and then, so that a change (another draft, longer contexts) is seen:
+  each after `explore_every` steps of the winner at first, each re-try that confirms the winner doubling that
+  arm's own interval (up to `max_explore_every`), a flip resetting every arm's. (One interval for a turn of all
+  the losers held a near-winner up behind the dear arms' waits.) Every arm starts with `min_samples`
   steps, plain decoding first, then the caps from the smallest K up: when K <= k loses to plain decoding,
   the arms of larger K are presumed to lose by as much and are not run until their re-try comes. (A round's
   work grows with K about linearly once the batch is compute-bound, while its extra tokens grow by less:
@@ -20,12 +21,16 @@ in one of two ways:
   of every large bucket on its dearest arm.)
 
   A re-try also waits until it is affordable: its expected extra cost (its steps times how much dearer per
-  token the arm is than the winner) at most `explore_overhead` of the winner's steps since the last one. A
+  token the arm is than the winner) at most its share of `explore_overhead` (the budget of all the losers
+  together) of the winner's steps since its last one. A
   draft that runs only while speculating pays a catch-up over every token decoded plainly since, so its
   re-try steps are several times dearer than its rounds; at batch 16 the interval's re-tries alone cost 5-8%
   on 64-token answers. So once an arm has been re-tried, its next re-try is timed by what that one really cost
   beyond the winner (its steps' seconds against the winner's cost of their tokens, catch-up included), in
-  steps of the winner; a per-token median hides the one dear step that carries the catch-up.
+  steps of the winner; a per-token median hides the one dear step that carries the catch-up. An arm that never
+  ran (presumed from a smaller K's loss) pays that catch-up on its first step as its siblings did, and has no
+  deadline short of `max_retry_wait`: its first re-try, timed by the interval cap alone, cost 4% of the first 260
+  steps of a batch-16 bucket (scripted catch-ups of 3 plain steps).
 
   Estimates are medians of an arm's last `window` steps (the arms and the re-try interval are
   speculative.measured_arms', which the tree budget's tree-or-chain choice shares), because one step's cost on a shared CPU has
@@ -65,8 +70,9 @@ class BatchGateConfig:
     min_samples: int = 3      # steps of a first measurement, and of a re-try burst that may flip the winner
     window: int = 8           # an arm's estimate: the median of its last `window` steps
     margin: float = 0.01      # a speculative arm must be this much faster per token than plain decoding
-    explore_overhead: float = 0.01   # a re-try waits until its expected extra cost is at most this share of the
-                                     # steps since the last one (a losing arm 1.6x dearer: one step per 60)
+    explore_overhead: float = 0.01   # the re-tries of all losing arms together cost at most about this share of the
+                                     # winner's steps: each waits until its expected extra cost is at most this share
+                                     # over the number of losers (3 arms 1.6x dearer: one step of each per 180)
     max_retry_wait: int = 2048       # ... but at most this many steps where that cost was measured (a catch-up is
                                      # bounded by the batch's live context, so a longer wait dilutes it)
 
@@ -99,9 +105,8 @@ class _Arm(ArmCosts):
 @dataclass
 class _Bucket:
     arms: dict[int, _Arm]          # arm key (UNCAPPED, a cap in k_caps, PLAIN) -> its cost per token
-    retries: RetryBackoff          # steps of the winning arm between re-tries, and since the last one
+    retries: dict[int, RetryBackoff]   # per arm: steps of the winner between its re-tries, and since its last one
     steps: int = 0
-    tried: set[int] = field(default_factory=set)   # losers re-tried (and lost again) in the current turn
     retry_arm: int | None = None   # the arm of the re-try burst under way
     retry_left: int = 0            # its steps still to run
     retry_burst: bool = False      # the re-try's first step would have won: confirming on fresh steps
@@ -143,7 +148,8 @@ class BatchGate:
         if size not in self._buckets:
             cfg = self.config
             self._buckets[size] = _Bucket({key: _Arm(cfg.window) for key in self._arm_keys},
-                                          RetryBackoff(cfg.explore_every, cfg.max_explore_every))
+                                          {key: RetryBackoff(cfg.explore_every, cfg.max_explore_every)
+                                           for key in self._arm_keys})
         return self._buckets[size]
 
     def cap(self, batch_size: int) -> int | None:
@@ -196,35 +202,50 @@ class BatchGate:
             return
         if chosen == winner:
             b.winner_step_s.append(step_s)
-        b.retries.tick()
-        if b.retries.due:
-            losers = [key for key in b.arms if key != winner]
-            # the first arm not yet re-tried this turn whose re-try is affordable now (a dear one waits longer,
-            # without holding up a cheap one)
-            arm = next((key for key in losers if key not in b.tried
-                        and b.retries.since >= self._affordable_after(b, key, winner)), None)
-            if arm is not None:
-                b.retry_arm, b.retry_from = arm, winner
-                b.retry_left, b.retry_burst = 1, False   # its first step sets retry_extra_s
+        # cheapest first; of equal costs the smaller K (a presumed arm costs what a smaller K measured)
+        losers = sorted((key for key in b.arms if key != winner), key=lambda key: (b.cost(key), self._measure_order.index(key)))
+        for key in losers:
+            b.retries[key].tick()
+        # the cheapest loser whose own re-try is due and affordable now (a dear one waits longer, without holding up
+        # a cheap one)
+        arm = next((key for key in losers if b.retries[key].due
+                    and b.retries[key].since >= self._affordable_after(b, key, winner)), None)
+        if arm is not None:
+            b.retry_arm, b.retry_from = arm, winner
+            b.retry_left, b.retry_burst = 1, False   # its first step sets retry_extra_s
 
     def _affordable_after(self, b: _Bucket, arm: int, winner: int) -> int:
         """Steps of the winner after which a re-try of `arm` costs at most `explore_overhead` of them: its expected
         extra cost (its steps -- a burst if it never ran -- times how much dearer it is per token, or, once it has
-        been re-tried, what that re-try's first step cost beyond the winner) spread over them. Capped at
-        max_explore_every (max_retry_wait for a measured re-try cost), so that even a dear arm is re-tried. (With the
-        interval alone, the re-tries of arms 1.6x dearer than plain decoding cost 5-8% at batch 16, on 64-token
-        answers.)"""
+        been re-tried, what that re-try's first step cost beyond the winner; for an arm that never ran, its burst plus
+        a sibling's re-try cost) spread over them, times the number of losers. Capped at max_explore_every
+        (max_retry_wait for a measured re-try cost or an arm that never ran), so that even a dear arm is re-tried.
+        (With the interval alone, the re-tries of arms 1.6x dearer than plain decoding cost 5-8% at batch 16, on
+        64-token answers.)"""
         mine, best = b.cost(arm), b.cost(winner)
         if mine is None or best is None or mine <= best:
             return 0
         cfg = self.config
-        steps = cfg.min_samples if not b.arms[arm].samples else 1
-        extra_steps, cap = steps * (mine / best - 1), cfg.max_explore_every   # in steps of the winner
+        never_ran = not b.arms[arm].samples
+        steps = cfg.min_samples if never_ran else 1
+        extra_steps = steps * (mine / best - 1)   # in steps of the winner
+        # an arm that never ran is presumed from a measured loss of smaller K (or measured by a sibling's re-try):
+        # no need to hurry it
+        cap = cfg.max_retry_wait if never_ran else cfg.max_explore_every
         measured = b.arms[arm].retry_extra_s
         if measured is not None and b.winner_step_s:
             extra_steps = max(extra_steps, measured / statistics.median(b.winner_step_s))
             cap = cfg.max_retry_wait
-        return min(int(math.ceil(extra_steps / cfg.explore_overhead)), cap)
+        elif never_ran and b.winner_step_s:
+            # its first step pays the draft's catch-up as a speculative sibling's re-try did (one draft serves every
+            # cap), on top of its burst; the least of the siblings' figures, since each adds its own step's excess
+            sibling = min((a.retry_extra_s for key, a in b.arms.items() if key != PLAIN and a.retry_extra_s is not None),
+                          default=None)
+            if sibling is not None:
+                extra_steps += sibling / statistics.median(b.winner_step_s)
+        # explore_overhead is the budget of all the losers' re-tries together
+        losers = len(b.arms) - 1
+        return min(int(math.ceil(extra_steps * losers / cfg.explore_overhead)), cap)
 
     def _presume_larger_k(self, b: _Bucket, key: int) -> None:
         """K <= key has just finished its first measurement: if it lost to plain decoding, the arms of larger K
@@ -257,18 +278,13 @@ class BatchGate:
             self._end_retry(b)
 
     def _end_retry(self, b: _Bucket) -> None:
-        if self._winner(b) == b.retry_from:   # the re-tried arm lost again
+        if self._winner(b) == b.retry_from:   # the re-tried arm lost again: re-try it half as often
             b.arms[b.retry_arm].retry_extra_s = max(b.retry_extra_s, 0.0)
-            b.tried.add(b.retry_arm)
-            if len(b.tried) >= len(b.arms) - 1:   # a full turn confirmed the winner: re-try half as often
-                b.retries.confirm()
-                b.tried.clear()
-            else:
-                b.retries.restart()
-        else:                                 # it won: back to the base rate, a new turn
+            b.retries[b.retry_arm].confirm()
+        else:                                 # it won: every arm back to the base rate
             b.arms[b.retry_arm].retry_extra_s = None
-            b.retries.flip()
-            b.tried.clear()
+            for backoff in b.retries.values():
+                backoff.flip()
 
     def to_dict(self) -> dict:
         """Per bucket: the cap its next step runs (None: no cap), each arm's seconds per token (measured or

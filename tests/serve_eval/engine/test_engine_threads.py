@@ -16,7 +16,7 @@ from draftsmith.serve_eval.engine.threads import (
     estimate_num_params,
     threads_for,
 )
-from spec_helpers import make_llama
+from spec_helpers import feature_draft, make_llama
 
 
 @pytest.fixture
@@ -114,6 +114,33 @@ def test_a_drafts_catch_up_forward_runs_at_its_own_rows_count_inside_a_one_threa
     engine.step()   # the first round: catch-up on the prompt and the first token, then one draft step
     assert seen[0] == (wide + 9, 2)
     assert all(threads == 1 for _, threads in seen[1:]) and torch.get_num_threads() == 1
+
+
+def test_a_block_drafts_injection_of_a_long_context_runs_on_both_cores(tmp_path, restore_threads, monkeypatch):
+    """The block draft projects every target row since its last round into its KV in one forward (the whole prompt
+    in the first round): that projection runs at its own rows' count, the block forward and the step after it on
+    the step's one thread."""
+    from draftsmith.serve_eval.speculative.config import SpecConfig
+    from draftsmith.serve_eval.speculative.policy import SpecPolicyConfig
+
+    monkeypatch.setattr("draftsmith.serve_eval.engine.threads.available_cores", lambda: 2)
+    target = make_llama(tmp_path / "t", layers=4)
+    draft = feature_draft("block", target, tmp_path / "block", block_opts={"block_size": 5, "num_layers": 1})
+    engine = LLMEngine(EngineConfig(str(target), num_gpu_blocks=64),
+                       speculative=SpecConfig("block", draft_path=str(draft), num_speculative_tokens=4,
+                                              policy=SpecPolicyConfig(fallback=False)))
+    module = engine.strategy.proposer.draft
+    injected, blocks = [], []
+    inject, forward = module.injected_kv, module.forward
+    monkeypatch.setattr(module, "injected_kv",
+                        lambda ctx, pos: injected.append((ctx.shape[0], torch.get_num_threads())) or inject(ctx, pos))
+    monkeypatch.setattr(module, "forward", lambda *a, **k: blocks.append(torch.get_num_threads()) or forward(*a, **k))
+    wide = engine.threads.wide_from_tokens
+    engine.add_request("long", list(range(1, wide + 9)), SamplingParams(max_tokens=4, ignore_eos=True))
+    engine.step()   # the target's prefill (both cores)
+    engine.step()   # the first round: the prompt injected, then one block forward
+    assert injected[0] == (wide + 8, 2)
+    assert blocks and set(blocks) == {1} and torch.get_num_threads() == 1
 
 
 def test_threads_for_sets_a_forwards_count_and_restores_the_previous_one(restore_threads):

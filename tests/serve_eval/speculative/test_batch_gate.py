@@ -121,13 +121,13 @@ def test_the_engine_applies_the_gate_and_greedy_output_is_unchanged(tmp_path):
 
 
 def test_re_tries_of_a_losing_arm_back_off_and_still_catch_it_getting_better():
-    """Speculation 1.4x dearer per token at batch 32: each re-try that confirms plain decoding doubles the
-    interval, so over 3,000 steps the losing arm runs well under 1/16 of them; when the draft then gets
-    cheap (0.6x, every speculative arm alike), a re-try within max_explore_every steps sees it and the gate
-    speculates again."""
+    """Speculation 1.4x dearer per token at batch 32: each re-try that confirms plain decoding doubles that arm's
+    interval, so over 3,000 steps the losing arms together run well under 1/16 of them and cost under the 1%
+    overhead budget; when the draft then gets cheap (0.6x, every speculative arm alike), a re-try within
+    max_explore_every steps sees it and the gate speculates again."""
     gate = BatchGate()
     share = run(gate, 32, 3000, spec_ms_per_token=1.4, plain_ms_per_token=1.0)
-    assert share < 0.01, share
+    assert share * (1.4 - 1.0) < gate.config.explore_overhead, share
     assert gate.cap(32) == 0
     share = run(gate, 32, 600, spec_ms_per_token=0.6, plain_ms_per_token=1.0)
     assert gate.cap(32) != 0 and share > 0.4, share
@@ -163,7 +163,7 @@ def test_a_presumed_loser_that_would_win_is_found_by_its_re_try():
     already wins, every arm is measured."""
     gate = BatchGate()
     costs = {None: 0.7, 1: 1.05, 2: 0.9, 0: 1.0}
-    mean_cost(gate, 8, 400, costs)
+    mean_cost(gate, 8, 800, costs)
     assert gate.cap(8) is None and gate.to_dict()["8"]["presumed"] == []
     small = BatchGate()
     mean_cost(small, 1, 12, {None: 0.5, 1: 0.8, 2: 0.6, 0: 1.0})
@@ -223,3 +223,23 @@ def test_a_draft_that_catches_up_after_plain_steps_is_re_tried_by_what_its_re_tr
     steps = [step() for _ in range(6000)]
     assert sum(ms for ms, _ in steps) < plain_ms * batch * len(steps) * (1 + 0.015)
     assert any(spec for _, spec in steps)   # the dear arms are still re-tried
+
+
+def test_a_new_buckets_first_hundreds_of_steps_cost_little_more_than_the_budget():
+    """A batch-16 bucket from its first step, as a benchmark of a few hundred steps sees it: K <= 1 1.85x dearer per
+    token than plain decoding (the larger Ks dearer still), and a speculative step after plain ones catching the
+    draft up (up to 3 plain steps' worth, as at batch 16 on the embedded target). The presumed arms wait for what
+    K <= 1's re-try showed their first step costs, so 768 steps cost at most 1.5% over plain decoding (with a turn
+    of re-tries every 256 steps and the presumed arms due by that interval: 3%)."""
+    gate = BatchGate()
+    batch, ratio, catch_up_per_step, live_context = 16, 1.85, 3 / 128, 128
+    costs = {1: ratio, 2: ratio * 1.3, None: ratio * 1.8, 0: 1.0}
+    since_spec, total = 0, 0.0
+    for _ in range(768):
+        cap = gate.cap(batch)
+        spec = cap != 0
+        ms = (costs[cap] + catch_up_per_step * min(since_spec, live_context)) * batch if spec else batch
+        since_spec = 0 if spec else since_spec + 1
+        gate.observe_step(batch, spec, ms / 1000, batch)
+        total += ms
+    assert total / (768 * batch) < 1.015

@@ -31,6 +31,7 @@ from draftsmith.kernels.attention import AttentionMetadata, paged_attn_fn, write
 from draftsmith.kernels.layers.decoder import AttnFn
 from draftsmith.kernels.sampling import logits_to_probs
 from draftsmith.serve_eval.engine.kv_cache_manager import cdiv
+from draftsmith.serve_eval.engine.threads import ThreadChoice, threads_for
 from draftsmith.serve_eval.speculative.proposers.base import (
     Proposal,
     Proposer,
@@ -117,10 +118,12 @@ class BlockProposer(Proposer):
             self._allocate(num_blocks)
         self._states: dict[str, _RequestState] = {}
         self.num_forwards = 0  # block forwards run (one per propose call with any ready sequence)
+        self.threads: ThreadChoice | None = None   # the engine's thread rule, for a long injection (attach)
 
     def attach(self, engine: Any) -> None:
         """Size the draft pool like the engine's: a context entry per target KV token, plus each running
         sequence's query block and one partly filled block."""
+        self.threads = engine.threads
         if self.cache is not None:
             return
         tokens = engine.kv.num_gpu_blocks * engine.config.block_size
@@ -224,9 +227,11 @@ class BlockProposer(Proposer):
                 for idx in range(state.num_committed, state.num_committed + r.shape[0]):
                     slots.append(table[idx // self.block_size] * self.block_size + idx % self.block_size)
                     positions.append(state.base_pos + idx)
-            ctx = self.draft.fuse(torch.cat([r for _, r in todo]))  # [n, d]
             pos = torch.tensor(positions, dtype=torch.int64, device=self.device)
-            self.cache.inject(self.draft.injected_kv(ctx, pos), torch.tensor(slots, dtype=torch.int64, device=self.device))
+            with threads_for(self.threads, len(slots)):   # after plain steps, every token since (16 x 64 at batch 16)
+                ctx = self.draft.fuse(torch.cat([r for _, r in todo]))  # [n, d]
+                kv = self.draft.injected_kv(ctx, pos)
+            self.cache.inject(kv, torch.tensor(slots, dtype=torch.int64, device=self.device))
         for state, r in zip(states, rows):
             state.num_committed += r.shape[0]
 
