@@ -281,19 +281,23 @@ def read_throughput(metrics_file: Path) -> float | None:
     return sum(rates) / len(rates) if rates else None
 
 
-def run_name(cfg: DictConfig, data_key: str, launcher: Any) -> str:
-    """``<kind>-<key>``: the training run's dir under ``targets/<fp>/distill/``, where its checkpoints resume from.
-    Keyed by what shapes the weights only: a rerun with another thread count or time cap (a pipeline switching
-    pipeline.distill_workers, say) resumes the same run."""
-    dcfg = cfg.draft
-    draft_container = OmegaConf.to_container(dcfg, resolve=True)
-    keyed = {"draft": {k: v for k, v in draft_container.items() if k != "init_from"},
-             "init_from": dcfg.init_from, "data": data_key,
+def run_key(cfg: DictConfig, fingerprint: str, data_key: str, launcher: Any = None) -> str:
+    """The key of a distill run, by what shapes the draft's weights only: target, data, draft config, the trainer's
+    trajectory fields and seed. A rerun with another thread count or time cap (a pipeline switching
+    pipeline.distill_workers, say) keeps the key. It names both the training run's dir (``run_name``, where its
+    checkpoints resume from) and the pipeline's exported draft (``drafts/<kind>-<key>``). Across several processes
+    (``launcher``) the layout joins it: checkpoints resume only under the same layout."""
+    keyed = {"target": fingerprint, "data": data_key, "draft": OmegaConf.to_container(cfg.draft, resolve=True),
              "train": trainer_config(cfg, Path("unused")).trajectory_fields(), "seed": cfg.seed}
-    if launcher.world_size > 1:  # checkpoints resume only under the same layout: own run dir per layout
+    if launcher is not None and launcher.world_size > 1:
         keyed["layout"] = {"strategy": launcher.strategy, "world_size": launcher.world_size,
                            "zero_stage": launcher.zero_stage if launcher.strategy == "deepspeed" else None}
-    return f"{dcfg.kind}-{stable_hash(keyed)}"
+    return stable_hash(keyed)
+
+
+def run_name(cfg: DictConfig, fingerprint: str, data_key: str, launcher: Any) -> str:
+    """``<kind>-<key>``: the training run's dir under ``targets/<fp>/distill/`` (run_key)."""
+    return f"{cfg.draft.kind}-{run_key(cfg, fingerprint, data_key, launcher)}"
 
 
 def train_and_export(cfg: DictConfig, prepared: Prepared, out_dir: Path | None = None,
@@ -324,7 +328,7 @@ def train_and_export(cfg: DictConfig, prepared: Prepared, out_dir: Path | None =
     draft_container = OmegaConf.to_container(dcfg, resolve=True)
     launcher = LauncherConfig(**OmegaConf.to_container(cfg.launcher, resolve=True))
     artifacts = artifacts_from_config(cfg)
-    name = run_name(cfg, Manifest.read(data_dir).key, launcher)
+    name = run_name(cfg, fingerprint, Manifest.read(data_dir).key, launcher)
     train_cfg = trainer_config(cfg, artifacts.target_dir(fingerprint) / "distill" / name)
     is_main = int(os.environ.get("RANK", "0")) == 0
     wandb_run = init_wandb(cfg, job_type="distill", wandb_dir=artifacts.wandb_dir, name=name) if is_main else None

@@ -28,7 +28,6 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
-from draftsmith.drafts.files import stable_hash
 from draftsmith.drafts.kinds import KIND_NAMES
 from draftsmith.train.pipeline.context import PipelineContext, need
 
@@ -155,14 +154,6 @@ def stage_generate(ctx: PipelineContext) -> dict[str, Any]:
             "extras": ",".join(f"{k}={v}" for k, v in asdict(extras).items()).replace(" ", "")}
 
 
-def draft_key(job: DictConfig, fingerprint: str, data_key: str) -> str:
-    from draftsmith.train.distill.run import trainer_config
-
-    trajectory = trainer_config(job, Path("unused")).trajectory_fields()  # volatile fields do not retrain
-    return stable_hash({"target": fingerprint, "data": data_key, "draft": as_dict(job.draft),
-                        "train": trajectory, "seed": job.seed})
-
-
 @dataclass(frozen=True)
 class DraftPlan:
     """What a ``distill_<kind>`` stage trains and where it lands (picklable: a side-by-side worker trains from it)."""
@@ -184,6 +175,7 @@ class DraftPlan:
 def draft_plan(ctx: PipelineContext, kind: str) -> DraftPlan:
     from draftsmith.train.distill.gendata import Manifest
     from draftsmith.train.distill.launch import LauncherConfig
+    from draftsmith.train.distill.run import run_key
 
     target, data_dir = need(ctx.results.target, "target"), need(ctx.results.dataset, "generate")
     job = job_config(ctx.cfg, kind)
@@ -191,7 +183,8 @@ def draft_plan(ctx: PipelineContext, kind: str) -> DraftPlan:
     if launcher.world_size > 1:
         raise ValueError(f"launcher: the pipeline trains drafts in its own process; for {launcher.world_size} "
                          f"processes run `draftsmith distill draft={kind} launcher={launcher.name}`")
-    out_dir = ctx.artifacts.drafts_dir(target.fingerprint) / f"{kind}-{draft_key(job, target.fingerprint, Manifest.read(data_dir).key)}"
+    key = run_key(job, target.fingerprint, Manifest.read(data_dir).key)
+    out_dir = ctx.artifacts.drafts_dir(target.fingerprint) / f"{kind}-{key}"
     cached = (out_dir / DONE_MARKER).is_file() and not ctx.forced(f"{STAGE_PREFIX}{kind}")
     return DraftPlan(kind, job, str(target.model_dir), target.fingerprint, str(data_dir), out_dir, cached)
 

@@ -85,23 +85,25 @@ def test_a_failing_lane_is_named_its_type_kept_and_the_other_lane_finishes(tmp_p
 
 def test_a_workers_thread_count_keeps_the_training_run_so_checkpoints_resume():
     """The run dir (where an interrupted training resumes) is keyed by what shapes the weights: a side-by-side
-    worker's thread count or another time cap leaves it as the sequential stage's; another learning rate does not."""
+    worker's thread count or another time cap leaves it as the sequential stage's; another learning rate does not.
+    The same key names the pipeline's exported draft (drafts/<kind>-<key>)."""
     from omegaconf import open_dict
 
     from draftsmith.train.config import compose
     from draftsmith.train.distill.launch import LauncherConfig
-    from draftsmith.train.distill.run import run_name
+    from draftsmith.train.distill.run import run_key, run_name
     from draftsmith.train.pipeline.distill import as_dict, job_config
 
     job = job_config(compose(["pipeline=smoke"]), "eagle")
     launcher = LauncherConfig(**as_dict(job.launcher))
-    sequential = run_name(job, "data-key", launcher)
+    sequential = run_name(job, "fp", "data-key", launcher)
     worker = with_threads(DraftPlan("eagle", job, "t", "fp", "d", Path("/x"), cached=False), 1).job
-    assert worker.train.num_threads == 1 and run_name(worker, "data-key", launcher) == sequential
+    assert worker.train.num_threads == 1 and run_name(worker, "fp", "data-key", launcher) == sequential
     other = job.copy()
     with open_dict(other):
         other.train.max_minutes = 3.0
-    assert run_name(other, "data-key", launcher) == sequential
+    assert run_name(other, "fp", "data-key", launcher) == sequential
     other.train.lr = 0.5
-    assert run_name(other, "data-key", launcher) != sequential
-    assert sequential.startswith("eagle-") and run_name(job, "other-data", launcher) != sequential
+    assert run_name(other, "fp", "data-key", launcher) != sequential
+    assert sequential.startswith("eagle-") and run_name(job, "fp", "other-data", launcher) != sequential
+    assert sequential == f"eagle-{run_key(job, 'fp', 'data-key')}" != run_name(job, "fp2", "data-key", launcher)
