@@ -57,6 +57,8 @@ class TrainerConfig:
             raise ValueError(f"train.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
         if self.warmup_steps < 0 or self.grad_clip < 0:
             raise ValueError("train.warmup_steps and train.grad_clip must be >= 0")
+        if self.max_minutes is not None and not self.max_minutes > 0:
+            raise ValueError(f"train.max_minutes must be > 0 (or null: no cap), got {self.max_minutes}")
         if self.num_threads != "auto" and (isinstance(self.num_threads, bool) or not isinstance(self.num_threads, int)
                                            or self.num_threads < 1):
             raise ValueError(f"train.num_threads must be a positive int or 'auto', got {self.num_threads!r}")

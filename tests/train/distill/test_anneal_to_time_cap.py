@@ -62,3 +62,12 @@ def test_a_binding_cap_ends_an_annealed_schedule(tmp_path, anneal):
         assert all(a >= b for a, b in zip(lrs[2:], lrs[3:]))   # after warmup: monotone decay
     else:
         assert lrs[-1] > 0.9 * 3e-2
+
+
+@pytest.mark.parametrize("minutes", [0, -1.5])
+def test_a_cap_of_no_time_is_refused_by_name(minutes):
+    """train.max_minutes 0 (or below) is refused with one line naming the field, before any step (it divided by
+    zero at the first step's time check)."""
+    with pytest.raises(ValueError, match=r"train.max_minutes must be > 0 \(or null: no cap\), got"):
+        TrainerConfig(max_minutes=minutes).validate()
+    TrainerConfig(max_minutes=None).validate()
