@@ -27,7 +27,7 @@ from torch import Tensor
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
-FLAGS = ["-O3", "-shared", "-fPIC", "-std=gnu11"]
+FLAGS = ["-O3", "-shared", "-fPIC", "-std=gnu11", "-pthread"]
 LIBS = ["-lm"]
 
 
@@ -74,6 +74,25 @@ def library() -> ctypes.CDLL | None:
         log.info("native CPU kernels unavailable (this CPU lacks AVX2/FMA); fp32 CPU matmuls and attention use torch")
         return None
     return lib
+
+
+def set_threads(count: int) -> None:
+    """Split the kernels' large enough calls over `count` threads (1, the default: never), process-wide: a GEMM's
+    output panels, paged attention's (sequence, kv head) units. Bit for bit the one-thread results (csrc/parallel.c).
+    A no-op where the kernels cannot run here."""
+    lib = library()
+    if lib is not None:
+        lib.native_set_threads.argtypes, lib.native_set_threads.restype = [ctypes.c_int], None
+        lib.native_set_threads(int(count))
+
+
+def threads() -> int:
+    """The threads a large enough kernel call is split over (1 where the kernels cannot run here)."""
+    lib = library()
+    if lib is None:
+        return 1
+    lib.native_threads.argtypes, lib.native_threads.restype = [], ctypes.c_int
+    return int(lib.native_threads())
 
 
 def eligible(x: Tensor, any_threads: bool = False) -> bool:

@@ -409,3 +409,28 @@ def test_bench_batch_verify_runs_both_paths_side_by_side(tmp_path):
     lines = [line for line in proc.stdout.splitlines() if line.startswith("batch 2: ")]
     assert [line.split()[2] for line in lines[:3]] == ["nospec", "standalone", "standalone/per-seq"]
     assert "standalone batched verify / per-sequence" in lines[-1]
+
+
+@needs_native
+@pytest.mark.parametrize("tree", [False, True])
+def test_native_attention_split_over_threads_equals_one_thread_bit_for_bit(tree):
+    """The (sequence, kv head) units split over 2, 3 or 16 threads (more than the units): each unit is computed whole
+    in the one-thread order, so every output bit is the one-thread output's; with tree masks as with causal rows."""
+    from draftsmith.kernels import native
+
+    specs = [(5, 300), (1, 97), (3, 40), (1, 1), (4, 128)]
+    masks = None
+    if tree:   # each row sees the root and itself (a star tree), the root only itself
+        masks = [torch.eye(q_len, dtype=torch.bool) | (torch.arange(q_len) == 0) for q_len, _ in specs]
+    q, kc, vc, meta, _ = make_case(specs, num_heads=8, num_kv_heads=4, head_dim=64, block_size=16, seed=7,
+                                   tree_masks=masks)
+    before = native.threads()
+    try:
+        native.set_threads(1)
+        alone, _ = native_paged.attend(q, kc, vc, meta, 0.125, 16)
+        for threads in (2, 3, 16):
+            native.set_threads(threads)
+            split, skipped = native_paged.attend(q, kc, vc, meta, 0.125, 16)
+            assert skipped == 0 and torch.equal(split, alone), threads
+    finally:
+        native.set_threads(before)

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from draftsmith.kernels import small_gemm
+from draftsmith.kernels import native, small_gemm
 from draftsmith.kernels.layers.linear import SMALL_GEMM_MAX_ROWS, Linear
 
 needs_kernel = pytest.mark.skipif(not small_gemm.available(), reason="no C compiler or no AVX2/FMA on this CPU")
@@ -64,6 +64,63 @@ def test_avx512_form_equals_the_avx2_form_bit_for_bit(storage):
                 assert torch.equal(wide, packed(rows_x)), (packed.out_features, packed.in_features, rows)
     finally:
         small_gemm.use_avx512(True)
+
+
+@pytest.fixture
+def gemm_threads():
+    """Restores the process-wide GEMM split after a test that changes it."""
+    before = native.threads()
+    yield
+    native.set_threads(before)
+
+
+@needs_kernel
+@pytest.mark.parametrize("storage", [torch.float32, torch.float16])
+def test_a_gemm_split_over_threads_equals_the_one_thread_gemm_bit_for_bit(storage, gemm_threads):
+    """Each thread computes whole panels of outputs, each output the same FMA chain: 2, 3 or 16 threads (more than
+    the panels of a narrow weight, more than this machine's cores) give the one-thread bits, for every row count the
+    native layers take, partial panels, odd panel counts and calls too small to split among them."""
+    torch.manual_seed(4)
+    with small_gemm.panel_storage(storage):
+        weights = [small_gemm.PackedWeight(torch.randn(n, k), torch.randn(n) if n % 2 else None)
+                   for n, k in ((4096, 256), (1408, 256), (45, 17), (256, 704), (17, 3))]
+    x = torch.randn(SMALL_GEMM_MAX_ROWS, 704)
+    for packed in weights:
+        for rows in (1, 2, 5, 6, 7, 17, 33, SMALL_GEMM_MAX_ROWS):
+            rows_x = x[:rows, :packed.in_features]
+            native.set_threads(1)
+            alone = packed(rows_x)
+            for threads in (2, 3, 16):
+                native.set_threads(threads)
+                assert native.threads() == threads
+                assert torch.equal(packed(rows_x), alone), (packed.out_features, packed.in_features, rows, threads)
+
+
+@needs_kernel
+def test_split_gemms_from_several_callers_and_a_forked_child_stay_exact(gemm_threads):
+    """A call made while another thread holds the helpers runs on its own thread (same bits); a forked child, whose
+    helpers did not come along, starts its own instead of waiting on them."""
+    import os
+    from concurrent.futures import ThreadPoolExecutor
+
+    torch.manual_seed(5)
+    packed = small_gemm.PackedWeight(torch.randn(1408, 256), torch.randn(1408))
+    x = torch.randn(17, 256)
+    native.set_threads(1)
+    alone = packed(x)
+    native.set_threads(2)
+    with ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(lambda _: packed(x), range(64)))
+    assert all(torch.equal(r, alone) for r in results)
+    read, write = os.pipe()
+    child = os.fork()
+    if child == 0:   # the child: one split call, then report (os._exit: no pytest teardown in the child)
+        os.close(read)
+        os.write(write, b"1" if torch.equal(packed(x), alone) else b"0")
+        os._exit(0)
+    os.close(write)
+    _, status = os.waitpid(child, 0)
+    assert os.read(read, 1) == b"1" and status == 0
 
 
 @needs_kernel

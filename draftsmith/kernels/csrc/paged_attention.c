@@ -160,15 +160,57 @@ AVX2_FMA static void attend_group(const float *q, long ldq_t, long ldq_h, const 
     }
 }
 
-/* Returns how many sequences it left to the caller (more than max_q_len new tokens), -1 when the scratch could
- * not be allocated, -2 when the metadata does not hold together (rows past num_tokens, more new tokens than
- * context, a context longer than its block table, a tree mask narrower than a block): nothing is written then. */
+typedef void (*part_fn)(const void *ctx, int part, int parts);
+void native_parallel(part_fn fn, const void *ctx, int parts);   /* parallel.c */
+int native_shares(long work, long units);
+
+typedef struct {
+    const float *q;
+    long ldq_t, ldq_h;
+    const float *k_cache, *v_cache;
+    const int32_t *block_tables;
+    long table_width;
+    const int32_t *seq_lens, *cu_seqlens_q;
+    long num_seqs;
+    const uint8_t *tree_mask;
+    long tree_width, kv_heads, group, head_dim, block_size, max_q_len;
+    float scale;
+    float *out;
+    long most;          /* the largest unit's scores */
+    int status;         /* -1 when a share could not allocate its scores */
+} attention_call;
+
+/* Share `part` of `parts`: the (sequence, kv head) units numbered [parts' share), each whole, in the one-thread
+ * order, with this share's own scores. */
+AVX2_FMA static void attention_part(const void *arg, int part, int parts) {
+    attention_call *a = (attention_call *)arg;
+    long units = a->num_seqs * a->kv_heads, first = units * part / parts, last = units * (part + 1) / parts;
+    float *scores = malloc(sizeof(float) * (a->most > 0 ? a->most : 1));
+    if (!scores) {
+        a->status = -1;   /* (a benign race: every writer stores -1) */
+        return;
+    }
+    for (long unit = first; unit < last; unit++) {
+        long i = unit / a->kv_heads, kvh = unit % a->kv_heads;
+        long row = a->cu_seqlens_q[i], q_len = a->cu_seqlens_q[i + 1] - row;
+        if (q_len < 1 || q_len > a->max_q_len) continue;
+        attend_group(a->q, a->ldq_t, a->ldq_h, a->k_cache, a->v_cache, a->block_tables + i * a->table_width,
+                     a->block_size, a->kv_heads, kvh, a->group, a->head_dim, row, q_len, a->seq_lens[i], a->tree_mask,
+                     a->tree_width, a->scale, a->out, scores);
+    }
+    free(scores);
+}
+
+/* Returns how many sequences it left to the caller (more than max_q_len new tokens), -1 when a share's scratch
+ * could not be allocated (rows may be half written then), -2 when the metadata does not hold together (rows past num_tokens, more new tokens than
+ * context, a context longer than its block table, a tree mask narrower than a block): nothing is written then.
+ * The (sequence, kv head) units are split over the threads parallel.c has (each unit whole: the same bits). */
 AVX2_FMA int paged_attention_f32(const float *q, long ldq_t, long ldq_h, long num_tokens, const float *k_cache,
                                  const float *v_cache, const int32_t *block_tables, long table_width,
                                  const int32_t *seq_lens, const int32_t *cu_seqlens_q, long num_seqs,
                                  const uint8_t *tree_mask, long tree_width, long num_heads, long kv_heads,
                                  long head_dim, long block_size, long max_q_len, float scale, float *out) {
-    long group = num_heads / kv_heads, most = 0, skipped = 0;
+    long group = num_heads / kv_heads, most = 0, skipped = 0, work = 0;
     if (head_dim <= 0 || head_dim % 8) return -2;  /* the value sums run whole vectors of 8 */
     for (long i = 0; i < num_seqs; i++) {
         long q_len = cu_seqlens_q[i + 1] - cu_seqlens_q[i], ctx_len = seq_lens[i];
@@ -177,18 +219,13 @@ AVX2_FMA int paged_attention_f32(const float *q, long ldq_t, long ldq_h, long nu
             return -2;
         if (q_len > max_q_len) skipped++;
         else if (q_len * group * ctx_len > most) most = q_len * group * ctx_len;
+        if (q_len <= max_q_len) work += 2 * q_len * num_heads * ctx_len * head_dim;   /* scores and values */
     }
-    float *scores = malloc(sizeof(float) * (most > 0 ? most : 1));
-    if (!scores) return -1;
-    for (long i = 0; i < num_seqs; i++) {
-        long first = cu_seqlens_q[i], q_len = cu_seqlens_q[i + 1] - first;
-        if (q_len < 1 || q_len > max_q_len) continue;
-        for (long kvh = 0; kvh < kv_heads; kvh++)
-            attend_group(q, ldq_t, ldq_h, k_cache, v_cache, block_tables + i * table_width, block_size, kv_heads,
-                         kvh, group, head_dim, first, q_len, seq_lens[i], tree_mask, tree_width, scale, out, scores);
-    }
-    free(scores);
-    return (int)skipped;
+    attention_call call = {q, ldq_t, ldq_h, k_cache, v_cache, block_tables, table_width, seq_lens, cu_seqlens_q,
+                           num_seqs, tree_mask, tree_width, kv_heads, group, head_dim, block_size, max_q_len, scale,
+                           out, most, 0};
+    native_parallel(attention_part, &call, native_shares(work, num_seqs * kv_heads));
+    return call.status < 0 ? call.status : (int)skipped;
 }
 
 /* The new tokens' K and V rows into their cache slots (k/v [T, KVH, D] with row and head strides; slots int64 [T]):

@@ -234,15 +234,16 @@ int small_gemm_uses_avx512(void) {
     return use_avx512;
 }
 
-void small_gemm(const float *x, long m, long k, long ldx, const float *packed, long n, const float *bias, float *y,
-                long ldy) {
+/* One thread's GEMM; small_gemm and small_gemm_f16 (parallel.c) split the panels over the cores. */
+void small_gemm_serial(const float *x, long m, long k, long ldx, const float *packed, long n, const float *bias,
+                       float *y, long ldy) {
     if (m <= 0 || n <= 0) return;
     if (m > MAX_GROUP && small_gemm_uses_avx512()) small_gemm_avx512(x, m, k, ldx, packed, n, bias, y, ldy);
     else small_gemm_avx2(x, m, k, ldx, packed, n, bias, y, ldy);
 }
 
-void small_gemm_f16(const float *x, long m, long k, long ldx, const uint16_t *packed, long n, const float *bias,
-                    float *y, long ldy) {
+void small_gemm_serial_f16(const float *x, long m, long k, long ldx, const uint16_t *packed, long n,
+                           const float *bias, float *y, long ldy) {
     if (m <= 0 || n <= 0) return;
     if (m > MAX_GROUP && small_gemm_uses_avx512()) small_gemm_avx512_f16(x, m, k, ldx, packed, n, bias, y, ldy);
     else small_gemm_avx2_f16(x, m, k, ldx, packed, n, bias, y, ldy);

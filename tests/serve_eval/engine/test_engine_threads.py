@@ -69,6 +69,30 @@ def test_auto_rule_widens_large_steps_of_a_small_model():
     assert choose_threads("auto", 7 * 10**9, "cpu", cores=8).for_step(1) == 8
 
 
+def test_the_native_kernels_split_over_the_cores_auto_finds_and_a_configured_count_sets(restore_threads):
+    """auto with the native C layers on a 2-core CPU: torch's steps stay on one thread, the C kernels split their
+    calls over both (said in the report's words); a configured count is every split's count; apply_threads sets
+    both."""
+    from draftsmith.kernels import native
+    from draftsmith.serve_eval.engine.threads import apply_threads
+
+    choice = choose_threads("auto", SMALL_MODEL_PARAMS - 1, "cpu", cores=2, native_rows=64)
+    assert choice.count == 1 and choice.native_count == 2
+    assert choice.describe() == "1 (2 from 65 tokens per step; native kernels on 2)"
+    assert "their calls split over 2 cores" in choice.reason
+    assert choose_threads("auto", SMALL_MODEL_PARAMS - 1, "cpu", cores=2).native_count == 1   # no native layers
+    assert choose_threads("auto", SMALL_MODEL_PARAMS - 1, "cpu", cores=1, native_rows=64).native_count == 1
+    assert choose_threads(3, 10, "cpu").native_count == 3
+    before = native.threads()
+    try:
+        apply_threads(choice)
+        assert torch.get_num_threads() == 1 and native.threads() == (2 if native.library() is not None else 1)
+        apply_threads(choose_threads(1, 10, "cpu"))
+        assert native.threads() == 1
+    finally:
+        native.set_threads(before)
+
+
 def test_engine_sets_each_steps_count(tmp_path, restore_threads, monkeypatch):
     """The engine applies for_step to every step: a long prefill runs on both cores, the decode steps after it
     on one."""
