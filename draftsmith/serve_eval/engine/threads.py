@@ -14,8 +14,9 @@ Larger models use every core for every step.
 The native C kernels of a one-thread step split each call over every core instead (``native_count``,
 kernels/csrc/parallel.c: a GEMM's output panels, attention's (sequence, kv head) units, on helper threads that spin
 between a step's calls, so a hand-off costs about a microsecond, where torch's costs tens). Bit for bit the one-thread result. On the 20-layer embedded target (2-core
-AVX2 EPYC, fp32) a plain decode step went from 4.1 ms to 2.7 (greedy batch-1 decoding 1.47x faster) and a 5-row
-verify forward from 5.4 ms to 3.9.
+AVX2 EPYC, fp32) greedy batch-1 decoding ran 1.47x faster with the GEMMs split than on one thread (interleaved in
+one run); with attention split too, a plain step's forward took 2.6 ms and a 5-row verify forward 3.3
+(scripts/bench_spec_round.py).
 """
 
 from __future__ import annotations
