@@ -20,6 +20,7 @@
  */
 #include <immintrin.h>
 #include <math.h>
+#include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -177,7 +178,7 @@ typedef struct {
     float scale;
     float *out;
     long most;          /* the largest unit's scores */
-    int status;         /* -1 when a share could not allocate its scores */
+    atomic_int status;  /* -1 when a share could not allocate its scores (any share may store it) */
 } attention_call;
 
 /* Share `part` of `parts`: the (sequence, kv head) units numbered [parts' share), each whole, in the one-thread
@@ -187,7 +188,7 @@ AVX2_FMA static void attention_part(const void *arg, int part, int parts) {
     long units = a->num_seqs * a->kv_heads, first = units * part / parts, last = units * (part + 1) / parts;
     float *scores = malloc(sizeof(float) * (a->most > 0 ? a->most : 1));
     if (!scores) {
-        a->status = -1;   /* (a benign race: every writer stores -1) */
+        atomic_store_explicit(&a->status, -1, memory_order_relaxed);
         return;
     }
     for (long unit = first; unit < last; unit++) {
@@ -225,7 +226,8 @@ AVX2_FMA int paged_attention_f32(const float *q, long ldq_t, long ldq_h, long nu
                            num_seqs, tree_mask, tree_width, kv_heads, group, head_dim, block_size, max_q_len, scale,
                            out, most, 0};
     native_parallel(attention_part, &call, native_shares(work, num_seqs * kv_heads));
-    return call.status < 0 ? call.status : (int)skipped;
+    int status = atomic_load_explicit(&call.status, memory_order_relaxed);
+    return status < 0 ? status : (int)skipped;
 }
 
 /* The new tokens' K and V rows into their cache slots (k/v [T, KVH, D] with row and head strides; slots int64 [T]):

@@ -48,7 +48,7 @@ static atomic_long generation;       /* the count of split calls posted */
 static atomic_long finished[MAX_THREADS];   /* per helper: the last generation it finished */
 static atomic_int sleepers;          /* helpers waiting on `wake` */
 static atomic_int busy;              /* a caller holds the helpers */
-static int num_threads = 1;          /* asked for (native_set_threads) */
+static atomic_int num_threads = 1;   /* asked for (native_set_threads; read by any caller) */
 static int num_helpers;              /* started in this process */
 static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
 static pthread_cond_t wake = PTHREAD_COND_INITIALIZER;
@@ -101,10 +101,12 @@ static void after_fork_in_child(void) {   /* the helpers did not come along */
 
 static void register_atfork(void) { pthread_atfork(0, 0, after_fork_in_child); }
 
+int native_threads(void);
+
 /* Start helpers up to num_threads - 1 (fewer if the system refuses); the caller holds the helpers. */
 static void start_helpers(void) {
     pthread_once(&atfork_once, register_atfork);
-    while (num_helpers < num_threads - 1) {
+    while (num_helpers < native_threads() - 1) {
         pthread_t thread;
         atomic_store(&finished[num_helpers], atomic_load(&generation));
         if (pthread_create(&thread, 0, helper_main, (void *)(intptr_t)num_helpers) != 0) break;
@@ -114,15 +116,16 @@ static void start_helpers(void) {
 }
 
 void native_set_threads(int threads) {
-    num_threads = threads < 1 ? 1 : (threads > MAX_THREADS ? MAX_THREADS : threads);
+    atomic_store_explicit(&num_threads, threads < 1 ? 1 : (threads > MAX_THREADS ? MAX_THREADS : threads),
+                          memory_order_relaxed);
 }
 
-int native_threads(void) { return num_threads; }
+int native_threads(void) { return atomic_load_explicit(&num_threads, memory_order_relaxed); }
 
 /* Shares worth handing out for `work` multiply-adds over `units` indivisible pieces: 1 unless threads were asked
  * for and each share has work enough. */
 int native_shares(long work, long units) {
-    long parts = num_threads < units ? num_threads : units;
+    long threads = native_threads(), parts = threads < units ? threads : units;
     while (parts > 1 && work / parts < MIN_MACS_PER_THREAD) parts--;
     return parts < 1 ? 1 : (int)parts;
 }
