@@ -25,6 +25,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "parallel.h"
 #include "vec_exp.h"
 
 /* The dot products of q with 8 keys, one lane each: 8 FMA chains over the head, each reduced by the same tree
@@ -161,10 +162,6 @@ AVX2_FMA static void attend_group(const float *q, long ldq_t, long ldq_h, const 
     }
 }
 
-typedef void (*part_fn)(const void *ctx, int part, int parts);
-void native_parallel(part_fn fn, const void *ctx, int parts);   /* parallel.c */
-int native_shares(long work, long units);
-
 typedef struct {
     const float *q;
     long ldq_t, ldq_h;
@@ -203,8 +200,9 @@ AVX2_FMA static void attention_part(const void *arg, int part, int parts) {
 }
 
 /* Returns how many sequences it left to the caller (more than max_q_len new tokens), -1 when a share's scratch
- * could not be allocated (rows may be half written then), -2 when the metadata does not hold together (rows past num_tokens, more new tokens than
- * context, a context longer than its block table, a tree mask narrower than a block): nothing is written then.
+ * could not be allocated (rows may be half written then), -2 when the metadata does not hold together (rows past
+ * num_tokens, more new tokens than context, a context longer than its block table, a tree mask narrower than a
+ * block): nothing is written then.
  * The (sequence, kv head) units are split over the threads parallel.c has (each unit whole: the same bits). */
 AVX2_FMA int paged_attention_f32(const float *q, long ldq_t, long ldq_h, long num_tokens, const float *k_cache,
                                  const float *v_cache, const int32_t *block_tables, long table_width,

@@ -23,6 +23,8 @@
 #include <stdint.h>
 #include <time.h>
 
+#include "parallel.h"
+
 #define PANEL 16
 #define MAX_THREADS 16
 #define MIN_MACS_PER_THREAD (1L << 14)   /* below it, a share is shorter than the hand-off */
@@ -31,8 +33,6 @@
  * costs tens of microseconds, more than a small share's work. With 0.1 ms (4096 pauses of 26 ns on a Zen 3 EPYC)
  * the standalone draft's rounds gained nothing from a second core. */
 #define SPIN_NS 500000L
-
-typedef void (*part_fn)(const void *ctx, int part, int parts);
 
 void small_gemm_serial(const float *x, long m, long k, long ldx, const float *packed, long n, const float *bias,
                        float *y, long ldy);
@@ -100,8 +100,6 @@ static void after_fork_in_child(void) {   /* the helpers did not come along */
 }
 
 static void register_atfork(void) { pthread_atfork(0, 0, after_fork_in_child); }
-
-int native_threads(void);
 
 /* Start helpers up to num_threads - 1 (fewer if the system refuses); the caller holds the helpers. */
 static void start_helpers(void) {

@@ -13,8 +13,8 @@ Larger models use every core for every step.
 
 The native C kernels of a one-thread step split each call over every core instead (``native_count``,
 kernels/csrc/parallel.c: a GEMM's output panels, attention's (sequence, kv head) units, on helper threads that spin
-between a step's calls, so a hand-off costs about a microsecond, where torch's costs tens). Bit for bit the one-thread result. On the 20-layer embedded target (2-core
-AVX2 EPYC, fp32) greedy batch-1 decoding ran 1.47x faster with the GEMMs split than on one thread (interleaved in
+between a step's calls, so a hand-off costs about a microsecond, where torch's costs tens). Bit for bit the
+one-thread result. On the 20-layer embedded target (2-core AVX2 EPYC, fp32) greedy batch-1 decoding ran 1.47x faster with the GEMMs split than on one thread (interleaved in
 one run); with attention split too, a plain step's forward took 2.6 ms and a 5-row verify forward 3.3
 (scripts/bench_spec_round.py).
 """
@@ -118,7 +118,8 @@ def choose_threads(setting: int | str, num_params: int, device: str, cores: int 
 
 
 def apply_threads(choice: ThreadChoice) -> None:
-    """Set torch's intra-op count (process-wide) to a small step's, and the native GEMMs' split, and log the choice."""
+    """Set torch's intra-op count (process-wide) to a small step's, and the native kernels' split, and log the
+    choice."""
     set_threads(choice.count)
     native.set_threads(choice.native_count)
     log.info("engine: intra-op threads %s", choice.summary())

@@ -202,14 +202,14 @@ class BatchGate:
             return
         if chosen == winner:
             b.winner_step_s.append(step_s)
-        # cheapest first; of equal costs the smaller K (a presumed arm costs what a smaller K measured)
-        losers = sorted((key for key in b.arms if key != winner), key=lambda key: (b.cost(key), self._measure_order.index(key)))
+        losers = [key for key in b.arms if key != winner]
         for key in losers:
             b.retries[key].tick()
         # the cheapest loser whose own re-try is due and affordable now (a dear one waits longer, without holding up
-        # a cheap one)
-        arm = next((key for key in losers if b.retries[key].due
-                    and b.retries[key].since >= self._affordable_after(b, key, winner)), None)
+        # a cheap one); of equal costs the smaller K (a presumed arm costs what a smaller K measured)
+        due = sorted((key for key in losers if b.retries[key].due),
+                     key=lambda key: (b.cost(key), self._measure_order.index(key)))
+        arm = next((key for key in due if b.retries[key].since >= self._affordable_after(b, key, winner)), None)
         if arm is not None:
             b.retry_arm, b.retry_from = arm, winner
             b.retry_left, b.retry_burst = 1, False   # its first step sets retry_extra_s

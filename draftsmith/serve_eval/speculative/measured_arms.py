@@ -93,10 +93,6 @@ class RetryBackoff:
     def due(self) -> bool:
         return self.since >= self.interval
 
-    def restart(self) -> None:
-        """A re-try ended without deciding the interval (the gate's turn of re-tries is not complete yet)."""
-        self.since = 0
-
     def confirm(self) -> None:
         """The re-tries confirmed the winner: wait twice as long before the next."""
         self.interval, self.since = min(2 * self.interval, self.cap), 0

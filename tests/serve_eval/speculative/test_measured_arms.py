@@ -44,7 +44,7 @@ def test_an_arms_rate_follows_a_change_of_cost_in_its_short_seconds_window():
     assert arm.rate() == pytest.approx(3.0 / (7 / 3))
 
 
-@given(st.integers(1, 8), st.integers(0, 6), st.lists(st.sampled_from(["tick", "confirm", "flip", "restart"]),
+@given(st.integers(1, 8), st.integers(0, 6), st.lists(st.sampled_from(["tick", "confirm", "flip"]),
                                                       max_size=60))
 def test_retry_interval_doubles_per_confirmation_up_to_its_cap_and_a_flip_resets_it(base, doublings, events):
     cap = base * 2 ** doublings
