@@ -6,10 +6,13 @@ answers are structured yet not trivially constant. Prompts are short word lists 
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import importlib.util
 import json
 import os
 import random
+import signal
 import socket
 import subprocess
 import sys
@@ -72,15 +75,77 @@ def overrides(tmp: Path, target: Path, corpus: Path, **extra: str) -> list[str]:
     return [f"{k}={v}" for k, v in base.items()]
 
 
-TOY = Path(__file__).resolve().parent / "distill_toy.py"
-TOY_ENV = {**os.environ, "DRAFTSMITH_NO_PROGRESS": "1", "OMP_NUM_THREADS": "1"}
+REPO = Path(__file__).resolve().parent.parent
+HAS_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
+TOY = REPO / "tests" / "distill_toy.py"
+RANK_VARIABLES = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def job_env(**extra: str) -> dict[str, str]:
+    """The environment of a launched job: no progress bars, one OpenMP thread, no rank variables inherited from a
+    launcher around pytest. DeepSpeed JIT-builds its CPU ops (the shared-memory collectives) on first use under
+    TORCH_EXTENSIONS_DIR, behind a lock file that a build killed midway leaves behind and every later build then
+    waits on forever (a CI run hung on one left in ~/.cache by another checkout): each venv gets its own."""
+    env = {**os.environ, "DRAFTSMITH_NO_PROGRESS": "1", "OMP_NUM_THREADS": "1", **extra}
+    for name in RANK_VARIABLES:
+        env.pop(name, None)
+    env.setdefault("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch_extensions"))
+    return env
+
+
+JOB_ENV = job_env()
+
+
+def start_job(command: list[str], log: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
+    """`command` in the background from the repository root, its output appended to `log`, in a session of its
+    own so that stop_job reaches everything it started."""
+    with log.open("a") as handle:
+        return subprocess.Popen(command, cwd=REPO, env=env or JOB_ENV, stdout=handle, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+
+
+def stop_job(proc: subprocess.Popen, grace_s: float = 30.0) -> None:
+    """SIGTERM, then SIGKILL after `grace_s`. torchrun passes SIGTERM on to its ranks (each runs in a session of
+    its own, which a signal to this job's group would miss); a rank left running would hold its port, its files
+    and any build lock past the test."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def wait_job(proc: subprocess.Popen, timeout: float) -> int:
+    """Its return code; on timeout the job is stopped and TimeoutExpired raised."""
+    try:
+        return proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        stop_job(proc)
+        raise
+
+
+def run_job(command: list[str], timeout: float, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """subprocess.run(command, capture_output=True, text=True) from the repository root, stopping the whole job
+    (ranks included) on timeout."""
+    proc = subprocess.Popen(command, cwd=REPO, env=env or JOB_ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        stop_job(proc)
+        proc.communicate()
+        raise
+    return subprocess.CompletedProcess(command, proc.returncode, stdout, stderr)
 
 
 def train_toy(out: Path, *extra: str) -> subprocess.CompletedProcess:
     """distill_toy.py in a fresh process: 9 steps, checkpoints every 4, eval every 3, accumulation 2."""
     args = [sys.executable, str(TOY), "--out", str(out), "--max-steps", "9", "--checkpoint-every", "4",
             "--eval-every", "3", "--accum", "2", *extra]
-    return subprocess.run(args, env=TOY_ENV, capture_output=True, text=True, timeout=120)
+    return run_job(args, timeout=120)
 
 
 def toy_records(out: Path) -> list[dict]:

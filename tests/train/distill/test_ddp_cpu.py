@@ -2,30 +2,22 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 from pathlib import Path
 
 import pytest
 import torch
 import yaml
-from distill_fixtures import free_port
+from distill_fixtures import REPO, free_port, run_job
 
 from draftsmith.train.distill.data import ShardedResumableSampler
 from draftsmith.train.distill.launch import LauncherConfig, accelerate_config, relaunch_command
-
-REPO = Path(__file__).resolve().parents[3]
-ENV = {**os.environ, "DRAFTSMITH_NO_PROGRESS": "1", "OMP_NUM_THREADS": "1"}
-for _var in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-    ENV.pop(_var, None)
-
 
 
 def _run_two_ranks(out: Path, strategy: str, *extra: str) -> list[dict]:
     launcher = LauncherConfig(name=strategy, strategy=strategy, num_processes=2, main_process_port=free_port())
     command = relaunch_command(launcher, ["--out", str(out), "--strategy", strategy, *extra], module="tests.distill_toy")
     assert command is not None
-    done = subprocess.run(command, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=240)
+    done = run_job(command, timeout=240)
     assert done.returncode == 0, done.stderr[-4000:]
     return [json.loads((out / f"report_rank{rank}.json").read_text()) for rank in (0, 1)]
 

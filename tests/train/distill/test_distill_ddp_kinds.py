@@ -13,23 +13,17 @@ each a transformers import in its launching process.
 """
 from __future__ import annotations
 
-import importlib.util
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from distill_fixtures import free_port, make_corpus, make_target, overrides, tensor_digest
+from distill_fixtures import (HAS_DEEPSPEED, free_port, job_env, make_corpus, make_target, overrides, start_job,
+                              tensor_digest, wait_job)
 
-REPO = Path(__file__).resolve().parents[3]
-ENV = {**os.environ, "DRAFTSMITH_NO_PROGRESS": "1", "OMP_NUM_THREADS": "1", "DRAFTSMITH_TRACEBACK": "1"}
-for _var in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-    ENV.pop(_var, None)
-
+ENV = job_env(DRAFTSMITH_TRACEBACK="1")
 STEPS, ACCUM, BATCH = 2, 2, 4  # 2 ranks x 2 steps x 2 micro-batches x 4 = 32 = one epoch of the train split
 FAST = {"draft.data.max_new_tokens": "8", "draft.data.max_prompts": "40", "draft.data.shard_size": "40",
         "draft.data.eval_fraction": "0.2", "++train.max_steps": str(STEPS), "++train.batch_size": str(BATCH),
@@ -38,7 +32,6 @@ JOBS = [("standalone", "ddp"), ("medusa", "ddp"), ("eagle", "ddp"), ("eagle3", "
         ("eagle", "deepspeed_zero3"), ("eagle3", "fsdp"), ("block", "ddp")]
 SHARDED = {"deepspeed_zero3", "fsdp"}  # parameters split across ranks: no per-rank digests, export gathers them
 DISTRIBUTED_TYPE = {"ddp": "DistributedType.MULTI_CPU", "fsdp": "DistributedType.FSDP"}  # else DEEPSPEED
-HAS_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
 PREFIX = {"medusa": "heads."}  # how the objective's module names the draft's parameters (else "draft.")
 
 
@@ -62,13 +55,9 @@ def world(tmp_path_factory):
         env = ENV if index == 0 else {**ENV, PREPARED_ENV: json.dumps(prepared.__dict__)}
         command = [sys.executable, "-m", "draftsmith.train.cli", "distill", f"draft={kind}", f"launcher={launcher}",
                    f"launcher.main_process_port={free_port()}", *base]
-        log = (tmp / f"{kind}-{launcher}.log").open("w")
-        jobs[kind, launcher] = (subprocess.Popen(command, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT), log)
-    results = {}
-    for key, (proc, log) in jobs.items():
-        returncode = proc.wait(timeout=600)
-        log.close()
-        results[key] = (returncode, Path(log.name).read_text())
+        log = tmp / f"{kind}-{launcher}.log"
+        jobs[kind, launcher] = (start_job(command, log, env), log)
+    results = {key: (wait_job(proc, timeout=600), log.read_text()) for key, (proc, log) in jobs.items()}
     return tmp, target, prepared, results
 
 

@@ -3,24 +3,17 @@ and leaves the last good checkpoint intact (one process, and one bad rank out of
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
 
-from distill_fixtures import free_port
+from distill_fixtures import TOY, free_port, run_job
 
 from draftsmith.train.distill import checkpoint as ckpt
 from draftsmith.train.distill.launch import LauncherConfig, relaunch_command
 
-REPO = Path(__file__).resolve().parents[3]
-TOY = REPO / "tests" / "distill_toy.py"
-ENV = {**os.environ, "DRAFTSMITH_NO_PROGRESS": "1", "OMP_NUM_THREADS": "1"}
-for _var in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-    ENV.pop(_var, None)
 
 
 def _digest(directory: Path) -> dict[str, bytes]:
@@ -34,7 +27,7 @@ def test_nan_loss_stops_with_step_and_batch_and_keeps_checkpoint(tmp_path: Path)
     and nothing past step 5 was logged."""
     args = [sys.executable, str(TOY), "--out", str(tmp_path), "--max-steps", "9", "--checkpoint-every", "2",
             "--accum", "2", "--nan-at-train-call", "11"]
-    done = subprocess.run(args, env=ENV, capture_output=True, text=True, timeout=120)
+    done = run_job(args, timeout=120)
     assert done.returncode == 0, done.stderr
     report = json.loads((tmp_path / "report_rank0.json").read_text())
     assert report["error"] == "NonFiniteLossError"
@@ -62,7 +55,7 @@ def test_nan_on_one_rank_stops_both(tmp_path: Path) -> None:
          "--nan-at-train-call", "5", "--nan-rank", "1"],
         module="tests.distill_toy",
     )
-    done = subprocess.run(command, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=180)
+    done = run_job(command, timeout=180)
     assert done.returncode == 0, done.stderr[-4000:]
     reports = [json.loads((tmp_path / f"report_rank{r}.json").read_text()) for r in (0, 1)]
     assert [r["error"] for r in reports] == ["NonFiniteLossError"] * 2

@@ -11,22 +11,16 @@ launch waits mostly on imports), which keeps the file to two waves of process la
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 from pathlib import Path
 
 import pytest
 import torch
-from distill_fixtures import free_port
+from distill_fixtures import HAS_DEEPSPEED, free_port, start_job, wait_job
 from distill_toy import ToyDraft
 
 from draftsmith.train.distill import checkpoint as ckpt
 from draftsmith.train.distill.launch import LauncherConfig, relaunch_command
-
-REPO = Path(__file__).resolve().parents[3]
-ENV = {**os.environ, "DRAFTSMITH_NO_PROGRESS": "1", "OMP_NUM_THREADS": "1"}
-for _var in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-    ENV.pop(_var, None)
 
 # launcher name -> (toy --strategy, --zero-stage, distributed type accelerate must report)
 LAUNCHERS = {
@@ -38,15 +32,6 @@ TRAIN = ("--max-steps", "4", "--checkpoint-every", "2", "--eval-every", "2", "--
 KILL_AT = "3"  # accum 1: the third micro-batch is step 3, after the step-2 checkpoint
 
 
-
-def _has_deepspeed() -> bool:
-    try:
-        import deepspeed  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
 def _start(out: Path, launcher: str, *extra: str) -> tuple[subprocess.Popen, Path]:
     strategy, zero_stage, _ = LAUNCHERS[launcher]
     config = LauncherConfig(name=launcher, strategy=strategy, num_processes=2, main_process_port=free_port())
@@ -55,19 +40,17 @@ def _start(out: Path, launcher: str, *extra: str) -> tuple[subprocess.Popen, Pat
     assert command is not None
     out.mkdir(parents=True, exist_ok=True)
     log = out.parent / f"{out.name}.log"
-    with log.open("a") as handle:
-        proc = subprocess.Popen(command, cwd=REPO, env=ENV, stdout=handle, stderr=subprocess.STDOUT)
-    return proc, log
+    return start_job(command, log), log
 
 
 def _wait(started: dict[str, tuple[subprocess.Popen, Path]]) -> dict[str, tuple[int, str]]:
-    return {key: (proc.wait(timeout=300), log.read_text()) for key, (proc, log) in started.items()}
+    return {key: (wait_job(proc, timeout=300), log.read_text()) for key, (proc, log) in started.items()}
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """{launcher: (uninterrupted dir, resumed dir, {run name: (returncode, log)})}."""
-    launchers = [name for name in LAUNCHERS if LAUNCHERS[name][0] != "deepspeed" or _has_deepspeed()]
+    launchers = [name for name in LAUNCHERS if LAUNCHERS[name][0] != "deepspeed" or HAS_DEEPSPEED]
     tmp = tmp_path_factory.mktemp("sharded")
     first = {}
     for name in launchers:
@@ -137,7 +120,7 @@ def test_zero3_plugin_gathers_weights_for_export_and_fsdp2_strategies_are_checke
 
     with pytest.raises(ValueError, match="launcher.fsdp_sharding_strategy"):
         LauncherConfig(strategy="fsdp", num_processes=2, fsdp_sharding_strategy="NO_SHARD").validate()
-    if not _has_deepspeed():
+    if not HAS_DEEPSPEED:
         pytest.skip("deepspeed is not installed")
     for stage, gathers in ((3, True), (2, False)):
         plugin = _deepspeed_plugin(LauncherConfig(strategy="deepspeed", num_processes=2, zero_stage=stage), 2, 1, None)

@@ -10,22 +10,16 @@ same batch (hidden, aux and logits) for tiny random Llama, Qwen3 and Qwen3-MoE t
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from distill_fixtures import free_port, make_corpus, make_target, overrides, tensor_digest
+from distill_fixtures import free_port, job_env, make_corpus, make_target, overrides, start_job, tensor_digest, wait_job
 from tiny_models import tiny_model
 
-REPO = Path(__file__).resolve().parents[3]
-ENV = {**os.environ, "DRAFTSMITH_NO_PROGRESS": "1", "OMP_NUM_THREADS": "1", "DRAFTSMITH_TRACEBACK": "1"}
-for _var in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-    ENV.pop(_var, None)
-
+ENV = job_env(DRAFTSMITH_TRACEBACK="1")
 STEPS, BATCH = 4, 4  # 2 ranks x 4 steps x 4 = 32 = one epoch of the train split (40 prompts, 8 held out)
 FAST = {"draft.data.max_new_tokens": "8", "draft.data.max_prompts": "40", "draft.data.shard_size": "40",
         "draft.data.eval_fraction": "0.2", "++train.max_steps": str(STEPS), "++train.batch_size": str(BATCH),
@@ -70,11 +64,8 @@ def world(tmp_path_factory):
     for family in FAMILIES:
         started["probe", family] = (_torchrun("tests.sharded_teacher_probe", "--out", str(tmp / "probe" / family),
                                               "--family", family), tmp / f"probe-{family}.log")
-    procs = {}
-    for key, (command, log) in started.items():
-        with log.open("w") as handle:
-            procs[key] = subprocess.Popen(command, cwd=REPO, env=env, stdout=handle, stderr=subprocess.STDOUT)
-    results = {key: (proc.wait(timeout=900), started[key][1].read_text()) for key, proc in procs.items()}
+    procs = {key: start_job(command, log, env) for key, (command, log) in started.items()}
+    results = {key: (wait_job(proc, timeout=900), started[key][1].read_text()) for key, proc in procs.items()}
     return tmp, target, prepared, results
 
 
