@@ -13,10 +13,13 @@
  * rope table's rows for this step's positions, sin = (-sin | sin)); packed weights as small_gemm_pack makes
  * them (weights_f16: the fp16 panels of a draft's weights); the KV cache, slots and attention metadata as paged_attention.c documents.
  */
+#include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "vec_exp.h"
 
 void small_gemm(const float *x, long m, long k, long ldx, const float *packed, long n, const float *bias, float *y,
                 long ldy);
@@ -54,17 +57,51 @@ static void rms_norm(const float *x, long rows, long d, const float *weight, flo
 }
 
 /* x * cos + rotate_half(x) * sin on every q and k head of each row (rotate_half(x)[i] = x[(i + D/2) mod D], the
- * sign folded into sin). */
-static void rope(float *qkv, long rows, long ld, long heads, long head_dim, const float *cos, const float *sin) {
+ * sign folded into sin). Eight lanes at a time where D/2 is a multiple of 8 (every shape we serve); a lane's value
+ * depends only on its own element, so a row's result does not depend on the rows beside it. */
+AVX2_FMA static void rope(float *qkv, long rows, long ld, long heads, long head_dim, const float *cos,
+                          const float *sin) {
     long half = head_dim / 2;
     float tmp[head_dim];
     for (long r = 0; r < rows; r++)
         for (long h = 0; h < heads; h++) {
             float *x = qkv + r * ld + h * head_dim;
             const float *c = cos + r * head_dim, *s = sin + r * head_dim;
-            for (long i = 0; i < head_dim; i++) tmp[i] = x[i] * c[i] + x[(i + half) % head_dim] * s[i];
+            if (half % 8 == 0) {
+                for (long i = 0; i < half; i += 8) {
+                    __m256 lo = _mm256_loadu_ps(x + i), hi = _mm256_loadu_ps(x + half + i);
+                    __m256 new_lo = _mm256_add_ps(_mm256_mul_ps(lo, _mm256_loadu_ps(c + i)),
+                                                  _mm256_mul_ps(hi, _mm256_loadu_ps(s + i)));
+                    __m256 new_hi = _mm256_add_ps(_mm256_mul_ps(hi, _mm256_loadu_ps(c + half + i)),
+                                                  _mm256_mul_ps(lo, _mm256_loadu_ps(s + half + i)));
+                    _mm256_storeu_ps(x + i, new_lo);
+                    _mm256_storeu_ps(x + half + i, new_hi);
+                }
+                continue;
+            }
+            for (long i = 0; i < head_dim; i++) tmp[i] = x[i] * c[i] + x[i < half ? i + half : i - half] * s[i];
             for (long i = 0; i < head_dim; i++) x[i] = tmp[i];
         }
+}
+
+/* g[i] = silu(g[i]) * u[i] = g / (1 + exp(-g)) * u over one row, eight lanes at a time (exp8; the tail as one more
+ * vector padded with zeros), so each element's value depends on that element alone. */
+AVX2_FMA static void silu_mul(float *g, const float *u, long n) {
+    const __m256 one = _mm256_set1_ps(1.0f), sign = _mm256_set1_ps(-0.0f);
+    long i = 0;
+    for (; i + 8 <= n; i += 8) {
+        __m256 gv = _mm256_loadu_ps(g + i);
+        __m256 act = _mm256_div_ps(gv, _mm256_add_ps(one, exp8(_mm256_xor_ps(gv, sign))));
+        _mm256_storeu_ps(g + i, _mm256_mul_ps(act, _mm256_loadu_ps(u + i)));
+    }
+    if (i < n) {
+        float gt[8] = {0}, ut[8] = {0};
+        for (long j = i; j < n; j++) gt[j - i] = g[j], ut[j - i] = u[j];
+        __m256 gv = _mm256_loadu_ps(gt);
+        __m256 act = _mm256_div_ps(gv, _mm256_add_ps(one, exp8(_mm256_xor_ps(gv, sign))));
+        _mm256_storeu_ps(gt, _mm256_mul_ps(act, _mm256_loadu_ps(ut)));
+        for (long j = i; j < n; j++) g[j] = gt[j - i];
+    }
 }
 
 /* Returns 0; else paged_attention_f32's status (> 0: a sequence with more than max_q_len rows, -1: no memory,
@@ -109,10 +146,8 @@ int decoder_layer_f32(float *hidden, long rows, long d, const float *attn_in, lo
     for (long i = 0; i < rows * d; i++) hidden[i] += proj[i];
     rms_norm(hidden, rows, d, post_norm, eps, x);
     project(weights_f16, x, rows, d, d, gate_up_w, 2 * inter, gate_up_b, gate_up, 2 * inter);
-    for (long r = 0; r < rows; r++) {  /* silu(gate) * up, into the gate half */
-        float *g = gate_up + r * 2 * inter, *u = g + inter;
-        for (long i = 0; i < inter; i++) g[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
-    }
+    for (long r = 0; r < rows; r++)  /* silu(gate) * up, into the gate half */
+        silu_mul(gate_up + r * 2 * inter, gate_up + r * 2 * inter + inter, inter);
     project(weights_f16, gate_up, rows, inter, 2 * inter, down_w, d, down_b, proj, d);
     for (long i = 0; i < rows * d; i++) hidden[i] += proj[i];
     free(x);
@@ -193,7 +228,11 @@ typedef struct {
  *   (sampling.c's row_sample_f32: the rule of kernels/sampling.py's sample). The
  *   verifier's q is the row returned, so the draw follows q whatever the rounding of the exp.
  * Sequence j feeds first_tokens[j] at rope position start_positions[j] and cache entry start_entries[j] (a
- * standalone draft's entries are its positions; EAGLE's cache starts later) and runs num_steps[j] steps;
+ * standalone draft's entries are its positions; EAGLE's cache starts later) and runs num_steps[j] steps; with
+ * first_cu (int32 [num_seqs + 1], drafts without features only) its first step feeds the rows
+ * first_tokens[first_cu[j] .. first_cu[j + 1]) at consecutive positions and entries from there (the catch-up: the
+ * tokens its cache lacks), picks from the last of them, and every later step sits that many rows further on.
+ * Why: the catch-up as a forward of its own cost a Python forward per round, more than two C steps;
  * out_tokens[j * max_steps + s] is its step s's token. features [num_seqs, d] (with fc): each sequence's feature,
  * replaced by the stack's output at every step. Why: a 1-layer draft's step is ~0.4 ms of C inside ~1 ms of
  * per-step Python (metadata, tensors, embedding, rope, norm, sampling). Returns 0, -2 for a token, position or
@@ -204,6 +243,7 @@ typedef struct {
     const int32_t *block_tables;
     long table_width, max_steps;
     const int64_t *first_tokens, *start_positions, *start_entries;
+    const int32_t *first_cu;         /* [num_seqs + 1] or NULL: one first token per sequence */
     float *features;
     const float *inv_temperatures;   /* [num_seqs] or NULL (all greedy): 0 = greedy */
     const double *uniforms;          /* [num_seqs, max_steps]: a sampled sequence's draws */
@@ -215,63 +255,86 @@ typedef struct {
     float *hidden, *x, *cos, *sin, *logits;
     int64_t *slots;
     int32_t *group, *seq_lens, *cu, *tables;
+    long rows, max_q_len;            /* the step's rows (more than its sequences in a catch-up) and the most per sequence */
 } draft_work_t;
 
-/* Step `step`'s input rows, rope rows, slots and metadata for the n sequences in w->group; -2 for a token,
- * position or cache entry outside its table. */
+/* One input row: token at rope position pos and cache entry entry of sequence j, into workspace row i. */
+static int draft_row(const native_stack_t *s, const draft_ends_t *e, const draft_seqs_t *q, draft_work_t *w, long i,
+                     long j, int64_t token, int64_t pos, int64_t entry) {
+    long d = s->d, hd = s->head_dim, bs = s->block_size, tw = q->table_width;
+    if (token < 0 || token >= e->vocab || pos < 0 || pos >= e->max_positions || entry < 0 || entry / bs >= tw
+        || q->block_tables[j * tw + entry / bs] < 0)
+        return -2;
+    const float *embed = e->embed + token * d, *feature = q->features ? q->features + j * d : NULL;
+    if (e->hidden_norm) {  /* EAGLE-3: the attention's input and the residual stream */
+        float *normed = w->x + i * 2 * d + d;
+        rms_norm(embed, 1, d, e->embed_norm, e->input_eps, w->x + i * 2 * d);
+        rms_norm(feature, 1, d, e->hidden_norm, e->input_eps, normed);
+        memcpy(w->hidden + i * d, e->norm_before_residual ? normed : feature, sizeof(float) * d);
+    } else if (e->fc) {  /* [embed ; feature] rows, projected by draft_forward */
+        memcpy(w->x + i * 2 * d, embed, sizeof(float) * d);
+        memcpy(w->x + i * 2 * d + d, feature, sizeof(float) * d);
+    } else {
+        memcpy(w->hidden + i * d, embed, sizeof(float) * d);
+    }
+    memcpy(w->cos + i * hd, e->cos + pos * hd, sizeof(float) * hd);
+    memcpy(w->sin + i * hd, e->sin + pos * hd, sizeof(float) * hd);
+    w->slots[i] = (int64_t)q->block_tables[j * tw + entry / bs] * bs + entry % bs;
+    return 0;
+}
+
+/* Rows fed before step `step` picks, for sequence j: its catch-up rows (1 without first_cu), then one per step. */
+static long rows_before(const draft_seqs_t *q, long j, long step) {
+    return (q->first_cu ? q->first_cu[j + 1] - q->first_cu[j] : 1) - 1 + step;
+}
+
+/* Step `step`'s input rows, rope rows, slots and metadata for the n sequences in w->group (step 0 with first_cu:
+ * each sequence's catch-up rows); -2 for a token, position or cache entry outside its table. */
 static int draft_rows(const native_stack_t *s, const draft_ends_t *e, const draft_seqs_t *q, draft_work_t *w,
                       long step, long n) {
-    long d = s->d, hd = s->head_dim, bs = s->block_size, tw = q->table_width;
+    long tw = q->table_width, row = 0;
+    w->max_q_len = 1;
     for (long i = 0; i < n; i++) {
-        long j = w->group[i];
-        int64_t token = step ? q->out_tokens[j * q->max_steps + step - 1] : q->first_tokens[j];
-        int64_t pos = q->start_positions[j] + step, entry = q->start_entries[j] + step;
-        if (token < 0 || token >= e->vocab || pos < 0 || pos >= e->max_positions || entry < 0 || entry / bs >= tw
-            || q->block_tables[j * tw + entry / bs] < 0)
-            return -2;
-        const float *embed = e->embed + token * d, *feature = q->features ? q->features + j * d : NULL;
-        if (e->hidden_norm) {  /* EAGLE-3: the attention's input and the residual stream */
-            float *normed = w->x + i * 2 * d + d;
-            rms_norm(embed, 1, d, e->embed_norm, e->input_eps, w->x + i * 2 * d);
-            rms_norm(feature, 1, d, e->hidden_norm, e->input_eps, normed);
-            memcpy(w->hidden + i * d, e->norm_before_residual ? normed : feature, sizeof(float) * d);
-        } else if (e->fc) {  /* [embed ; feature] rows, projected by draft_forward */
-            memcpy(w->x + i * 2 * d, embed, sizeof(float) * d);
-            memcpy(w->x + i * 2 * d + d, feature, sizeof(float) * d);
-        } else {
-            memcpy(w->hidden + i * d, embed, sizeof(float) * d);
+        long j = w->group[i], last = rows_before(q, j, step);   /* the entry offset of the row that picks */
+        long first = step == 0 ? 0 : last;
+        for (long r = first; r <= last; r++, row++) {
+            int64_t token = step ? q->out_tokens[j * q->max_steps + step - 1]
+                                 : q->first_tokens[(q->first_cu ? q->first_cu[j] : j) + r];
+            int status = draft_row(s, e, q, w, row, j, token, q->start_positions[j] + r, q->start_entries[j] + r);
+            if (status != 0) return status;
         }
-        memcpy(w->cos + i * hd, e->cos + pos * hd, sizeof(float) * hd);
-        memcpy(w->sin + i * hd, e->sin + pos * hd, sizeof(float) * hd);
         memcpy(w->tables + i * tw, q->block_tables + j * tw, sizeof(int32_t) * tw);
-        w->slots[i] = (int64_t)q->block_tables[j * tw + entry / bs] * bs + entry % bs;
-        w->seq_lens[i] = (int32_t)(entry + 1);
-        w->cu[i] = (int32_t)i;
+        w->seq_lens[i] = (int32_t)(q->start_entries[j] + last + 1);
+        w->cu[i + 1] = (int32_t)row;
+        if (last - first + 1 > w->max_q_len) w->max_q_len = last - first + 1;
     }
-    w->cu[n] = (int32_t)n;
+    w->cu[0] = 0;
+    w->rows = row;
     return 0;
 }
 
 /* The draft's layers over the step's rows (KV written): EAGLE-3's one layer with its built attention input, else
  * fc (EAGLE-1) and the stack. */
 static int draft_forward(const native_stack_t *s, const draft_ends_t *e, draft_work_t *w, long n, long tw) {
-    long d = s->d;
+    long d = s->d, rows = w->rows;
     if (e->hidden_norm)
-        return decoder_layer_f32(w->hidden, n, d, w->x, 2 * d, NULL, s->post_norm[0], s->eps, s->weights_f16,
+        return decoder_layer_f32(w->hidden, rows, d, w->x, 2 * d, NULL, s->post_norm[0], s->eps, s->weights_f16,
                                  s->qkv_w[0], s->qkv_b[0], s->o_w[0], s->o_b[0], s->gate_up_w[0], s->gate_up_b[0],
                                  s->down_w[0], s->down_b[0], s->inter, w->cos, w->sin, s->num_heads, s->kv_heads,
                                  s->head_dim, s->k_cache[0], s->v_cache[0], w->slots, s->num_slots, w->tables, tw,
-                                 w->seq_lens, w->cu, n, NULL, 0, s->block_size, 1, s->scale);
-    if (e->fc) project(e->fc_f16, w->x, n, 2 * d, 2 * d, e->fc, d, e->fc_bias, w->hidden, d);
-    return decoder_stack_f32(w->hidden, n, d, s->num_layers, s->in_norm, s->post_norm, s->eps, s->weights_f16,
+                                 w->seq_lens, w->cu, n, NULL, 0, s->block_size, w->max_q_len, s->scale);
+    if (e->fc) project(e->fc_f16, w->x, rows, 2 * d, 2 * d, e->fc, d, e->fc_bias, w->hidden, d);
+    return decoder_stack_f32(w->hidden, rows, d, s->num_layers, s->in_norm, s->post_norm, s->eps, s->weights_f16,
                              s->qkv_w, s->qkv_b, s->o_w, s->o_b, s->gate_up_w, s->gate_up_b, s->down_w, s->down_b,
                              s->inter, w->cos, w->sin, s->num_heads, s->kv_heads, s->head_dim, s->k_cache, s->v_cache,
-                             w->slots, s->num_slots, w->tables, tw, w->seq_lens, w->cu, n, NULL, 0, s->block_size, 1,
-                             s->scale, NULL);
+                             w->slots, s->num_slots, w->tables, tw, w->seq_lens, w->cu, n, NULL, 0, s->block_size,
+                             w->max_q_len, s->scale, NULL);
 }
 
 /* The carried features, then final norm, head and each sequence's step token (argmax or draw, through d2t). */
 static void draft_pick(const draft_ends_t *e, const draft_seqs_t *q, draft_work_t *w, long d, long n, long step) {
+    if (w->rows > n)   /* a catch-up: each sequence picks from its last row (row cu[i + 1] - 1 >= i, read before written) */
+        for (long i = 0; i < n; i++) memmove(w->hidden + i * d, w->hidden + (w->cu[i + 1] - 1) * d, sizeof(float) * d);
     if (q->features)
         for (long i = 0; i < n; i++) memcpy(q->features + w->group[i] * d, w->hidden + i * d, sizeof(float) * d);
     if (e->final_norm) rms_norm(w->hidden, n, d, e->final_norm, e->final_eps, w->x);
@@ -290,15 +353,19 @@ static void draft_pick(const draft_ends_t *e, const draft_seqs_t *q, draft_work_
 }
 
 int draft_decode_f32(const native_stack_t *s, const draft_ends_t *e, long num_seqs, const int32_t *block_tables,
-                     long table_width, const int64_t *first_tokens, const int64_t *start_positions,
-                     const int64_t *start_entries, const int32_t *num_steps, long max_steps, float *features,
-                     const float *inv_temperatures, const double *uniforms, float *out_probs, int64_t *out_tokens) {
+                     long table_width, const int64_t *first_tokens, const int32_t *first_cu,
+                     const int64_t *start_positions, const int64_t *start_entries, const int32_t *num_steps,
+                     long max_steps, float *features, const float *inv_temperatures, const double *uniforms,
+                     float *out_probs, int64_t *out_tokens) {
     long n_max = num_seqs, d = s->d, hd = s->head_dim;
     if (n_max <= 0 || max_steps <= 0) return 0;
     if (((e->fc || e->hidden_norm) && !features) || (e->hidden_norm && s->num_layers != 1)
-        || (inv_temperatures && (!uniforms || !out_probs)))
+        || (inv_temperatures && (!uniforms || !out_probs)) || (first_cu && (features || first_cu[0] != 0)))
         return -2;
-    draft_seqs_t q = {block_tables, table_width, max_steps, first_tokens, start_positions, start_entries,
+    for (long j = 0; first_cu && j < num_seqs; j++)   /* a catch-up feeds a row or more and picks */
+        if (first_cu[j + 1] <= first_cu[j] || num_steps[j] < 1) return -2;
+    if (first_cu && first_cu[num_seqs] > n_max) n_max = first_cu[num_seqs];
+    draft_seqs_t q = {block_tables, table_width, max_steps, first_tokens, start_positions, start_entries, first_cu,
                       (e->fc || e->hidden_norm) ? features : NULL, inv_temperatures, uniforms, out_probs, out_tokens};
     draft_work_t w;
     w.hidden = malloc(sizeof(float) * n_max * (3 * d + 2 * hd + e->head_vocab));

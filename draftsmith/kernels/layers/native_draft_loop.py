@@ -56,7 +56,7 @@ class _EndsArgs(ctypes.Structure):  # draft_ends_t
 @lru_cache(maxsize=1)
 def _library() -> ctypes.CDLL | None:
     return native.kernel_library("DRAFTSMITH_NATIVE_LAYER", "the native draft loop", {
-        "draft_decode_f32": ([_P, _P, _L, _P, _L, _P, _P, _P, _P, _L, _P, _P, _P, _P, _P], _I),
+        "draft_decode_f32": ([_P, _P, _L, _P, _L, _P, _P, _P, _P, _P, _L, _P, _P, _P, _P, _P], _I),
     })
 
 
@@ -182,18 +182,26 @@ class NativeDraftLoop:
         return (native.eligible(self.embed) and max_position < self.cos.shape[0]
                 and self.stack.serves_caches(layer_caches))
 
-    def __call__(self, first_tokens: Sequence[int], start_positions: Sequence[int], num_steps: Sequence[int],
-                 block_tables: Tensor, layer_caches: Sequence[tuple[Tensor, Tensor]], scale: float,
-                 start_entries: Sequence[int] | None = None, features: Tensor | None = None,
+    def __call__(self, first_tokens: Sequence[Sequence[int]], start_positions: Sequence[int],
+                 num_steps: Sequence[int], block_tables: Tensor, layer_caches: Sequence[tuple[Tensor, Tensor]],
+                 scale: float, start_entries: Sequence[int] | None = None, features: Tensor | None = None,
                  sampling: LoopSampling | None = None) -> LoopTokens:
-        """Sequence j feeds first_tokens[j] at rope position start_positions[j] and decodes num_steps[j] tokens
-        (greedy, or as sampling says), its draft KV written from cache entry start_entries[j] on (default: the
-        positions) through its row of block_tables (int32 [num_seqs, width]). features [num_seqs, d] fp32 (with fc):
-        each sequence's feature, replaced in place by the step's predicted one."""
+        """Sequence j feeds first_tokens[j] (the token a chain's step feeds, or the catch-up: every token the draft
+        cache lacks) at rope positions from start_positions[j] and decodes num_steps[j] tokens (greedy, or as
+        sampling says), the first from its last fed row; its draft KV is written from cache entry start_entries[j]
+        on (default: the positions) through its row of block_tables (int32 [num_seqs, width]). features
+        [num_seqs, d] fp32 (with fc): each sequence's feature, replaced in place by the step's predicted one; a
+        draft that carries features feeds one first token per sequence."""
         num_seqs, max_steps = len(first_tokens), max(num_steps, default=0)
         if max_steps <= 0:
             return LoopTokens([[] for _ in first_tokens], [None for _ in first_tokens])
         self._check_features(features, num_seqs)
+        fed = [len(tokens) for tokens in first_tokens]
+        catch_up = any(n != 1 for n in fed)
+        if catch_up and (features is not None or min(fed) < 1 or min(num_steps) < 1):
+            raise ValueError(f"native draft loop: {fed} first tokens per sequence for {list(num_steps)} steps"
+                             + (" with features (one first token each)" if features is not None else
+                                " (every sequence feeds one or more and picks)"))
         sampled = sampling is not None and not sampling.greedy
         if sampled and (sampling.inverse_temperatures.shape != (num_seqs,) or len(sampling.generators) != num_seqs):
             raise ValueError(f"native draft loop: sampling for {tuple(sampling.inverse_temperatures.shape)} "
@@ -202,13 +210,15 @@ class NativeDraftLoop:
         probs = torch.empty(num_seqs, max_steps, self.head.out_features, dtype=torch.float32) if sampled else None
         out = torch.zeros(num_seqs, max_steps, dtype=torch.int64)
         tables = block_tables.to(torch.int32).contiguous()
-        first = torch.tensor(list(first_tokens), dtype=torch.int64)
+        first = torch.tensor([token for tokens in first_tokens for token in tokens], dtype=torch.int64)
+        first_cu = torch.tensor([0, *fed], dtype=torch.int32).cumsum(0, dtype=torch.int32) if catch_up else None
         starts = torch.tensor(list(start_positions), dtype=torch.int64)
         entries = starts if start_entries is None else torch.tensor(list(start_entries), dtype=torch.int64)
         steps = torch.tensor(list(num_steps), dtype=torch.int32)
         status = _library().draft_decode_f32(
             ctypes.byref(self._stack_args(layer_caches, scale)), ctypes.byref(self._ends_args()), num_seqs,
-            tables.data_ptr(), tables.shape[1], first.data_ptr(), starts.data_ptr(), entries.data_ptr(),
+            tables.data_ptr(), tables.shape[1], first.data_ptr(), native.address(first_cu), starts.data_ptr(),
+            entries.data_ptr(),
             steps.data_ptr(), max_steps, native.address(features),
             native.address(sampling.inverse_temperatures if sampled else None), native.address(draws),
             native.address(probs), out.data_ptr())

@@ -240,15 +240,16 @@ class ModelExecutor:
         return SMALL_GEMM_MAX_ROWS if served else 0
 
     @torch.no_grad()
-    def draft_decode(self, first_tokens: list[int], start_positions: list[int], num_steps: list[int],
+    def draft_decode(self, first_tokens: list[list[int]], start_positions: list[int], num_steps: list[int],
                      block_tables: list[list[int]], sampling: LoopSampling | None = None) -> LoopTokens | None:
-        """num_steps[j] decode steps of sequence j from first_tokens[j] at start_positions[j] (greedy, or as
-        sampling says), its KV written through block_tables[j] (slots already allocated), all in one C call
+        """num_steps[j] decode steps of sequence j after feeding first_tokens[j] from start_positions[j] on (one
+        token, or a catch-up of several; the first step picks from the last), greedy or as sampling says, its KV
+        written through block_tables[j] (slots already allocated), all in one C call
         (kernels.layers.native_draft_loop); None where that path cannot serve this model now (the caller then runs
         forward step by step)."""
         self._require_cache()
         loop = self.model.draft_loop() if self.native_rows else None   # the layers' C path serves this model
-        last = max(p + n - 1 for p, n in zip(start_positions, num_steps))
+        last = max(p + len(fed) + n - 2 for p, fed, n in zip(start_positions, first_tokens, num_steps))
         if loop is None or not loop.accepts(self._layer_caches, last):
             return None
         return loop(first_tokens, start_positions, num_steps, padded_tables(block_tables), self._layer_caches,

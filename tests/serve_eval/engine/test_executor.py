@@ -336,17 +336,55 @@ def test_greedy_draft_decode_in_one_c_call_equals_the_forward_steps(layers, tied
             token[name] = int(r[-1].argmax())
             expected[name].append(token[name])
     names = list(prompts)
-    got = mine.draft_decode([first[n] for n in names], [len(prompts[n]) for n in names], [steps[n] for n in names],
-                            [stepping.tables[n] for n in names])   # the blocks the forwards wrote
+    got = mine.draft_decode([[first[n]] for n in names], [len(prompts[n]) for n in names],
+                            [steps[n] for n in names], [stepping.tables[n] for n in names])   # the forwards' blocks
     assert got.tokens == [expected[n] for n in names] and got.probs == [None] * len(names)
     assert torch.equal(mine.k_cache, reference.k_cache) and torch.equal(mine.v_cache, reference.v_cache)
     with pytest.raises(ValueError, match="outside its table"):
-        mine.draft_decode([first["c"]], [len(prompts["c"]) + 40], [1], [stepping.tables["c"]])
+        mine.draft_decode([[first["c"]]], [len(prompts["c"]) + 40], [1], [stepping.tables["c"]])
     # a shorter table beside a longer one: its steps past its own blocks are refused, not written into block 0
     assert len(stepping.tables["c"]) < len(stepping.tables["b"])
     with pytest.raises(ValueError, match="outside its table"):
-        mine.draft_decode([first["b"], first["c"]], [len(prompts["b"]), 1], [1, 4 * len(stepping.tables["b"])],
+        mine.draft_decode([[first["b"]], [first["c"]]], [len(prompts["b"]), 1], [1, 4 * len(stepping.tables["b"])],
                            [stepping.tables["b"], stepping.tables["c"]])
+
+
+@pytest.mark.parametrize("layers", [1, 2])
+def test_draft_decode_feeds_a_catch_up_of_several_rows_before_its_first_pick(layers):
+    """A catch-up (the tokens the draft cache lacks: the round's accepted drafts and the bonus token) fed as the
+    loop's first step, several rows per sequence, gives the tokens of a catch-up forward, its last row's argmax and
+    the decode steps after it, and the same KV cache, bit for bit. A draft that carries features, a sequence that
+    feeds nothing or picks nothing, are refused."""
+    model = tiny_model(shape=dict(SHAPE, num_hidden_layers=layers))
+    reference, mine = ModelExecutor.from_hf_model(model), ModelExecutor.from_hf_model(model)
+    if mine.model.draft_loop() is None:
+        pytest.skip("the native CPU kernels do not build or run here")
+    stepping, looping = PagedRunner(reference, seed=3), PagedRunner(mine, seed=3)
+    prompts = {"a": [5, 17, 3, 99, 41, 8, 60], "b": list(range(20, 33)), "c": [7, 9]}
+    catch_up = {"a": [11, 12, 13], "b": [40], "c": [50, 51, 52, 53, 54]}
+    steps = {"a": 3, "b": 4, "c": 1}
+    stepping.step(prompts)
+    looping.step(prompts)
+    for name in prompts:   # the blocks the loop writes, which the replaying forwards then use
+        while len(stepping.tables[name]) * BLOCK_SIZE < len(prompts[name]) + len(catch_up[name]) + steps[name]:
+            stepping.tables[name].append(stepping.free.pop())
+    names = list(prompts)
+    got = mine.draft_decode([catch_up[n] for n in names], [len(prompts[n]) for n in names],
+                            [steps[n] for n in names], [stepping.tables[n] for n in names])
+    rows, _ = stepping.step(catch_up)
+    token = {name: int(r[-1].argmax()) for name, r in rows.items()}
+    expected = {name: [token[name]] for name in names}
+    for s in range(1, max(steps.values())):
+        rows, _ = stepping.step({name: [token[name]] for name in names if steps[name] > s})
+        for name, r in rows.items():
+            token[name] = int(r[-1].argmax())
+            expected[name].append(token[name])
+    assert got.tokens == [expected[n] for n in names]
+    assert torch.equal(mine.k_cache, reference.k_cache) and torch.equal(mine.v_cache, reference.v_cache)
+    for bad_fed, bad_steps in (([[1, 2], []], [1, 1]), ([[1, 2], [3]], [1, 0])):
+        with pytest.raises(ValueError, match="first tokens per sequence"):
+            mine.draft_decode(bad_fed, [len(prompts["a"]), len(prompts["b"])], bad_steps,
+                              [stepping.tables["a"], stepping.tables["b"]])
 
 
 def test_sampled_draft_decode_draws_each_token_from_the_row_it_returns():
@@ -378,8 +416,8 @@ def test_sampled_draft_decode_draws_each_token_from_the_row_it_returns():
     for name in names:   # the blocks the loop writes, which the replaying forwards then use
         while len(stepping.tables[name]) * BLOCK_SIZE < len(prompts[name]) + steps[name]:
             stepping.tables[name].append(stepping.free.pop())
-    got = mine.draft_decode([first[n] for n in names], [len(prompts[n]) for n in names], [steps[n] for n in names],
-                            [stepping.tables[n] for n in names], plain)
+    got = mine.draft_decode([[first[n]] for n in names], [len(prompts[n]) for n in names],
+                            [steps[n] for n in names], [stepping.tables[n] for n in names], plain)
     replays = {seed: torch.Generator().manual_seed(seed) for seed in by_seed}
     replay = {n: replays[seeds[n]] for n in names if seeds[n] is not None}
     token = dict(first)

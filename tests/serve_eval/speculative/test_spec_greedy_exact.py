@@ -118,9 +118,12 @@ def test_greedy_equals_non_speculative(models, reference, method, extra, batch):
 
 
 def test_the_standalone_drafts_steps_run_in_one_c_call(models, reference, monkeypatch):
-    """With every proposing request greedy or sampled at a plain temperature, a round's K - 1 draft decode steps are
-    one draft_decode call in C, so the draft runs one forward per round (the catch-up); greedy output is still plain
-    greedy decoding's. A top-p request's round runs the steps in Python (logits_to_probs holds the filters)."""
+    """With every proposing request greedy or sampled at a plain temperature, a round's catch-up and its K - 1
+    draft decode steps are one draft_decode call in C, so the draft runs no forward of its own (but for a first
+    catch-up longer than LOOP_CATCH_UP rows: the prompt); greedy output is still plain greedy decoding's. A top-p
+    request's round runs its forward and steps in Python (logits_to_probs holds the filters)."""
+    from draftsmith.serve_eval.speculative.proposers.standalone import LOOP_CATCH_UP
+
     prompts, lengths, ref = reference(1, seed=1)
     engine = build_engine(models, "standalone", {}, BIG_POOL)
     executor = engine.strategy.proposer.executor
@@ -138,12 +141,13 @@ def test_the_standalone_drafts_steps_run_in_one_c_call(models, reference, monkey
     outs = run_engine(engine, prompts, params)
     assert outs["r0"].output_token_ids == ref["r0"]
     rounds = engine.stats().spec.total.num_rounds
-    assert calls["forward"] == rounds and 0 < calls["loop"] <= rounds
+    prompt_forward = int(len(prompts[0]) + 1 > LOOP_CATCH_UP)   # the first catch-up: the prompt and its first token
+    assert calls["forward"] == prompt_forward and calls["loop"] == rounds + prompt_forward
     before = engine.stats().spec.total.num_rounds
     calls.update(forward=0, loop=0)
     run_engine(engine, prompts, [SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True, seed=0)])
     rounds = engine.stats().spec.total.num_rounds - before
-    assert calls["forward"] == rounds and 0 < calls["loop"] <= rounds
+    assert calls["forward"] == prompt_forward and calls["loop"] == rounds + prompt_forward
     calls.update(forward=0, loop=0)
     run_engine(engine, prompts, [SamplingParams(temperature=1.0, top_p=0.9, max_tokens=8, ignore_eos=True, seed=0)])
     assert calls["loop"] == 0 and calls["forward"] > 0

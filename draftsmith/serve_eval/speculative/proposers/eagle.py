@@ -361,7 +361,7 @@ class EagleProposer(Proposer):
             while grown < n - 1 and self.cache.resize(record, entries[-1] + grown + 1):
                 grown += 1
             steps.append(grown)
-        more = loop([t[0] for t in tokens], root_positions, steps,
+        more = loop([[t[0]] for t in tokens], root_positions, steps,
                     padded_tables([self.cache.block_table(state.record) for state in states]),
                     self.cache.layers(), self.draft.config.decoder.head_dim ** -0.5, start_entries=entries,
                     features=feats.float().contiguous().clone(), sampling=sampling)

@@ -2,12 +2,13 @@
 
 The draft runs on its own ModelExecutor (a plain HF Llama-family dir) over its own KVCacheManager /
 block pool. Per step, for all proposing sequences at once:
-- catch-up: one forward over the tokens the draft cache lacks (the last step's accepted drafts, the
-  correction / bonus token, or the whole prompt on first sight), ending at the root; its last row
-  gives the first draft distribution;
-- K - 1 batched decode steps, each feeding the previous draft token: in one C call
-  (kernels.layers.native_draft_loop) where the draft's layers are native and every request is greedy or
-  sampled at a plain temperature, else step by step.
+- catch-up: the tokens the draft cache lacks (the last step's accepted drafts, the correction / bonus
+  token, or the whole prompt on first sight), ending at the root; its last row gives the first draft
+  distribution;
+- K - 1 batched decode steps, each feeding the previous draft token.
+Where the draft's layers are native and every request is greedy or sampled at a plain temperature, the
+catch-up and the steps run in one C call (kernels.layers.native_draft_loop; a catch-up of more than
+LOOP_CATCH_UP rows, such as a prompt, first runs as a forward of its own); else a forward each.
 Draft tokens are drawn from logits_to_probs rows with the request's params and generator (argmax
 and point masses for temperature 0; the C loop's rows are softmax(logits / T), returned as the rows its
 draws inverted). on_accepted rolls the draft cache back to the accepted prefix.
@@ -35,6 +36,11 @@ from draftsmith.serve_eval.speculative.proposers.base import (
 )
 from draftsmith.serve_eval.speculative.proposers.registry import register_proposer
 from draftsmith.serve_eval.speculative.verify import VerifyResult
+
+
+# The most catch-up rows per sequence the C loop takes: a round's catch-up is at most K + 1 rows; a prompt's, first
+# seen, runs as a forward of its own (with the engine's threads for its size).
+LOOP_CATCH_UP = 32
 
 
 @dataclass
@@ -181,16 +187,19 @@ class StandaloneProposer(Proposer):
         return proposals
 
     def _run(self, seqs, active, states, ks, drafted, rows) -> None:
+        catch_up = [state.token_ids[state.num_computed_tokens:state.root + 1] for state in states]
+        if (max(map(len, catch_up)) <= LOOP_CATCH_UP
+                and self._loop_steps(seqs, active, states, catch_up, ks, drafted, rows)):
+            return
         ex, bs = self.executor, self.block_size
         dev = ex.device
         # Catch-up forward: tokens the draft cache lacks, up to and including the root.
         ids, positions, qlens, slens, tables = [], [], [], [], []
-        for state in states:
-            start, end = state.num_computed_tokens, state.root + 1
-            ids.extend(state.token_ids[start:end])
-            positions.extend(range(start, end))
-            qlens.append(end - start)
-            slens.append(end)
+        for state, fed in zip(states, catch_up):
+            ids.extend(fed)
+            positions.extend(range(state.num_computed_tokens, state.root + 1))
+            qlens.append(len(fed))
+            slens.append(state.root + 1)
             tables.append(self.kv.get_block_ids(state))
         last_rows = torch.tensor(qlens).cumsum(0) - 1
         meta = AttentionMetadata.build(qlens, slens, tables, bs, dev)
@@ -200,7 +209,8 @@ class StandaloneProposer(Proposer):
         for state in states:
             state.num_computed_tokens = state.root + 1
         picked = self._pick([seqs[b] for b in active], logits, active, drafted, rows)
-        if max(ks) > 1 and self._loop_steps(seqs, active, states, ks, drafted, rows, picked, logits.shape[-1]):
+        if max(ks) > 1 and self._loop_steps(seqs, active, states, [[t] for t in picked], [k - 1 for k in ks],
+                                            drafted, rows):
             return
         # K - 1 decode steps over the sequences that want more drafts.
         for step in range(1, max(ks)):
@@ -216,19 +226,20 @@ class StandaloneProposer(Proposer):
             for j, tok in zip(group, new):
                 picked[j] = tok
 
-    def _loop_steps(self, seqs, active, states, ks, drafted, rows, picked, vocab_size: int) -> bool:
-        """The K - 1 decode steps in one C call (the executor's draft_decode) when every proposing request is
-        greedy or sampled at a plain temperature; False where that path does not serve, and nothing was done."""
-        sampling = LoopSampling.of([seqs[b].params for b in active], vocab_size,
+    def _loop_steps(self, seqs, active, states, first_tokens, num_steps, drafted, rows) -> bool:
+        """Feed first_tokens[j] from the draft cache's end and pick num_steps[j] tokens, all in one C call (the
+        executor's draft_decode), when every proposing request is greedy or sampled at a plain temperature; False
+        where that path does not serve, and nothing was done."""
+        sampling = LoopSampling.of([seqs[b].params for b in active], self.executor.vocab_size,
                                    [seqs[b].generator or self.generator for b in active])
         if sampling is None:
             return False
-        out = self.executor.draft_decode(picked, [state.root + 1 for state in states], [k - 1 for k in ks],
+        out = self.executor.draft_decode(first_tokens, [state.num_computed_tokens for state in states], num_steps,
                                          [self.kv.get_block_ids(state) for state in states], sampling)
         if out is None:
             return False
-        for b, state, k, new, probs in zip(active, states, ks, out.tokens, out.probs):
-            state.num_computed_tokens += k - 1
+        for b, state, fed, k, new, probs in zip(active, states, first_tokens, num_steps, out.tokens, out.probs):
+            state.num_computed_tokens += len(fed) + k - 1
             drafted[b].extend(new)
             if probs is not None:
                 rows[b].extend(probs.unbind(0))
