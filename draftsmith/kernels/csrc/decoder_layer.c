@@ -229,9 +229,10 @@ typedef struct {
  *   verifier's q is the row returned, so the draw follows q whatever the rounding of the exp.
  * Sequence j feeds first_tokens[j] at rope position start_positions[j] and cache entry start_entries[j] (a
  * standalone draft's entries are its positions; EAGLE's cache starts later) and runs num_steps[j] steps; with
- * first_cu (int32 [num_seqs + 1], drafts without features only) its first step feeds the rows
- * first_tokens[first_cu[j] .. first_cu[j + 1]) at consecutive positions and entries from there (the catch-up: the
- * tokens its cache lacks), picks from the last of them, and every later step sits that many rows further on.
+ * first_cu (int32 [num_seqs + 1]) its first step feeds the rows first_tokens[first_cu[j] .. first_cu[j + 1]) at
+ * consecutive positions and entries from there (the catch-up: the tokens its cache lacks), picks from the last of
+ * them, and every later step sits that many rows further on; a draft with features then reads row r's from
+ * first_features [first_cu[num_seqs], d] and only writes `features`.
  * Why: the catch-up as a forward of its own cost a Python forward per round, more than two C steps;
  * out_tokens[j * max_steps + s] is its step s's token. features [num_seqs, d] (with fc): each sequence's feature,
  * replaced by the stack's output at every step. Why: a 1-layer draft's step is ~0.4 ms of C inside ~1 ms of
@@ -244,6 +245,7 @@ typedef struct {
     long table_width, max_steps;
     const int64_t *first_tokens, *start_positions, *start_entries;
     const int32_t *first_cu;         /* [num_seqs + 1] or NULL: one first token per sequence */
+    const float *first_features;     /* [first_cu[num_seqs], d]: a catch-up's rows' features (drafts with features) */
     float *features;
     const float *inv_temperatures;   /* [num_seqs] or NULL (all greedy): 0 = greedy */
     const double *uniforms;          /* [num_seqs, max_steps]: a sampled sequence's draws */
@@ -255,17 +257,17 @@ typedef struct {
     float *hidden, *x, *cos, *sin, *logits;
     int64_t *slots;
     int32_t *group, *seq_lens, *cu, *tables;
-    long rows, max_q_len;            /* the step's rows (more than its sequences in a catch-up) and the most per sequence */
+    long rows, max_q_len;            /* the step's rows (a catch-up: more than its sequences), the most per sequence */
 } draft_work_t;
 
 /* One input row: token at rope position pos and cache entry entry of sequence j, into workspace row i. */
 static int draft_row(const native_stack_t *s, const draft_ends_t *e, const draft_seqs_t *q, draft_work_t *w, long i,
-                     long j, int64_t token, int64_t pos, int64_t entry) {
+                     long j, int64_t token, int64_t pos, int64_t entry, const float *feature) {
     long d = s->d, hd = s->head_dim, bs = s->block_size, tw = q->table_width;
     if (token < 0 || token >= e->vocab || pos < 0 || pos >= e->max_positions || entry < 0 || entry / bs >= tw
         || q->block_tables[j * tw + entry / bs] < 0)
         return -2;
-    const float *embed = e->embed + token * d, *feature = q->features ? q->features + j * d : NULL;
+    const float *embed = e->embed + token * d;
     if (e->hidden_norm) {  /* EAGLE-3: the attention's input and the residual stream */
         float *normed = w->x + i * 2 * d + d;
         rms_norm(embed, 1, d, e->embed_norm, e->input_eps, w->x + i * 2 * d);
@@ -298,9 +300,13 @@ static int draft_rows(const native_stack_t *s, const draft_ends_t *e, const draf
         long j = w->group[i], last = rows_before(q, j, step);   /* the entry offset of the row that picks */
         long first = step == 0 ? 0 : last;
         for (long r = first; r <= last; r++, row++) {
-            int64_t token = step ? q->out_tokens[j * q->max_steps + step - 1]
-                                 : q->first_tokens[(q->first_cu ? q->first_cu[j] : j) + r];
-            int status = draft_row(s, e, q, w, row, j, token, q->start_positions[j] + r, q->start_entries[j] + r);
+            long fed = (q->first_cu ? q->first_cu[j] : j) + r;   /* the first step's row of first_tokens */
+            int64_t token = step ? q->out_tokens[j * q->max_steps + step - 1] : q->first_tokens[fed];
+            const float *feature = !q->features ? NULL
+                                   : step == 0 && q->first_features ? q->first_features + fed * s->d
+                                                                    : q->features + j * s->d;
+            int status = draft_row(s, e, q, w, row, j, token, q->start_positions[j] + r, q->start_entries[j] + r,
+                                   feature);
             if (status != 0) return status;
         }
         memcpy(w->tables + i * tw, q->block_tables + j * tw, sizeof(int32_t) * tw);
@@ -333,7 +339,7 @@ static int draft_forward(const native_stack_t *s, const draft_ends_t *e, draft_w
 
 /* The carried features, then final norm, head and each sequence's step token (argmax or draw, through d2t). */
 static void draft_pick(const draft_ends_t *e, const draft_seqs_t *q, draft_work_t *w, long d, long n, long step) {
-    if (w->rows > n)   /* a catch-up: each sequence picks from its last row (row cu[i + 1] - 1 >= i, read before written) */
+    if (w->rows > n)   /* a catch-up: each sequence picks from its last row (cu[i + 1] - 1 >= i: read before written) */
         for (long i = 0; i < n; i++) memmove(w->hidden + i * d, w->hidden + (w->cu[i + 1] - 1) * d, sizeof(float) * d);
     if (q->features)
         for (long i = 0; i < n; i++) memcpy(q->features + w->group[i] * d, w->hidden + i * d, sizeof(float) * d);
@@ -354,19 +360,22 @@ static void draft_pick(const draft_ends_t *e, const draft_seqs_t *q, draft_work_
 
 int draft_decode_f32(const native_stack_t *s, const draft_ends_t *e, long num_seqs, const int32_t *block_tables,
                      long table_width, const int64_t *first_tokens, const int32_t *first_cu,
-                     const int64_t *start_positions, const int64_t *start_entries, const int32_t *num_steps,
-                     long max_steps, float *features, const float *inv_temperatures, const double *uniforms,
-                     float *out_probs, int64_t *out_tokens) {
+                     const float *first_features, const int64_t *start_positions, const int64_t *start_entries,
+                     const int32_t *num_steps, long max_steps, float *features, const float *inv_temperatures,
+                     const double *uniforms, float *out_probs, int64_t *out_tokens) {
     long n_max = num_seqs, d = s->d, hd = s->head_dim;
     if (n_max <= 0 || max_steps <= 0) return 0;
     if (((e->fc || e->hidden_norm) && !features) || (e->hidden_norm && s->num_layers != 1)
-        || (inv_temperatures && (!uniforms || !out_probs)) || (first_cu && (features || first_cu[0] != 0)))
+        || (inv_temperatures && (!uniforms || !out_probs)) || (first_cu && first_cu[0] != 0)
+        || ((e->fc || e->hidden_norm) && first_cu && !first_features))
         return -2;
     for (long j = 0; first_cu && j < num_seqs; j++)   /* a catch-up feeds a row or more and picks */
         if (first_cu[j + 1] <= first_cu[j] || num_steps[j] < 1) return -2;
     if (first_cu && first_cu[num_seqs] > n_max) n_max = first_cu[num_seqs];
+    int carries = e->fc || e->hidden_norm;
     draft_seqs_t q = {block_tables, table_width, max_steps, first_tokens, start_positions, start_entries, first_cu,
-                      (e->fc || e->hidden_norm) ? features : NULL, inv_temperatures, uniforms, out_probs, out_tokens};
+                      carries && first_cu ? first_features : NULL, carries ? features : NULL, inv_temperatures,
+                      uniforms, out_probs, out_tokens};
     draft_work_t w;
     w.hidden = malloc(sizeof(float) * n_max * (3 * d + 2 * hd + e->head_vocab));
     w.slots = malloc(sizeof(int64_t) * n_max);

@@ -57,7 +57,7 @@ class _EndsArgs(ctypes.Structure):  # draft_ends_t
 @lru_cache(maxsize=1)
 def _library() -> ctypes.CDLL | None:
     return native.kernel_library("DRAFTSMITH_NATIVE_LAYER", "the native draft loop", {
-        "draft_decode_f32": ([_P, _P, _L, _P, _L, _P, _P, _P, _P, _P, _L, _P, _P, _P, _P, _P], _I),
+        "draft_decode_f32": ([_P, _P, _L, _P, _L, _P, _P, _P, _P, _P, _P, _L, _P, _P, _P, _P, _P], _I),
     })
 
 
@@ -76,6 +76,10 @@ class Eagle3Inputs:
         return cls(embed_norm.detach().float().contiguous(), hidden_norm.detach().float().contiguous(), float(eps),
                    bool(norm_before_residual))
 
+
+# The most catch-up rows per sequence a proposer hands the loop: a round's catch-up is at most K + 1 rows; a prompt's,
+# first seen, runs as a forward of its own (with the engine's threads for its size).
+LOOP_CATCH_UP = 32
 
 # The loop's rope table stops here (a draft config may carry 128k positions: 128 MiB of table at head_dim 128);
 # steps past it take the Python path, whose table grows on demand.
@@ -186,23 +190,30 @@ class NativeDraftLoop:
     def __call__(self, first_tokens: Sequence[Sequence[int]], start_positions: Sequence[int],
                  num_steps: Sequence[int], block_tables: Tensor, layer_caches: Sequence[tuple[Tensor, Tensor]],
                  scale: float, start_entries: Sequence[int] | None = None, features: Tensor | None = None,
-                 sampling: LoopSampling | None = None) -> LoopTokens:
+                 sampling: LoopSampling | None = None, first_features: Tensor | None = None) -> LoopTokens:
         """Sequence j feeds first_tokens[j] (the token a chain's step feeds, or the catch-up: every token the draft
         cache lacks) at rope positions from start_positions[j] and decodes num_steps[j] tokens (greedy, or as
         sampling says), the first from its last fed row; its draft KV is written from cache entry start_entries[j]
         on (default: the positions) through its row of block_tables (int32 [num_seqs, width]). features
-        [num_seqs, d] fp32 (with fc): each sequence's feature, replaced in place by the step's predicted one; a
-        draft that carries features feeds one first token per sequence."""
+        [num_seqs, d] fp32 (a draft that carries features: EAGLE's): each sequence's feature, replaced in place by
+        the step's predicted one; with a catch-up, first_features [fed rows, d] fp32 holds each fed row's feature
+        and features is only written."""
         num_seqs, max_steps = len(first_tokens), max(num_steps, default=0)
         if max_steps <= 0:
             return LoopTokens([[] for _ in first_tokens], [None for _ in first_tokens])
         self._check_features(features, num_seqs)
         fed = [len(tokens) for tokens in first_tokens]
-        catch_up = any(n != 1 for n in fed)
-        if catch_up and (features is not None or min(fed) < 1 or min(num_steps) < 1):
-            raise ValueError(f"native draft loop: {fed} first tokens per sequence for {list(num_steps)} steps"
-                             + (" with features (one first token each)" if features is not None else
-                                " (every sequence feeds one or more and picks)"))
+        catch_up = any(n != 1 for n in fed) or first_features is not None
+        if catch_up and (min(fed) < 1 or min(num_steps) < 1):
+            raise ValueError(f"native draft loop: {fed} first tokens per sequence for {list(num_steps)} steps "
+                             "(every sequence feeds one or more and picks)")
+        if catch_up and (features is None) != (first_features is None) or first_features is not None and (
+                first_features.shape != (sum(fed), self.embed.shape[1]) or first_features.dtype != torch.float32
+                or not first_features.is_contiguous()):
+            got = None if first_features is None else (first_features.dtype, tuple(first_features.shape))
+            raise ValueError(f"native draft loop: a catch-up of {sum(fed)} rows "
+                             + (f"takes contiguous fp32 first_features [rows, d], got {got}" if features is not None
+                                else "of a draft without features takes no first_features"))
         sampled = sampling is not None and not sampling.greedy
         if sampled and (sampling.inverse_temperatures.shape != (num_seqs,) or len(sampling.generators) != num_seqs):
             raise ValueError(f"native draft loop: sampling for {tuple(sampling.inverse_temperatures.shape)} "
@@ -218,8 +229,8 @@ class NativeDraftLoop:
         steps = torch.tensor(list(num_steps), dtype=torch.int32)
         status = _library().draft_decode_f32(
             ctypes.byref(self._stack_args(layer_caches, scale)), ctypes.byref(self._ends_args()), num_seqs,
-            tables.data_ptr(), tables.shape[1], first.data_ptr(), native.address(first_cu), starts.data_ptr(),
-            entries.data_ptr(),
+            tables.data_ptr(), tables.shape[1], first.data_ptr(), native.address(first_cu),
+            native.address(first_features), starts.data_ptr(), entries.data_ptr(),
             steps.data_ptr(), max_steps, native.address(features),
             native.address(sampling.inverse_temperatures if sampled else None), native.address(draws),
             native.address(probs), out.data_ptr())

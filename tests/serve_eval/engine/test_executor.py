@@ -353,8 +353,8 @@ def test_greedy_draft_decode_in_one_c_call_equals_the_forward_steps(layers, tied
 def test_draft_decode_feeds_a_catch_up_of_several_rows_before_its_first_pick(layers):
     """A catch-up (the tokens the draft cache lacks: the round's accepted drafts and the bonus token) fed as the
     loop's first step, several rows per sequence, gives the tokens of a catch-up forward, its last row's argmax and
-    the decode steps after it, and the same KV cache, bit for bit. A draft that carries features, a sequence that
-    feeds nothing or picks nothing, are refused."""
+    the decode steps after it, and the same KV cache, bit for bit. A sequence that feeds nothing or picks nothing,
+    and row features handed to a draft that carries none, are refused."""
     model = tiny_model(shape=dict(SHAPE, num_hidden_layers=layers))
     reference, mine = ModelExecutor.from_hf_model(model), ModelExecutor.from_hf_model(model)
     if mine.model.draft_loop() is None:
@@ -385,6 +385,10 @@ def test_draft_decode_feeds_a_catch_up_of_several_rows_before_its_first_pick(lay
         with pytest.raises(ValueError, match="first tokens per sequence"):
             mine.draft_decode(bad_fed, [len(prompts["a"]), len(prompts["b"])], bad_steps,
                               [stepping.tables["a"], stepping.tables["b"]])
+    loop = mine.model.draft_loop()
+    with pytest.raises(ValueError, match="takes no first_features"):
+        loop([[1, 2]], [len(prompts["a"])], [1], torch.tensor([stepping.tables["a"]]), mine._layer_caches, 0.125,
+             first_features=torch.zeros(2, SHAPE["hidden_size"]))
 
 
 def test_sampled_draft_decode_draws_each_token_from_the_row_it_returns():

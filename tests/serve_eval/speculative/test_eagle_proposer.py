@@ -116,12 +116,12 @@ def test_chain_matches_dense_reference(kind, target_dir):
 @pytest.mark.parametrize("kind,opts", [("eagle", {}), ("eagle3", {}), ("eagle3", {"norm_before_residual": True})])
 @torch.inference_mode()
 def test_a_batchs_chains_run_in_one_c_call_with_the_reference_tokens(kind, opts, temperature, target_dir, monkeypatch):
-    """Every request greedy, or sampled at a plain temperature with its own generator: after each chain's first
-    token, its remaining steps run in the draft's C loop (EAGLE-1: fc, the layer, the head; EAGLE-3: the two input
-    norms, the mid layer, the final norm, the head over the reduced vocabulary and d2t; then the argmax or the draw),
-    once per propose, and the chains are still the dense-cache unroll's tokens (sampled: drawn with the same
-    generators, from rows equal to the unroll's within fp32 rounding, scattered into the target vocabulary), for
-    sequences of different lengths and K."""
+    """Every request greedy, or sampled at a plain temperature with its own generator: the ingest of the fed
+    features and every chain's steps run in the draft's C loop (EAGLE-1: fc, the layer, the head; EAGLE-3: the two
+    input norms, the mid layer, the final norm, the head over the reduced vocabulary and d2t; then the argmax or the
+    draw), once per propose, all K picks in it, and the chains are still the dense-cache unroll's tokens
+    (sampled: drawn with the same generators, from rows equal to the unroll's within fp32 rounding, scattered into
+    the target vocabulary), for sequences of different lengths and K."""
     from draftsmith.kernels.layers.native_draft_loop import NativeDraftLoop
 
     draft = make_draft(kind, target_dir, **opts)
@@ -142,7 +142,7 @@ def test_a_batchs_chains_run_in_one_c_call_with_the_reference_tokens(kind, opts,
                                     torch.Generator().manual_seed(50 + i)))
     proposals = proposer.propose(seqs, [k for _, k in cases])
     assert [p.tokens.tolist() for p in proposals] == [tokens for tokens, _ in refs]
-    assert calls == [[k - 1 for _, k in cases]]
+    assert calls == [[k for _, k in cases]]
     for proposal, (_, rows) in zip(proposals, refs):
         if temperature == 0:
             assert proposal.draft_probs is None

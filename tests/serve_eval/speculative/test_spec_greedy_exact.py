@@ -122,7 +122,7 @@ def test_the_standalone_drafts_steps_run_in_one_c_call(models, reference, monkey
     draft decode steps are one draft_decode call in C, so the draft runs no forward of its own (but for a first
     catch-up longer than LOOP_CATCH_UP rows: the prompt); greedy output is still plain greedy decoding's. A top-p
     request's round runs its forward and steps in Python (logits_to_probs holds the filters)."""
-    from draftsmith.serve_eval.speculative.proposers.standalone import LOOP_CATCH_UP
+    from draftsmith.kernels.layers.native_draft_loop import LOOP_CATCH_UP
 
     prompts, lengths, ref = reference(1, seed=1)
     engine = build_engine(models, "standalone", {}, BIG_POOL)

@@ -12,8 +12,10 @@ Per propose call, for all sequences at once:
    drafted token, one step per further draft position. These entries are speculative: they are dropped on
    the next on_accepted / propose, and the accepted positions come back as true features and are ingested.
    chain: T = 0 -> argmax point masses; T > 0 -> tokens sampled from logits_to_probs rows (draft_probs).
-   After the first token, a chain's steps run in one C call (the draft's draft_loop) where its layers are
-   native and every request is greedy or sampled at a plain temperature (rows softmax(logits / T)).
+   Where the draft's layers are native and every request is greedy or sampled at a plain temperature (rows
+   softmax(logits / T)), a round of chains is one C call, the ingest included (the draft's draft_loop; an
+   ingest of more than LOOP_CATCH_UP rows, such as a prompt's, first runs as a forward of its own and the
+   chains' steps after their first token then run in one call).
    tree (EAGLE-2): DynamicTreeBuilder expands the top_k most valuable frontier nodes per depth (value: the
    calibrated acceptance of serve_eval.speculative.tree_budget under tree_budget='cost'); each depth runs
    the draft only on its new frontier nodes, which attend to the committed entries plus their tree
@@ -43,7 +45,7 @@ from draftsmith.kernels.attention import (
     AttentionMetadata,
 )
 from draftsmith.kernels.attention.torch_paged import paged_attention as torch_paged_attention
-from draftsmith.kernels.layers.native_draft_loop import LoopSampling, padded_tables
+from draftsmith.kernels.layers.native_draft_loop import LOOP_CATCH_UP, LoopSampling, padded_tables
 from draftsmith.kernels.sampling import logits_to_probs
 from draftsmith.serve_eval.engine.kv_cache_manager import cdiv
 from draftsmith.serve_eval.engine.threads import ThreadChoice, threads_for
@@ -253,15 +255,21 @@ class EagleProposer(Proposer):
                 queries.append(query)
         if not ready:
             return out
+        ready_seqs = [seqs[b] for b in ready]
+        chains = self.tree is None or (self.tree_budget is not None and self.tree_budget.use_chain())
+        looped = chains and self._loop_chains(ready_seqs, [num_tokens[b] for b in ready], queries)
+        if looped:
+            for b, proposal in zip(ready, looped):
+                out[b] = proposal
+            return out
         with threads_for(self.threads, sum(len(q.token_ids) for q in queries)):   # a catch-up may be long
             hidden = self._forward(queries)
         ends = torch.tensor([len(q.token_ids) for q in queries]).cumsum(0) - 1
         root_feats = hidden[ends.to(hidden.device)]  # [R, d]: predicted feature at each root position
         for q in queries:
             q.state.num_committed += len(q.token_ids)
-        ready_seqs = [seqs[b] for b in ready]
         root_positions = [len(s.token_ids) - 1 for s in ready_seqs]
-        if self.tree is not None and not (self.tree_budget is not None and self.tree_budget.use_chain()):
+        if not chains:
             results = self._trees([q.state for q in queries], root_positions, root_feats)
         else:
             results = self._chains(ready_seqs, [num_tokens[b] for b in ready], [q.state for q in queries],
@@ -303,6 +311,41 @@ class EagleProposer(Proposer):
         return self.draft(input_ids, hidden_in, positions, self.cache.attn_fn(meta, self.draft.config.decoder.head_dim))
 
     # -- chains --------------------------------------------------------------------------------
+    def _loop_chains(self, seqs, num_tokens, queries: list[_Query]) -> list[Proposal] | None:
+        """A round of chains in one C call (the draft's draft_loop): each query's ingest rows as the first step,
+        its first token picked from the last of them, then the further steps; each record grown first by the steps
+        the pool allows it. None where that path does not serve (nothing was done): then the ingest forward."""
+        loop = self.draft.draft_loop()   # EagleDraft's or Eagle3Draft's (None where C does not serve it)
+        fed = [len(q.token_ids) for q in queries]
+        if loop is None or max(fed) > LOOP_CATCH_UP or self.cache.attention is not torch_paged_attention:
+            return None
+        last = max(q.positions[0] + n_fed + n - 2 for q, n_fed, n in zip(queries, fed, num_tokens))
+        if not loop.accepts(self.cache.layers(), last):
+            return None
+        sampling = LoopSampling.of([s.params for s in seqs], loop.embed.shape[0], [s.generator for s in seqs])
+        if sampling is None:
+            return None
+        entries, steps = [], []
+        for q, n_fed, n in zip(queries, fed, num_tokens):
+            record = q.state.record   # _ingest_query made room for the ingest rows
+            entries.append(record.num_computed_tokens - n_fed)
+            grown = 0
+            while grown < n - 1 and self.cache.resize(record, record.num_computed_tokens + 1):
+                grown += 1
+            steps.append(grown + 1)
+        first_features = self._ingest_input(torch.cat([q.hidden_in for q in queries])).float().contiguous()
+        more = loop([q.token_ids for q in queries], [q.positions[0] for q in queries], steps,
+                    padded_tables([self.cache.block_table(q.state.record) for q in queries]), self.cache.layers(),
+                    self.draft.config.decoder.head_dim ** -0.5, start_entries=entries,
+                    features=torch.empty(len(queries), first_features.shape[1]), sampling=sampling,
+                    first_features=first_features)
+        for q in queries:
+            q.state.num_committed += len(q.token_ids)
+        return [Proposal(torch.tensor(tokens, dtype=torch.int64, device=self.device),
+                         None if probs is None else self._target_rows(probs))
+                for tokens, probs in zip(more.tokens, more.probs)]
+
+
     def _chains(self, seqs, num_tokens, states, root_positions, feats: Tensor) -> list[Proposal]:
         temperature, top_k, top_p = sampling_arrays(seqs, self.device)
         greedy = [s.params.temperature == 0 for s in seqs]

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from draftsmith.kernels.attention import AttentionMetadata
-from draftsmith.kernels.layers.native_draft_loop import LoopSampling
+from draftsmith.kernels.layers.native_draft_loop import LOOP_CATCH_UP, LoopSampling
 from draftsmith.kernels.sampling import logits_to_probs, sample
 from draftsmith.serve_eval.engine.kv_cache_manager import KVCacheManager, cdiv
 from draftsmith.serve_eval.engine.model_executor import ModelExecutor
@@ -36,11 +36,6 @@ from draftsmith.serve_eval.speculative.proposers.base import (
 )
 from draftsmith.serve_eval.speculative.proposers.registry import register_proposer
 from draftsmith.serve_eval.speculative.verify import VerifyResult
-
-
-# The most catch-up rows per sequence the C loop takes: a round's catch-up is at most K + 1 rows; a prompt's, first
-# seen, runs as a forward of its own (with the engine's threads for its size).
-LOOP_CATCH_UP = 32
 
 
 @dataclass
