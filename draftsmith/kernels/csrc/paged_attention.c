@@ -78,51 +78,10 @@ AVX2_FMA static void softmax_row(float *s, long n) {
     for (; p < n; p++) s[p] *= 1.0f / total;
 }
 
-/* out[0..8*NV) = sum_p w[p] * V[p][0..8*NV) over the context's positions, walking the block table; NV is a
- * compile-time count so the accumulators stay in registers with no per-vector branch. */
-#define VALUE_CHUNK(NV)                                                                                         \
-    AVX2_FMA static void value_chunk_##NV(const float *w, long ctx_len, const float *v_cache, const int32_t *table, \
-                                          long block_size, long row_stride, long offset, float *out) {          \
-        __m256 acc[NV];                                                                                         \
-        _Pragma("GCC unroll 8") for (int v = 0; v < NV; v++) acc[v] = _mm256_setzero_ps();                      \
-        for (long start = 0; start < ctx_len; start += block_size) {                                            \
-            const float *values = v_cache + (long)table[start / block_size] * block_size * row_stride + offset;  \
-            long end = start + block_size < ctx_len ? start + block_size : ctx_len;                             \
-            for (long p = start; p < end; p++) {                                                                \
-                if (w[p] == 0.0f) continue;                                                                     \
-                __m256 wv = _mm256_set1_ps(w[p]);                                                               \
-                const float *value = values + (p - start) * row_stride;                                         \
-                _Pragma("GCC unroll 8") for (int v = 0; v < NV; v++)                                            \
-                    acc[v] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(value + 8 * v), acc[v]);                       \
-            }                                                                                                   \
-        }                                                                                                       \
-        _Pragma("GCC unroll 8") for (int v = 0; v < NV; v++) _mm256_storeu_ps(out + 8 * v, acc[v]);            \
-    }
-VALUE_CHUNK(1)
-VALUE_CHUNK(2)
-VALUE_CHUNK(3)
-VALUE_CHUNK(4)
-VALUE_CHUNK(5)
-VALUE_CHUNK(6)
-VALUE_CHUNK(7)
-VALUE_CHUNK(8)
-typedef void (*value_chunk_fn)(const float *, long, const float *, const int32_t *, long, long, long, float *);
-static const value_chunk_fn VALUE_CHUNKS[9] = {0, value_chunk_1, value_chunk_2, value_chunk_3, value_chunk_4,
-                                               value_chunk_5, value_chunk_6, value_chunk_7, value_chunk_8};
-
-/* out[0..d) = sum_p w[p] * V[p] over the context's positions, 64 values of the output row at a time. */
-static void weighted_values(const float *w, long ctx_len, const float *v_cache, const int32_t *table,
-                            long block_size, long kv_heads, long kvh, long head_dim, float *out) {
-    for (long chunk = 0; chunk < head_dim; chunk += 64) {
-        long vecs = (head_dim - chunk < 64 ? head_dim - chunk : 64) / 8;
-        VALUE_CHUNKS[vecs](w, ctx_len, v_cache, table, block_size, kv_heads * head_dim, kvh * head_dim + chunk,
-                           out + chunk);
-    }
-}
-
 /* out[0..8*NV) (+)= sum_p w[p] * V[p][0..8*NV) over positions [start, end) of one cache block (values: the block's
- * row of position start), from zero when `first`, else from what out holds: a row's sum over a whole context,
- * taken block by block, is value_chunk's FMA chain step for step (the running sums pass through memory unchanged). */
+ * row of position start), from zero when `first`, else from what out holds: a row's sum over its context, block by
+ * block, is one FMA chain per lane in position order (the running sums pass through memory unchanged), so it does
+ * not depend on the rows beside it; NV is a compile-time count so the accumulators stay in registers. */
 #define VALUE_SPAN(NV)                                                                                          \
     AVX2_FMA static void value_span_##NV(const float *w, long start, long end, const float *values,            \
                                          long row_stride, float *out, int first) {                             \
@@ -150,14 +109,12 @@ typedef void (*value_span_fn)(const float *, long, long, const float *, long, fl
 static const value_span_fn VALUE_SPANS[9] = {0, value_span_1, value_span_2, value_span_3, value_span_4,
                                              value_span_5, value_span_6, value_span_7, value_span_8};
 
-/* weighted_values for several rows of one kv head at once, cache block by cache block, each block's values read
- * for every row while they sit in L1: a row at a time re-read the whole context's values from L2 once per row
- * (a 5-row verify over 430 positions, 2 kv heads on 2 threads: 54 us a layer that way, 35 us this way). Each row's
- * sums are weighted_values' bit for bit (VALUE_SPAN). weights: row r's at weights + r * ctx_len; outs[r]: its output
- * row. */
-static void weighted_values_rows(const float *weights, long rows, float *const *outs, long ctx_len,
-                                 const float *v_cache, const int32_t *table, long block_size, long kv_heads, long kvh,
-                                 long head_dim) {
+/* out_r[0..d) = sum_p w_r[p] * V[p] for each row r of one kv head, cache block by cache block, 64 values of the
+ * output rows at a time: each block's values are read for every row while they sit in L1 (a row at a time re-read
+ * the whole context's values from L2 once per row: a 5-row verify over 430 positions, 2 kv heads on 2 threads,
+ * took 54 us a layer that way, 35 us this way). weights: row r's at weights + r * ctx_len; outs[r]: its output. */
+static void weighted_values(const float *weights, long rows, float *const *outs, long ctx_len, const float *v_cache,
+                            const int32_t *table, long block_size, long kv_heads, long kvh, long head_dim) {
     long row_stride = kv_heads * head_dim;
     for (long chunk = 0; chunk < head_dim; chunk += 64) {
         long vecs = (head_dim - chunk < 64 ? head_dim - chunk : 64) / 8;
@@ -211,10 +168,7 @@ AVX2_FMA static void attend_group(const float *q, long ldq_t, long ldq_h, const 
         softmax_row(scores + r * ctx_len, ctx_len);
         outs[r] = out + ((first_row + j) * kv_heads * group + kvh * group + g) * head_dim;
     }
-    if (rows == 1)   /* one query row: its values in one pass (no running sums through memory) */
-        weighted_values(scores, ctx_len, v_cache, table, block_size, kv_heads, kvh, head_dim, outs[0]);
-    else
-        weighted_values_rows(scores, rows, outs, ctx_len, v_cache, table, block_size, kv_heads, kvh, head_dim);
+    weighted_values(scores, rows, outs, ctx_len, v_cache, table, block_size, kv_heads, kvh, head_dim);
 }
 
 typedef struct {
