@@ -322,7 +322,7 @@ class EagleProposer(Proposer):
         last = max(q.positions[0] + n_fed + n - 2 for q, n_fed, n in zip(queries, fed, num_tokens))
         if not loop.accepts(self.cache.layers(), last):
             return None
-        sampling = LoopSampling.of([s.params for s in seqs], loop.embed.shape[0], [s.generator for s in seqs])
+        sampling = LoopSampling.of([s.params for s in seqs], self.draft.config.vocab_size, [s.generator for s in seqs])
         if sampling is None:
             return None
         entries, steps = [], []
@@ -337,8 +337,8 @@ class EagleProposer(Proposer):
         more = loop([q.token_ids for q in queries], [q.positions[0] for q in queries], steps,
                     padded_tables([self.cache.block_table(q.state.record) for q in queries]), self.cache.layers(),
                     self.draft.config.decoder.head_dim ** -0.5, start_entries=entries,
-                    features=torch.empty(len(queries), first_features.shape[1]), sampling=sampling,
-                    first_features=first_features)
+                    features=torch.empty(len(queries), first_features.shape[1], dtype=torch.float32),
+                    sampling=sampling, first_features=first_features)
         for q in queries:
             q.state.num_committed += len(q.token_ids)
         return [Proposal(torch.tensor(tokens, dtype=torch.int64, device=self.device),
