@@ -16,6 +16,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -98,33 +99,37 @@ JOB_ENV = job_env()
 
 def start_job(command: list[str], log: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
     """`command` in the background from the repository root, its output appended to `log`, in a session of its
-    own so that stop_job reaches everything it started."""
+    own so that stop_jobs reaches what it started."""
     with log.open("a") as handle:
         return subprocess.Popen(command, cwd=REPO, env=env or JOB_ENV, stdout=handle, stderr=subprocess.STDOUT,
                                 start_new_session=True)
 
 
-def stop_job(proc: subprocess.Popen, grace_s: float = 30.0) -> None:
-    """SIGTERM, then SIGKILL after `grace_s`. torchrun passes SIGTERM on to its ranks (each runs in a session of
-    its own, which a signal to this job's group would miss); a rank left running would hold its port, its files
-    and any build lock past the test."""
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(timeout=grace_s)
-    except subprocess.TimeoutExpired:
+def stop_jobs(procs: list[subprocess.Popen], grace_s: float = 45.0) -> None:
+    """SIGTERM to each job's group, then SIGKILL to those still running after `grace_s`. torchrun passes SIGTERM on
+    to its ranks (each in a session of its own, which a signal to the job's group would miss) and SIGKILLs them 30 s
+    later (its shutdown timeout), so the grace outlasts that; a rank left running would hold its port, its files and
+    any build lock past the test."""
+    for proc in procs:
         with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+            os.killpg(proc.pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    for proc in procs:
+        try:
+            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
 
 
-def wait_job(proc: subprocess.Popen, timeout: float) -> int:
-    """Its return code; on timeout the job is stopped and TimeoutExpired raised."""
+def wait_jobs(procs: dict, timeout: float) -> dict:
+    """{key: return code} of jobs started together, each given `timeout` in turn; when one runs out, TimeoutExpired
+    is raised and every job still running is stopped, not left behind."""
     try:
-        return proc.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        stop_job(proc)
-        raise
+        return {key: proc.wait(timeout=timeout) for key, proc in procs.items()}
+    finally:
+        stop_jobs([proc for proc in procs.values() if proc.poll() is None])
 
 
 def run_job(command: list[str], timeout: float, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
@@ -135,8 +140,9 @@ def run_job(command: list[str], timeout: float, env: dict[str, str] | None = Non
     try:
         stdout, stderr = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        stop_job(proc)
-        proc.communicate()
+        stop_jobs([proc])
+        with contextlib.suppress(subprocess.TimeoutExpired):   # a rank that outlived torchrun holds the pipes
+            proc.communicate(timeout=10)
         raise
     return subprocess.CompletedProcess(command, proc.returncode, stdout, stderr)
 

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from distill_fixtures import (HAS_DEEPSPEED, free_port, job_env, make_corpus, make_target, overrides, start_job,
-                              tensor_digest, wait_job)
+                              tensor_digest, wait_jobs)
 
 ENV = job_env(DRAFTSMITH_TRACEBACK="1")
 STEPS, ACCUM, BATCH = 2, 2, 4  # 2 ranks x 2 steps x 2 micro-batches x 4 = 32 = one epoch of the train split
@@ -57,7 +57,8 @@ def world(tmp_path_factory):
                    f"launcher.main_process_port={free_port()}", *base]
         log = tmp / f"{kind}-{launcher}.log"
         jobs[kind, launcher] = (start_job(command, log, env), log)
-    results = {key: (wait_job(proc, timeout=600), log.read_text()) for key, (proc, log) in jobs.items()}
+    codes = wait_jobs({key: proc for key, (proc, _) in jobs.items()}, timeout=600)
+    results = {key: (codes[key], log.read_text()) for key, (_, log) in jobs.items()}
     return tmp, target, prepared, results
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from distill_fixtures import HAS_DEEPSPEED, free_port, start_job, wait_job
+from distill_fixtures import HAS_DEEPSPEED, free_port, start_job, wait_jobs
 from distill_toy import ToyDraft
 
 from draftsmith.train.distill import checkpoint as ckpt
@@ -44,7 +44,8 @@ def _start(out: Path, launcher: str, *extra: str) -> tuple[subprocess.Popen, Pat
 
 
 def _wait(started: dict[str, tuple[subprocess.Popen, Path]]) -> dict[str, tuple[int, str]]:
-    return {key: (wait_job(proc, timeout=300), log.read_text()) for key, (proc, log) in started.items()}
+    codes = wait_jobs({key: proc for key, (proc, _) in started.items()}, timeout=300)
+    return {key: (codes[key], log.read_text()) for key, (_, log) in started.items()}
 
 
 @pytest.fixture(scope="module")

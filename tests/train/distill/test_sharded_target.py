@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from distill_fixtures import free_port, job_env, make_corpus, make_target, overrides, start_job, tensor_digest, wait_job
+from distill_fixtures import (free_port, job_env, make_corpus, make_target, overrides, start_job, tensor_digest,
+                              wait_jobs)
 from tiny_models import tiny_model
 
 ENV = job_env(DRAFTSMITH_TRACEBACK="1")
@@ -65,7 +66,8 @@ def world(tmp_path_factory):
         started["probe", family] = (_torchrun("tests.sharded_teacher_probe", "--out", str(tmp / "probe" / family),
                                               "--family", family), tmp / f"probe-{family}.log")
     procs = {key: start_job(command, log, env) for key, (command, log) in started.items()}
-    results = {key: (wait_job(proc, timeout=900), started[key][1].read_text()) for key, proc in procs.items()}
+    codes = wait_jobs(procs, timeout=900)
+    results = {key: (codes[key], started[key][1].read_text()) for key in procs}
     return tmp, target, prepared, results
 
 
