@@ -6,8 +6,9 @@ as much per-step Python (attention metadata, input tensors, embedding, rope, fin
 Nothing between the steps needs Python: the next input is the step's token, the positions and slots follow from
 the block tables. So the loop runs in C, over the model's own native stack (the same C layers as its forward), its
 embedding, final norm and packed head; EAGLE-1's step input goes through its fc with the carried feature, EAGLE-3's
-through its two input norms, and a reduced vocabulary's token through d2t. A draft without features can hand the
-loop its catch-up too (a first step of several rows per sequence), so a standalone round is one C call.
+through its two input norms, and a reduced vocabulary's token through d2t. A proposer can hand the loop its
+catch-up too (a first step of several rows per sequence, with each row's feature for EAGLE), so a round of chains is
+one C call.
 
 A step's token is the argmax for a greedy sequence (the first of equal maxima, as torch.argmax) and, for a
 sequence sampled at a plain temperature (no top-k or top-p filter: LoopSampling), a draw from softmax(logits / T)

@@ -329,10 +329,7 @@ class EagleProposer(Proposer):
         for q, n_fed, n in zip(queries, fed, num_tokens):
             record = q.state.record   # _ingest_query made room for the ingest rows
             entries.append(record.num_computed_tokens - n_fed)
-            grown = 0
-            while grown < n - 1 and self.cache.resize(record, record.num_computed_tokens + 1):
-                grown += 1
-            steps.append(grown + 1)
+            steps.append(self._grow(record, n - 1) + 1)
         first_features = self._ingest_input(torch.cat([q.hidden_in for q in queries])).float().contiguous()
         more = loop([q.token_ids for q in queries], [q.positions[0] for q in queries], steps,
                     padded_tables([self.cache.block_table(q.state.record) for q in queries]), self.cache.layers(),
@@ -345,6 +342,12 @@ class EagleProposer(Proposer):
                          None if probs is None else self._target_rows(probs))
                 for tokens, probs in zip(more.tokens, more.probs)]
 
+    def _grow(self, record: _CacheRecord, steps: int) -> int:
+        """Room for up to `steps` more entries in a record, one at a time while the pool allows: how many it got."""
+        grown = 0
+        while grown < steps and self.cache.resize(record, record.num_computed_tokens + 1):
+            grown += 1
+        return grown
 
     def _chains(self, seqs, num_tokens, states, root_positions, feats: Tensor) -> list[Proposal]:
         temperature, top_k, top_p = sampling_arrays(seqs, self.device)
@@ -400,10 +403,7 @@ class EagleProposer(Proposer):
         for state, n in zip(states, num_tokens):
             record = state.record
             entries.append(record.num_computed_tokens)
-            grown = 0
-            while grown < n - 1 and self.cache.resize(record, entries[-1] + grown + 1):
-                grown += 1
-            steps.append(grown)
+            steps.append(self._grow(record, n - 1))
         more = loop([[t[0]] for t in tokens], root_positions, steps,
                     padded_tables([self.cache.block_table(state.record) for state in states]),
                     self.cache.layers(), self.draft.config.decoder.head_dim ** -0.5, start_entries=entries,
