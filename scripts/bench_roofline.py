@@ -12,7 +12,7 @@ run slower until the weights are back. A speculative round's target forward alwa
 proposal, and a request's first steps follow its prefill, so there measured speed-ups trail the ones predicted
 from steady-state step costs.
 
-    python scripts/bench_roofline.py [--model DIR] [--context 128] [--steps 60] [--threads N] [--compile] [--pauses]
+    python scripts/bench_roofline.py [--model DIR] [--context 128] [--steps 60] [--threads auto|N] [--compile] [--pauses]
 
 Without --model it uses the newest trained target under artifacts/target-cache/, else a random Llama of
 the embedded target's shape (conf/target/embedded.yaml).
@@ -34,17 +34,25 @@ import torch
 from draftsmith.kernels.attention import AttentionMetadata
 from draftsmith.serve_eval.engine.config import EngineConfig
 from draftsmith.serve_eval.engine.model_executor import ModelExecutor, dtype_name, resolve_dtype
+from draftsmith.serve_eval.engine.threads import (AUTO, apply_threads, available_cores, choose_threads,
+                                                  estimate_num_params, set_threads)
 
 
 def read_bandwidth(num_bytes: int, clock=time.perf_counter, repeats: int = 5) -> float:
-    """Best-of-N bytes/s of summing a float32 tensor of num_bytes (one streaming read)."""
+    """Best-of-N bytes/s of summing a float32 tensor of num_bytes (one streaming read) on every core: the machine's
+    bandwidth, whatever count the timed step runs with (one core alone reads about half of it here)."""
     data = torch.ones(num_bytes // 4, dtype=torch.float32)
-    data.sum()
-    best = float("inf")
-    for _ in range(repeats):
-        start = clock()
+    before = torch.get_num_threads()
+    set_threads(available_cores())
+    try:
         data.sum()
-        best = min(best, clock() - start)
+        best = float("inf")
+        for _ in range(repeats):
+            start = clock()
+            data.sum()
+            best = min(best, clock() - start)
+    finally:
+        set_threads(before)
     return num_bytes / best
 
 
@@ -82,7 +90,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--model", help="HF checkpoint dir (default: trained target or random embedded shape)")
     parser.add_argument("--context", type=int, default=128, help="tokens already in the cache before timing")
     parser.add_argument("--steps", type=int, default=60, help="timed decode steps per variant")
-    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    parser.add_argument("--threads", default="auto",
+                        help="intra-op threads: 'auto' (the default) is the engine's own choice (serve_eval.engine.threads: "
+                             "for the embedded target one torch thread, the native C kernels split over every core); "
+                             "a count N sets torch and the native kernels to N")
     parser.add_argument("--compile", action="store_true", help="also time the executor with torch.compile")
     # The engine's own default (EngineConfig.dtype): its batch-1 CPU step runs the fp32 C kernels.
     parser.add_argument("--dtype", default=EngineConfig.dtype,
@@ -93,6 +104,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--pause-steps", type=int, default=8, help="timed decode steps after each pause")
     parser.add_argument("--pause-repeats", type=int, default=15, help="interleaved rounds of every pause kind")
     args = parser.parse_args()
+    if args.threads != AUTO:
+        try:
+            args.threads = int(args.threads)
+        except ValueError:
+            parser.error(f"--threads: a positive count or {AUTO!r}, got {args.threads!r}")
     if args.pause_steps < 1 or args.pause_repeats < 1:
         parser.error("--pause-steps and --pause-repeats must be >= 1")
     return args
@@ -171,7 +187,8 @@ def print_roofline(args: argparse.Namespace, model_dir: Path, origin: str, ours:
     roofline = weights / bandwidth
     cpu_roofline = weights / cpu_bandwidth
     load = os.getloadavg()[0]
-    print(f"model: {model_dir} ({origin}); {dtype_name(args.dtype)}; batch 1; context {args.context}; threads {torch.get_num_threads()}")
+    print(f"model: {model_dir} ({origin}); {dtype_name(args.dtype)}; batch 1; context {args.context}; "
+          f"threads {args.thread_choice.summary()}")
     print(f"weight bytes read per step: {weights / 1e6:.2f} MB (KV read per step ~{kv_read / 1e6:.2f} MB, not counted)")
     print(f"measured read bandwidth ({args.bandwidth_mb} MB probe): {bandwidth / 1e9:.2f} GB/s")
     print(f"  (same probe at weight size, cache-resident: {resident / 1e9:.2f} GB/s)")
@@ -237,13 +254,16 @@ def print_pauses(after: dict[str, list[float]]) -> None:
 
 def main() -> None:
     args = parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
     model_dir, origin, hf, variants = load_variants(args)
     total = args.context + args.steps + 16
     table = list(range(-(-total // BLOCK_SIZE)))
     pause_table = list(range(len(table), len(table) + -(-PAUSE_PREFILL_TOKENS // BLOCK_SIZE)))
     cache = prefill(hf, variants, args.context, table, len(table) + len(pause_table))
+    # the count the engine itself runs this model with (read once the cache exists, as the engine does); a configured
+    # count applies to torch and the C kernels alike
+    args.thread_choice = choose_threads(args.threads, estimate_num_params(hf.config), "cpu",
+                                        native_rows=variants["ours"].native_rows)
+    apply_threads(args.thread_choice)
     timings = time_steps(hf, cache, variants, args, table)
     print_roofline(args, model_dir, origin, variants["ours"], timings)
     if args.pauses:
