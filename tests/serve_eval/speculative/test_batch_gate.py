@@ -243,3 +243,28 @@ def test_a_new_buckets_first_hundreds_of_steps_cost_little_more_than_the_budget(
         gate.observe_step(batch, spec, ms / 1000, batch)
         total += ms
     assert total / (768 * batch) < 1.015
+
+
+def test_a_drafts_start_cost_times_the_first_re_try():
+    """A speculative arm's first step pays the draft's start (its catch-up over every prompt: 12 plain steps' worth,
+    as at batch 16 on the embedded target) and its re-tries a catch-up over every token since (up to 10 plain
+    steps' worth). That start cost times the first re-try, so the 512 steps after a 128-step warm-up (a benchmark's
+    window) decode plainly at plain decoding's cost; timed by the per-token medians alone, K <= 1 (1.45x dearer) was
+    re-tried at once and the window cost 2% more."""
+    gate = BatchGate()
+    batch, start_steps, catch_up_per_step, live_context = 16, 12.0, 10 / 128, 128
+    costs = {1: 1.45, 2: 1.45 * 1.6, None: 1.45 * 3, 0: 1.0}
+    since_spec, started, window = 0, False, []
+    for step in range(128 + 512):
+        cap = gate.cap(batch)
+        spec = cap != 0
+        extra = (catch_up_per_step * min(since_spec, live_context) if started else start_steps) if spec else 0.0
+        started = started or spec
+        ms = (costs[cap] + extra) * batch
+        since_spec = 0 if spec else since_spec + 1
+        gate.observe_step(batch, spec, ms / 1000, batch)
+        if step >= 128:
+            window.append(ms)
+    assert sum(window) / (len(window) * batch) < 1.005
+    # ... and it is still re-tried, at most max_retry_wait steps later
+    assert any(gate.cap(batch) != 0 or gate.observe_step(batch, False, batch / 1000, batch) for _ in range(2100))
