@@ -20,10 +20,10 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+import draftsmith  # noqa: E402,F401  (before torch: OpenMP's wait policy, draftsmith/__init__)
+import torch  # noqa: E402
 from draftsmith.drafts.block import BlockDraft  # noqa: E402
 from draftsmith.serve_eval.eval.interleave import rotation  # noqa: E402
 from draftsmith.drafts.eagle3 import Eagle3Draft  # noqa: E402

@@ -15,9 +15,9 @@ import statistics
 import tempfile
 from pathlib import Path
 
-import torch
-
 from bench_throughput import find_target, make_workload
+import draftsmith  # noqa: E402,F401  (before torch: OpenMP's wait policy, draftsmith/__init__)
+import torch  # noqa: E402
 from draftsmith.serve_eval.engine import DefaultStrategy, EngineConfig, LLMEngine, SamplingParams, StepResult
 
 

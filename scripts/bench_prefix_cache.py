@@ -14,10 +14,10 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
-
 from bench_kv_memory import LengthOnlyStrategy
 from bench_throughput import find_target
+import draftsmith  # noqa: E402,F401  (before torch: OpenMP's wait policy, draftsmith/__init__)
+import torch  # noqa: E402
 from draftsmith.serve_eval.engine import EngineConfig, LLMEngine, SamplingParams
 
 

@@ -26,10 +26,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import draftsmith  # noqa: E402,F401  (before torch: OpenMP's wait policy, draftsmith/__init__)
+import torch  # noqa: E402
 from draftsmith.drafts.artifacts import Artifacts  # noqa: E402
 from draftsmith.drafts.io import latest_drafts_by_kind, load_draft  # noqa: E402
 from draftsmith.drafts.quant import QuantConfig, weight_bytes  # noqa: E402

@@ -29,8 +29,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
+import draftsmith  # noqa: E402,F401  (before torch: OpenMP's wait policy, draftsmith/__init__)
+import torch  # noqa: E402
 from draftsmith.kernels.attention import AttentionMetadata
 from draftsmith.serve_eval.engine.config import EngineConfig
 from draftsmith.serve_eval.engine.model_executor import ModelExecutor, dtype_name, resolve_dtype

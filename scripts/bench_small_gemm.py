@@ -17,12 +17,12 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
 
 from bench_spec_round import embedded_shape  # noqa: E402
+import draftsmith  # noqa: E402,F401  (before torch: OpenMP's wait policy, draftsmith/__init__)
+import torch  # noqa: E402
 from draftsmith.kernels import small_gemm  # noqa: E402
 from draftsmith.kernels.layers.linear import SMALL_GEMM_MAX_ROWS  # noqa: E402
 

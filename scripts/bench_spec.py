@@ -36,11 +36,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-import torch
-
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+import draftsmith  # noqa: E402,F401  (before torch: OpenMP's wait policy, draftsmith/__init__)
+import torch  # noqa: E402
 from draftsmith.serve_eval.engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
 from draftsmith.serve_eval.engine.model_executor import ModelExecutor, dtype_name, resolve_dtype  # noqa: E402
 from draftsmith.serve_eval.eval.interleave import interleave, rotation  # noqa: E402

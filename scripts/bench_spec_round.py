@@ -33,11 +33,11 @@ import sys
 import tempfile
 from pathlib import Path
 
-import torch
-
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+import draftsmith  # noqa: E402,F401  (before torch: OpenMP's wait policy, draftsmith/__init__)
+import torch  # noqa: E402
 from draftsmith.serve_eval.engine import LLMEngine  # noqa: E402
 from draftsmith.serve_eval.engine.model_executor import dtype_name  # noqa: E402
 from draftsmith.serve_eval.eval import step_cost  # noqa: E402

@@ -17,6 +17,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import draftsmith  # noqa: F401  (before torch: OpenMP's wait policy, draftsmith/__init__)
 import torch
 
 

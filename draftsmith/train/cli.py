@@ -9,7 +9,6 @@ is not in this checkout yet says so in one line instead of failing with an impor
 
 from __future__ import annotations
 
-import os
 import sys
 
 # job name -> ("module:function", one-line description). The function is a Hydra app (train.config.hydra_app).
@@ -53,8 +52,6 @@ def main(argv: list[str] | None = None) -> None:
         print(usage())
         return
     name, rest = argv[0], argv[1:]
-    # Before torch loads: on a shared CPU, spinning OpenMP workers make every op 5-10x slower.
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     fn = load_job(name)
     sys.argv = [f"draftsmith {name}", *rest]  # Hydra and argparse read their arguments from sys.argv
     code = fn()

@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+import draftsmith
 from draftsmith.kernels import native
 
 log = logging.getLogger(__name__)
@@ -117,12 +118,21 @@ def choose_threads(setting: int | str, num_params: int, device: str, cores: int 
     return ThreadChoice(cores, AUTO, f"{num_params / 1e6:.0f}M params on CPU: one thread per core ({cores})")
 
 
+_warned_spinning_omp = False   # the warning below, once per process
+
+
 def apply_threads(choice: ThreadChoice) -> None:
     """Set torch's intra-op count (process-wide) to a small step's, and the native kernels' split, and log the
-    choice."""
+    choice (with a warning where torch's OpenMP workers spin between ops: draftsmith/__init__ says why it matters)."""
     set_threads(choice.count)
     native.set_threads(choice.native_count)
     log.info("engine: intra-op threads %s", choice.summary())
+    global _warned_spinning_omp
+    if not draftsmith.OMP_PASSIVE and max(choice.count, choice.wide_count or 1) > 1 and not _warned_spinning_omp:
+        _warned_spinning_omp = True
+        log.warning("engine: OpenMP workers spin after each multi-thread op (OMP_WAIT_POLICY is not PASSIVE where "
+                    "torch was imported), which slows the one-thread steps that follow; set OMP_WAIT_POLICY=PASSIVE "
+                    "before starting Python, or import draftsmith before torch")
 
 
 @contextmanager

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import logging
+import os
+import subprocess
+import sys
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-from draftsmith.serve_eval.engine import EngineConfig, LLMEngine, SamplingParams
+import draftsmith
+from draftsmith.serve_eval.engine import EngineConfig, LLMEngine, SamplingParams, threads
 from draftsmith.serve_eval.engine.threads import (
     SMALL_MODEL_PARAMS,
     WIDE_STEP_TOKENS,
@@ -180,3 +184,29 @@ def test_threads_for_sets_a_forwards_count_and_restores_the_previous_one(restore
     assert torch.get_num_threads() == 1
     with threads_for(None, 512):
         assert torch.get_num_threads() == 1
+
+
+def test_importing_draftsmith_before_torch_makes_openmp_workers_sleep_and_the_engine_warns_when_they_spin(
+        monkeypatch, caplog, restore_threads):
+    """draftsmith imported first sets OMP_WAIT_POLICY=PASSIVE (a user's value stands); torch imported first keeps
+    OpenMP's spinning workers, and the engine says so once, when it may run multi-thread ops."""
+    def policy(imports: str, env_value: str | None) -> str:
+        env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+        if env_value is not None:
+            env["OMP_WAIT_POLICY"] = env_value
+        code = f"{imports}; import os, draftsmith; print(os.environ.get('OMP_WAIT_POLICY'), draftsmith.OMP_PASSIVE)"
+        return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                              check=True).stdout.strip()
+
+    assert policy("import draftsmith, torch", None) == "PASSIVE True"
+    assert policy("import torch", None) == "None False"
+    assert policy("import draftsmith", "ACTIVE") == "ACTIVE False"
+
+    monkeypatch.setattr(draftsmith, "OMP_PASSIVE", False)
+    monkeypatch.setattr(threads, "_warned_spinning_omp", False)
+    with caplog.at_level(logging.WARNING, logger=threads.__name__):
+        threads.apply_threads(choose_threads(1, 1000, "cpu"))        # never more than one thread: nothing to say
+        assert "OMP_WAIT_POLICY" not in caplog.text
+        for _ in range(2):
+            threads.apply_threads(choose_threads("auto", 1000, "cpu", cores=2))
+    assert caplog.text.count("OMP_WAIT_POLICY=PASSIVE") == 1
