@@ -154,7 +154,23 @@ def test_adaptive_k_uses_measured_beta_and_cost():
     assert policy.estimated_beta("d") == pytest.approx(0.75)
     assert policy.num_speculative_tokens("d") == best_k(0.75, 0.1, 1, 10)
     policy.observe_cost_ratio(0.2)
-    assert policy.cost_ratio == pytest.approx(0.9 * 0.1 + 0.1 * 0.2)
+    assert policy.cost_ratio == pytest.approx(0.15)   # the median of the measurements so far
+
+
+def test_a_catch_up_steps_cost_ratio_does_not_move_the_fallback_bar():
+    """c is the median of the latest cost_ratio_window measurements: the first step after plain decoding (the draft's
+    catch-up over every token since, c ~3.5 at batch 16) leaves the cost bar at the rounds' c, so a draft accepting
+    0.4 keeps speculating where the batch gate measures it pays; an old measurement leaves the window."""
+    policy = SpecPolicy(config(cost_ratio_window=4), measured_gate=True)
+    for c in (3.5, 0.13, 0.12, 0.14):
+        policy.observe_cost_ratio(c)
+    assert policy.min_alpha("d") == pytest.approx(0.135)
+    for step in range(40):
+        policy.observe_round("d", 2, 1 if step % 5 else 0, step)   # alpha 0.4
+    assert policy.is_enabled("d")
+    policy.observe_cost_ratio(0.6)
+    policy.observe_cost_ratio(0.6)
+    assert policy.cost_ratio == pytest.approx(0.37)   # 3.5 has left the window: median of 0.12, 0.14, 0.6, 0.6
 
 
 @pytest.mark.parametrize(
@@ -165,6 +181,7 @@ def test_adaptive_k_uses_measured_beta_and_cost():
         (dict(min_alpha=1.5), "min_alpha must be in"),
         (dict(k_min=4, k_max=2), r"k_max \(2\) must be >= k_min \(4\)"),
         (dict(window_rounds=0), "window_rounds must be > 0"),
+        (dict(cost_ratio_window=0), "cost_ratio_window must be > 0"),
     ],
 )
 def test_bad_config_raises(kwargs, message):
