@@ -22,17 +22,16 @@ in one of two ways:
 
   A re-try also waits until it is affordable: its expected extra cost (its steps times how much dearer per
   token the arm is than the winner) at most its share of `explore_overhead` (the budget of all the losers
-  together) of the winner's steps since its last one. A
-  draft that runs only while speculating pays a catch-up over every token decoded plainly since, so its
-  re-try steps are several times dearer than its rounds; at batch 16 the interval's re-tries alone cost 5-8%
-  on 64-token answers. So once an arm has been re-tried, its next re-try is timed by what that one really cost
-  beyond the winner (its steps' seconds against the winner's cost of their tokens, catch-up included), in
-  steps of the winner; a per-token median hides the one dear step that carries the catch-up. Until
-  an arm's first re-try, its very first step stands for that cost: it paid the draft's start, a catch-up over
-  every prompt. An arm that never
-  ran (presumed from a smaller K's loss) pays that catch-up on its first step as its siblings did, and has no
-  deadline short of `max_retry_wait`: its first re-try, timed by the interval cap alone, cost 4% of the first 260
-  steps of a batch-16 bucket (scripted catch-ups of 3 plain steps).
+  together) of the winner's steps since its last one. A draft that runs only while speculating pays a catch-up
+  over every token decoded plainly since (at its start: over every prompt), so the first step of a speculative
+  run is several times dearer than its rounds; at batch 16 the interval's re-tries alone cost 5-8% on 64-token
+  answers. So while plain decoding wins, a speculative arm's re-try also counts the draft's catch-up: the dearest
+  first step of a run the bucket has seen, beyond its arm's own rate (one draft serves every cap; the dearest,
+  because a re-try that closely follows a sibling's catches up on little, and timing the next ones by it
+  re-tried every arm within ~120 steps), with no deadline short of `max_retry_wait`. A per-token median hides
+  the one dear step that carries the catch-up. An arm that never ran (presumed from a smaller K's loss) is not
+  hurried either: its first re-try, timed by the interval cap alone, cost 4% of the first 260 steps of a
+  batch-16 bucket (scripted catch-ups of 3 plain steps).
 
   Estimates are medians of an arm's last `window` steps (the arms and the re-try interval are
   speculative.measured_arms', which the tree budget's tree-or-chain choice shares), because one step's cost on a shared CPU has
@@ -101,7 +100,6 @@ class _Arm(ArmCosts):
     """An arm's measured costs (speculative.measured_arms), and what the gate presumes or learned of its re-tries."""
 
     presumed_ratio: float | None = None   # its cost / plain decoding's, presumed from a smaller K's loss
-    retry_extra_s: float | None = None    # seconds its latest lost re-try's first step cost beyond the winner's rate
 
 
 @dataclass
@@ -113,7 +111,11 @@ class _Bucket:
     retry_left: int = 0            # its steps still to run
     retry_burst: bool = False      # the re-try's first step would have won: confirming on fresh steps
     retry_from: int | None = None  # the winner when the re-try began
-    retry_extra_s: float = 0.0     # the re-try under way: its first step's seconds beyond the winner's cost of them
+    # the dearest first step of a speculative run after plain decoding (the draft's start, or a re-try), in seconds
+    # beyond plain decoding's cost of its tokens: the draft's catch-up (one draft serves every cap)
+    catch_up_s: float | None = None
+    run_start: tuple[int, float, int] | None = None   # (arm, seconds, tokens) of such a first step, until the arm's
+                                                      # own rate is known to tell its catch-up from its rounds
     winner_step_s: deque = field(default_factory=lambda: deque(maxlen=16))  # seconds of the winner's latest steps
 
     def cost(self, key: int) -> float | None:
@@ -197,8 +199,10 @@ class BatchGate:
         if b.retry_left:
             self._retry_step(b, step_s, emitted_tokens)
             return
-        self._note_start_cost(b, chosen, step_s, emitted_tokens)
+        if chosen != PLAIN and not b.arms[chosen].samples:   # the draft's start: its catch-up over every prompt
+            b.run_start = (chosen, step_s, emitted_tokens)
         b.arms[chosen].observe(step_s, emitted_tokens)
+        self._note_catch_up(b)
         self._presume_larger_k(b, chosen)
         winner = self._winner(b)
         if winner is None:
@@ -215,16 +219,15 @@ class BatchGate:
         arm = next((key for key in due if b.retries[key].since >= self._affordable_after(b, key, winner)), None)
         if arm is not None:
             b.retry_arm, b.retry_from = arm, winner
-            b.retry_left, b.retry_burst = 1, False   # its first step sets retry_extra_s
+            b.retry_left, b.retry_burst = 1, False
 
     def _affordable_after(self, b: _Bucket, arm: int, winner: int) -> int:
         """Steps of the winner after which a re-try of `arm` costs at most `explore_overhead` of them: its expected
-        extra cost (its steps -- a burst if it never ran -- times how much dearer it is per token, or, once it has
-        been re-tried, what that re-try's first step cost beyond the winner; for an arm that never ran, its burst plus
-        a sibling's re-try cost) spread over them, times the number of losers. Capped at max_explore_every
-        (max_retry_wait for a measured re-try cost or an arm that never ran), so that even a dear arm is re-tried.
-        (With the interval alone, the re-tries of arms 1.6x dearer than plain decoding cost 5-8% at batch 16, on
-        64-token answers.)"""
+        extra cost (its steps -- a burst if it never ran -- times how much dearer it is per token, plus, for a
+        speculative arm re-tried while plain decoding wins, the draft's catch-up: the dearest the bucket has seen)
+        spread over them, times the number of losers. Capped at max_explore_every (max_retry_wait for an arm that
+        pays a catch-up or never ran), so that even a dear arm is re-tried. (With the interval alone, the re-tries of
+        arms 1.6x dearer than plain decoding cost 5-8% at batch 16, on 64-token answers.)"""
         mine, best = b.cost(arm), b.cost(winner)
         if mine is None or best is None or mine <= best:
             return 0
@@ -232,33 +235,30 @@ class BatchGate:
         never_ran = not b.arms[arm].samples
         steps = cfg.min_samples if never_ran else 1
         extra_steps = steps * (mine / best - 1)   # in steps of the winner
-        # an arm that never ran is presumed from a measured loss of smaller K (or measured by a sibling's re-try):
-        # no need to hurry it
+        # an arm that never ran is presumed from a measured loss of smaller K: no need to hurry it
         cap = cfg.max_retry_wait if never_ran else cfg.max_explore_every
-        measured = b.arms[arm].retry_extra_s
-        if measured is not None and b.winner_step_s:
-            extra_steps = max(extra_steps, measured / statistics.median(b.winner_step_s))
+        if arm != PLAIN and winner == PLAIN and b.catch_up_s is not None and b.winner_step_s:
+            # The dearest catch-up, not the latest: a re-try that closely followed a sibling's caught up on little,
+            # and timing the next ones by it re-tried every arm within a few hundred steps of batch 16.
+            extra_steps += b.catch_up_s / statistics.median(b.winner_step_s)
             cap = cfg.max_retry_wait
-        elif never_ran and b.winner_step_s:
-            # its first step pays the draft's catch-up as a speculative sibling's re-try did (one draft serves every
-            # cap), on top of its burst; the least of the siblings' figures, since each adds its own step's excess
-            sibling = min((a.retry_extra_s for key, a in b.arms.items() if key != PLAIN and a.retry_extra_s is not None),
-                          default=None)
-            if sibling is not None:
-                extra_steps += sibling / statistics.median(b.winner_step_s)
         # explore_overhead is the budget of all the losers' re-tries together
         losers = len(b.arms) - 1
         return min(int(math.ceil(extra_steps * losers / cfg.explore_overhead)), cap)
 
-    def _note_start_cost(self, b: _Bucket, key: int, step_s: float, emitted_tokens: int) -> None:
-        """A speculative arm's very first step: what it cost beyond plain decoding's rate is what starting the draft
-        costs (its catch-up over every prompt), as a re-try's first step pays a catch-up over every token since. It
-        stands for the arm's re-try cost until a re-try measures one, so the first re-try is timed by it too. (Timed
-        by the per-token medians alone, the first re-try of K <= 1 came after about 140 steps of batch 16 on the
-        embedded target and cost about 11 plain steps: 2% of a 512-step run.)"""
-        arm, plain = b.arms[key], b.cost(PLAIN)
-        if key != PLAIN and not arm.samples and plain is not None:
-            arm.retry_extra_s = max(step_s - plain * emitted_tokens, 0.0)
+    def _note_catch_up(self, b: _Bucket) -> None:
+        """Once the arm of a speculative run's first step (after plain decoding) has its own rate measured: what that
+        step cost beyond the arm's rate is the draft's catch-up (over every prompt at its start, over every token
+        since at a re-try). (Before the draft's start counted, the first re-try of K <= 1 came after about 140 steps
+        of batch 16 on the embedded target and cost about 11 plain steps: 2% of a 512-step run.)"""
+        if b.run_start is None:
+            return
+        key, step_s, tokens = b.run_start
+        arm = b.arms[key]
+        if len(arm.seconds) < self.config.min_samples:   # its first measurement, or a fresh burst, under way
+            return
+        b.run_start = None
+        b.catch_up_s = max(b.catch_up_s or 0.0, step_s - arm.median() * tokens)
 
     def _presume_larger_k(self, b: _Bucket, key: int) -> None:
         """K <= key has just finished its first measurement: if it lost to plain decoding, the arms of larger K
@@ -279,23 +279,22 @@ class BatchGate:
         cost was presumed); then a fresh burst of min_samples steps decides, so no arm's estimate rests on one step."""
         arm = b.arms[b.retry_arm]
         cost = step_s / emitted_tokens
-        if not b.retry_burst:   # the re-try's first step: what a one-step re-try of this arm costs, catch-up included
-            b.retry_extra_s = step_s - b.cost(b.retry_from) * emitted_tokens
+        if not b.retry_burst and b.retry_arm != PLAIN and b.retry_from == PLAIN:   # the draft catches up
+            b.run_start = (b.retry_arm, step_s, emitted_tokens)
         first_run = arm.samples == 0
         if not b.retry_burst and (first_run or cost < b.cost(b.retry_from)) and self.config.min_samples > 1:
             arm.restart()
             b.retry_burst, b.retry_left = True, self.config.min_samples
         arm.observe(step_s, emitted_tokens)
+        self._note_catch_up(b)
         b.retry_left -= 1
         if not b.retry_left:
             self._end_retry(b)
 
     def _end_retry(self, b: _Bucket) -> None:
         if self._winner(b) == b.retry_from:   # the re-tried arm lost again: re-try it half as often
-            b.arms[b.retry_arm].retry_extra_s = max(b.retry_extra_s, 0.0)
             b.retries[b.retry_arm].confirm()
         else:                                 # it won: every arm back to the base rate
-            b.arms[b.retry_arm].retry_extra_s = None
             for backoff in b.retries.values():
                 backoff.flip()
 
