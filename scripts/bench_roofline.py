@@ -108,7 +108,9 @@ def parse_args() -> argparse.Namespace:
         try:
             args.threads = int(args.threads)
         except ValueError:
-            parser.error(f"--threads: a positive count or {AUTO!r}, got {args.threads!r}")
+            args.threads = 0
+        if args.threads < 1:
+            parser.error(f"--threads: a positive count or {AUTO!r}")
     if args.pause_steps < 1 or args.pause_repeats < 1:
         parser.error("--pause-steps and --pause-repeats must be >= 1")
     return args
@@ -153,7 +155,9 @@ def time_steps(hf: Any, cache: Any, variants: dict[str, ModelExecutor], args: ar
                table: list[int]) -> Timings:
     """Decode steps interleaved variant by variant, so every variant sees the same machine load."""
     # Wall time, and process CPU time: on a shared, oversubscribed machine the CPU time of a single-threaded
-    # run is what the step would take on an idle core (wall time then also counts waiting for a core).
+    # run is what the step would take on an idle core (wall time then also counts waiting for a core). With the
+    # native kernels split over the cores (--threads auto) the CPU time counts every core's share, and their
+    # helpers' spin of up to 0.5 ms after a call, so compare the CPU view only at --threads 1.
     names = ["transformers", *variants]
     timings = Timings({name: [] for name in names}, {name: [] for name in names}, {})
     with torch.inference_mode():

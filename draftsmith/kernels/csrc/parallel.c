@@ -75,7 +75,7 @@ static long now_ns(void) {
 /* The next generation after `seen`, spinning up to SPIN_NS (the clock read every 64 pauses); `seen` if none came. */
 static long spin_for_next(long seen) {
     long posted, deadline = now_ns() + SPIN_NS;
-    for (int round = 1; (posted = atomic_load(&generation)) == seen; round++) {
+    for (unsigned round = 1; (posted = atomic_load(&generation)) == seen; round++) {
         _mm_pause();
         if (round % 64 == 0 && now_ns() > deadline) break;
         if (round % YIELD_EVERY == 0) sched_yield();
@@ -132,7 +132,7 @@ static void start_helpers(void) {
     pthread_once(&atfork_once, register_atfork);
     while (num_helpers < native_threads() - 1) {
         pthread_t thread;
-        if (pthread_create(&thread, 0, helper_main, (void *)(intptr_t)num_helpers) != 0) break;
+        if (pthread_create(&thread, 0, helper_main, 0) != 0) break;
         pthread_detach(thread);
         num_helpers++;
     }
@@ -153,7 +153,7 @@ int native_shares(long work, long units) {
     return parts < 1 ? 1 : (int)parts;
 }
 
-/* fn(ctx, p, n) for every share p < n, share 0 on the calling thread and the others on helpers; n = parts, or fewer
+/* fn(ctx, p, n) for every share p < n, each claimed by the calling thread or a helper; n = parts, or fewer
  * helpers' worth. Where the helpers are held by another caller (or none could start): fn(ctx, 0, 1), the whole call
  * as one share on the calling thread. */
 void native_parallel(part_fn fn, const void *ctx, int parts) {
@@ -175,7 +175,7 @@ void native_parallel(part_fn fn, const void *ctx, int parts) {
             }
             run_shares();
             /* the shares still running are a helper's; `job` is rewritten by the next call */
-            for (int round = 1; atomic_load(&done_parts) != parts; round++) {
+            for (unsigned round = 1; atomic_load(&done_parts) != parts; round++) {
                 _mm_pause();
                 if (round % YIELD_EVERY == 0) sched_yield();
             }

@@ -59,6 +59,8 @@ MODES = ("off", "table", "measured")
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)   # upper bounds of the batch-size buckets
 PLAIN = 0        # the arm that decodes plainly (cap 0)
 UNCAPPED = -1    # the arm key of "no cap": the policy's own K
+CATCH_UPS = 4    # catch-ups a bucket remembers: a spike or an old context ages out after a few runs
+CATCH_UP_STEP = 2.0   # a re-try's first step this many times its arm's rate per token carried a catch-up
 
 
 @dataclass
@@ -111,11 +113,12 @@ class _Bucket:
     retry_left: int = 0            # its steps still to run
     retry_burst: bool = False      # the re-try's first step would have won: confirming on fresh steps
     retry_from: int | None = None  # the winner when the re-try began
-    # the dearest first step of a speculative run after plain decoding (the draft's start, or a re-try), in seconds
-    # beyond plain decoding's cost of its tokens: the draft's catch-up (one draft serves every cap)
-    catch_up_s: float | None = None
+    # the draft's catch-up (one draft serves every cap): the dearest of the latest CATCH_UPS first steps of a
+    # speculative arm's run (its start, or a re-try after plain decoding), in seconds beyond that arm's own rate
+    catch_ups: deque = field(default_factory=lambda: deque(maxlen=CATCH_UPS))
     run_start: tuple[int, float, int] | None = None   # (arm, seconds, tokens) of such a first step, until the arm's
                                                       # own rate is known to tell its catch-up from its rounds
+    retry_caught_up: bool = False  # the re-try under way has run its catch-up step
     winner_step_s: deque = field(default_factory=lambda: deque(maxlen=16))  # seconds of the winner's latest steps
 
     def cost(self, key: int) -> float | None:
@@ -237,10 +240,10 @@ class BatchGate:
         extra_steps = steps * (mine / best - 1)   # in steps of the winner
         # an arm that never ran is presumed from a measured loss of smaller K: no need to hurry it
         cap = cfg.max_retry_wait if never_ran else cfg.max_explore_every
-        if arm != PLAIN and winner == PLAIN and b.catch_up_s is not None and b.winner_step_s:
-            # The dearest catch-up, not the latest: a re-try that closely followed a sibling's caught up on little,
-            # and timing the next ones by it re-tried every arm within a few hundred steps of batch 16.
-            extra_steps += b.catch_up_s / statistics.median(b.winner_step_s)
+        if arm != PLAIN and winner == PLAIN and b.catch_ups and b.winner_step_s:
+            # The dearest recent catch-up, not the latest: a re-try that closely followed a sibling's caught up on
+            # little, and timing the next ones by it re-tried every arm within ~120 steps of batch 16.
+            extra_steps += max(b.catch_ups) / statistics.median(b.winner_step_s)
             cap = cfg.max_retry_wait
         # explore_overhead is the budget of all the losers' re-tries together
         losers = len(b.arms) - 1
@@ -258,7 +261,7 @@ class BatchGate:
         if len(arm.seconds) < self.config.min_samples:   # its first measurement, or a fresh burst, under way
             return
         b.run_start = None
-        b.catch_up_s = max(b.catch_up_s or 0.0, step_s - arm.median() * tokens)
+        b.catch_ups.append(max(step_s - arm.median() * tokens, 0.0))
 
     def _presume_larger_k(self, b: _Bucket, key: int) -> None:
         """K <= key has just finished its first measurement: if it lost to plain decoding, the arms of larger K
@@ -276,11 +279,18 @@ class BatchGate:
 
     def _retry_step(self, b: _Bucket, step_s: float, emitted_tokens: int) -> None:
         """A re-try's step: one step joins the arm's window, unless it would win, or the arm has never run (its
-        cost was presumed); then a fresh burst of min_samples steps decides, so no arm's estimate rests on one step."""
+        cost was presumed); then a fresh burst of min_samples steps decides, so no arm's estimate rests on one step.
+        A speculative arm re-tried while plain decoding wins, whose first step costs CATCH_UP_STEP times its rate or
+        more, runs one step more: that first step was the draft's catch-up, booked as the bucket's catch-up and kept
+        out of the arm's window. (In the window, a re-tried arm's median became its catch-up steps' cost after a few
+        re-tries, and the catch-up measured against it came out near zero.)"""
         arm = b.arms[b.retry_arm]
         cost = step_s / emitted_tokens
-        if not b.retry_burst and b.retry_arm != PLAIN and b.retry_from == PLAIN:   # the draft catches up
-            b.run_start = (b.retry_arm, step_s, emitted_tokens)
+        if not b.retry_burst and not b.retry_caught_up and b.retry_arm != PLAIN and b.retry_from == PLAIN:
+            b.run_start = (b.retry_arm, step_s, emitted_tokens)   # the draft catches up: noted once the rate is known
+            if arm.seconds and cost > CATCH_UP_STEP * arm.median():
+                b.retry_caught_up = True
+                return
         first_run = arm.samples == 0
         if not b.retry_burst and (first_run or cost < b.cost(b.retry_from)) and self.config.min_samples > 1:
             arm.restart()
@@ -289,6 +299,7 @@ class BatchGate:
         self._note_catch_up(b)
         b.retry_left -= 1
         if not b.retry_left:
+            b.retry_caught_up = False
             self._end_retry(b)
 
     def _end_retry(self, b: _Bucket) -> None:

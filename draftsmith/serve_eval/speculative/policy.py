@@ -206,10 +206,11 @@ class SpecPolicy:
 
     def observe_cost_ratio(self, cost_ratio: float) -> None:
         """One step's measured c (draft time per proposed token / target time per round); c is the median of the
-        latest cost_ratio_window. A median, because the first step after plain decoding carries the draft's catch-up
-        over every token since: at batch 16 on the embedded target that step's c was about 3.5 against 0.13 for the
-        rounds after it, and an EMA seeded by it held the fallback bar at min_alpha for ~25 steps, long enough to
-        switch off an EAGLE draft whose K <= 2 the batch gate had measured 1.3x faster than plain decoding."""
+        latest cost_ratio_window (a measured c replaces a configured one). The strategy leaves out the first step after
+        plain decoding, which carries the draft's catch-up over every token since, and the median keeps out the
+        spikes of a shared CPU. (At batch 16 on the embedded target such a first step's c was about 3.5 against 0.13
+        for the rounds after it, and an EMA seeded by it held the fallback bar at min_alpha for ~25 steps, long enough
+        to switch off an EAGLE draft whose K <= 2 the batch gate had measured 1.3x faster than plain decoding.)"""
         if cost_ratio < 0 or math.isnan(cost_ratio):
             raise ValueError(f"cost_ratio must be >= 0, got {cost_ratio}")
         self._cost_ratios.append(cost_ratio)

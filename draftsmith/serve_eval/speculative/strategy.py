@@ -75,6 +75,7 @@ class SpeculativeStrategy:
         self._attached = False
         self.draft_time_s = 0.0  # propose + proposer callbacks
         self.target_time_s = 0.0  # target forward + probs + verify of steps with drafts
+        self._speculated_last_step = False   # whether the previous step ran rounds (its draft is caught up)
 
     # -- lifecycle ---------------------------------------------------------------------
     def _release(self, seq: Sequence) -> None:
@@ -368,6 +369,7 @@ class SpeculativeStrategy:
                          if la == 0 and n == 1 and seq.num_computed_tokens + 1 == seq.num_tokens}
         for domain in sorted(plain_domains):
             self.policy.observe_non_spec_step(domain)   # counts toward a probe only while off
+        caught_up, self._speculated_last_step = self._speculated_last_step, bool(results)
         if not results:
             return
         self.draft_time_s += draft_time
@@ -382,7 +384,9 @@ class SpeculativeStrategy:
             self.policy.observe_round(seq.domain, depth, res.num_accepted_drafts, engine.num_steps)
             seq.spec_stats = self.metrics.by_request[seq.request_id]
             proposed += d.num_nodes
-        if target_time > 0 and proposed:   # adaptive K and the cost-aware fallback bar read it
+        # adaptive K and the cost-aware fallback bar read c; a first step after plain decoding is not a round's c: its
+        # draft first caught up on every token since (a gate's single-step re-tries are all such steps)
+        if target_time > 0 and proposed and caught_up:
             self.policy.observe_cost_ratio((draft_time / proposed) / (target_time / len(results)))
 
     # -- stats -----------------------------------------------------------------------------

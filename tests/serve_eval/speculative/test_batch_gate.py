@@ -273,8 +273,8 @@ def test_a_drafts_start_cost_times_the_first_re_try():
 def test_a_re_try_that_caught_up_on_little_does_not_hurry_the_next():
     """Re-tries pay the draft's catch-up over every token since the last speculative step of any arm, so one that
     follows a sibling's closely is cheap, and timing the next re-try by it would re-try that arm within a few hundred
-    steps. Each arm's next re-try is timed by the dearest of its own re-tries (and its start): over 6000 scripted steps
-    of batch 16 no arm is re-tried twice within 1000 steps."""
+    steps. Every speculative arm's next re-try is timed by the dearest recent catch-up of the bucket's one draft (its
+    start included): over 6000 scripted steps of batch 16 no arm is re-tried twice within 1000 steps."""
     gate = BatchGate()
     batch, costs = 16, {1: 1.15, 2: 1.3, None: 2.5, 0: 1.0}
     since_spec, started, previous, runs = 0, False, 0, {1: [], 2: [], None: []}
@@ -291,3 +291,34 @@ def test_a_re_try_that_caught_up_on_little_does_not_hurry_the_next():
     for cap, starts in runs.items():
         gaps = [b - a for a, b in zip(starts, starts[1:]) if a > 10]   # after the first measurement
         assert gaps and min(gaps) > 1000, (cap, starts)                 # every arm is still re-tried, seldom
+
+
+def test_the_policy_measures_c_only_on_rounds_whose_draft_was_caught_up(tmp_path):
+    """The first speculative step after plain decoding carries the draft's catch-up over every token since (at batch
+    16 its c was ~3.5 against 0.13 after it), so the engine feeds the policy c only from steps that follow a step
+    with rounds; greedy output is unchanged."""
+    from draftsmith.serve_eval.engine import EngineConfig, LLMEngine, SamplingParams
+    from draftsmith.serve_eval.speculative.config import SpecConfig
+    from spec_helpers import greedy_reference, make_llama, run_engine, workload
+
+    target = make_llama(tmp_path / "target")
+    prompts, lengths = workload(4, seed=5)
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lengths]
+    spec = SpecConfig("ngram", num_speculative_tokens=2, batch_gate=BatchGateConfig(mode="table", k_by_batch_size={8: 2}))
+    engine = LLMEngine(EngineConfig(str(target)), speculative=spec)
+    strategy, log = engine.strategy, []
+    record, observe = strategy._record, strategy.policy.observe_cost_ratio
+    strategy._record = lambda engine, out, drafts, results, *rest: (log.append(("step", bool(results))),
+                                                                     record(engine, out, drafts, results, *rest))[1]
+    strategy.policy.observe_cost_ratio = lambda c: (log.append(("c", c)), observe(c))[1]
+    outputs = run_engine(engine, prompts, params)
+    assert {rid: out.output_token_ids for rid, out in outputs.items()} == greedy_reference(target, prompts, lengths)
+    steps = [rounds for kind, rounds in log if kind == "step"]
+    measured = [i for i, (kind, _) in enumerate(log) if kind == "c"]
+    assert sum(steps) >= 3 and measured
+    for i in measured:   # each c follows its own step's record, and that step and the one before it ran rounds
+        own = sum(kind == "step" for kind, _ in log[:i]) - 1
+        assert steps[own] and own > 0 and steps[own - 1]
+    caught_up = sum(1 for before, now in zip(steps, steps[1:]) if before and now)
+    assert len(measured) == caught_up
+
