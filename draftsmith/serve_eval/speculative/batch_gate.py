@@ -118,7 +118,6 @@ class _Bucket:
     catch_ups: deque = field(default_factory=lambda: deque(maxlen=CATCH_UPS))
     run_start: tuple[int, float, int] | None = None   # (arm, seconds, tokens) of such a first step, until the arm's
                                                       # own rate is known to tell its catch-up from its rounds
-    retry_caught_up: bool = False  # the re-try under way has run its catch-up step
     winner_step_s: deque = field(default_factory=lambda: deque(maxlen=16))  # seconds of the winner's latest steps
 
     def cost(self, key: int) -> float | None:
@@ -286,10 +285,10 @@ class BatchGate:
         re-tries, and the catch-up measured against it came out near zero.)"""
         arm = b.arms[b.retry_arm]
         cost = step_s / emitted_tokens
-        if not b.retry_burst and not b.retry_caught_up and b.retry_arm != PLAIN and b.retry_from == PLAIN:
+        # the re-try's first step (a catch-up step leaves run_start set until the step after it is measured)
+        if not b.retry_burst and b.run_start is None and b.retry_arm != PLAIN and b.retry_from == PLAIN:
             b.run_start = (b.retry_arm, step_s, emitted_tokens)   # the draft catches up: noted once the rate is known
             if arm.seconds and cost > CATCH_UP_STEP * arm.median():
-                b.retry_caught_up = True
                 return
         first_run = arm.samples == 0
         if not b.retry_burst and (first_run or cost < b.cost(b.retry_from)) and self.config.min_samples > 1:
@@ -299,7 +298,6 @@ class BatchGate:
         self._note_catch_up(b)
         b.retry_left -= 1
         if not b.retry_left:
-            b.retry_caught_up = False
             self._end_retry(b)
 
     def _end_retry(self, b: _Bucket) -> None:
