@@ -31,7 +31,9 @@ from draftsmith.kernels.layers.config import hf_config_dict  # noqa: E402
 from draftsmith.serve_eval.speculative.proposers.base import TargetFeatures  # noqa: E402
 from draftsmith.serve_eval.speculative.proposers.block import BlockProposer  # noqa: E402
 from draftsmith.serve_eval.speculative.proposers.eagle3 import Eagle3Proposer  # noqa: E402
+from draftsmith.serve_eval.speculative.config import WEIGHT_STORAGES, SpecConfig  # noqa: E402
 from draftsmith.serve_eval.speculative.verify import VerifyResult  # noqa: E402
+from draftsmith.kernels.small_gemm import panel_storage  # noqa: E402
 
 
 class _CountedLoop:
@@ -89,6 +91,8 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--dtype", default="float32", help="float32 or bfloat16")
+    parser.add_argument("--weight-storage", default=SpecConfig.draft_weight_storage, choices=sorted(WEIGHT_STORAGES),
+                        help="the drafts' packed CPU panels (the engine's draft_weight_storage; default %(default)s)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     torch.set_grad_enabled(False)
@@ -99,22 +103,26 @@ def main() -> None:
     width = 3 * int(cfg["hidden_size"])
     eagle3 = Eagle3Draft.from_target_config(args.target).to(device, dtype)
 
-    def runner(proposer, k: int) -> Runner:
-        return Runner(proposer, width, k, args.prompt_len, sync)
+    storage = WEIGHT_STORAGES[args.weight_storage]
 
-    runners = {("eagle3", 1): runner(Eagle3Proposer.from_draft(eagle3), 1)}
+    def runner(proposer_class, draft, k: int) -> Runner:
+        with panel_storage(storage):   # the draft's packed panels, as the engine builds them
+            return Runner(proposer_class.from_draft(draft), width, k, args.prompt_len, sync)
+
+    runners = {("eagle3", 1): runner(Eagle3Proposer, eagle3, 1)}
     for k in args.ks:
-        runners["eagle3", k] = runner(Eagle3Proposer.from_draft(eagle3), k)
+        runners["eagle3", k] = runner(Eagle3Proposer, eagle3, k)
         for layers in args.block_layers:
             block = BlockDraft.from_target_config(args.target, num_layers=layers, block_size=max(args.ks) + 1)
-            runners[f"block {layers}-layer", k] = runner(BlockProposer.from_draft(block.to(device, dtype)), k)
+            runners[f"block {layers}-layer", k] = runner(BlockProposer, block.to(device, dtype), k)
     order = list(runners.values())
     for step in range(args.warmup + args.rounds):  # interleaved, rotated: load noise falls on every method alike
         for runner in rotation(order, step):
             runner.round()
     unit, _ = runners["eagle3", 1].result(args.warmup)
     print(f"unit: one EAGLE-3 draft step (1 layer + head, K=1) = {unit:.3f} ms  (target {args.target}, "
-          f"prompt {args.prompt_len}, {args.rounds} interleaved rounds, {args.dtype} on {args.device})")
+          f"prompt {args.prompt_len}, {args.rounds} interleaved rounds, {args.dtype} on {args.device}, "
+          f"{args.weight_storage} panels)")
     print(f"{'draft':<16} {'K':>2} {'ms/round':>9} {'x unit':>7} {'forwards/round':>15}")
     for (name, k), runner in runners.items():
         ms, forwards = runner.result(args.warmup)

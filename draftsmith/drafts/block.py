@@ -32,6 +32,7 @@ from draftsmith.drafts.eagle3 import default_aux_layers
 from draftsmith.kernels.layers.config import DecoderConfig, hf_config_dict
 from draftsmith.kernels.layers.decoder import AttnFn, DecoderLayer, OutRows, run_layer
 from draftsmith.kernels.layers.linear import Linear
+from draftsmith.kernels.layers.native_stack import NativeStack
 from draftsmith.kernels.layers.norm import RMSNorm
 from draftsmith.kernels.layers.rope import RotaryEmbedding, apply_rope
 
@@ -103,17 +104,12 @@ def check_block_k(k: int, block_size: int) -> None:
                          f"block_size - 1 = {block_size - 1})")
 
 
-def context_kv(layer: DecoderLayer, ctx: Tensor, cos: Tensor, sin: Tensor, kv_proj: Callable | None = None) -> KVRows:
-    """Injected KV of one layer: ctx [n, d] -> k [n, kv, hd] (rope applied), v [n, kv, hd].
-
-    kv_proj: the serving form's fused [k ; v] projection (None = the training modules)."""
+def context_kv(layer: DecoderLayer, ctx: Tensor, cos: Tensor, sin: Tensor) -> KVRows:
+    """Injected KV of one layer (training modules): ctx [n, d] -> k [n, kv, hd] (rope applied), v [n, kv, hd]."""
     attn = layer.self_attn
     kv_heads, hd = attn.shape.num_kv_heads, attn.shape.head_dim
-    if kv_proj is not None:
-        k, v = kv_proj(ctx).view(ctx.shape[0], 2 * kv_heads, hd).split(kv_heads, dim=1)
-    else:
-        k = attn.k_proj(ctx).view(ctx.shape[0], kv_heads, hd)
-        v = attn.v_proj(ctx).view(ctx.shape[0], kv_heads, hd)
+    k = attn.k_proj(ctx).view(ctx.shape[0], kv_heads, hd)
+    v = attn.v_proj(ctx).view(ctx.shape[0], kv_heads, hd)
     if cos.dtype != k.dtype:
         cos, sin = cos.to(k.dtype), sin.to(k.dtype)
     return apply_rope(k, cos, sin), v
@@ -137,9 +133,10 @@ class BlockDraft(nn.Module):
         self.rotary = RotaryEmbedding(cfg.decoder)
         self.serving_fc: Linear | None = None  # serving forms (to_serving_)
         self.serving_head: Linear | None = None
-        self.serving_kv: list[Linear] | None = None
+        self.serving_kv: Linear | None = None   # every layer's [k ; v] injection projection: k of all, then v
         self.serving_norm = None
         self.serving_hidden_norm = None
+        self.native_stack: NativeStack | None = None  # every layer in one C call (to_serving_)
         for module in self.modules():
             if isinstance(module, (nn.Linear, nn.Embedding)):
                 nn.init.normal_(module.weight, std=0.02)
@@ -191,11 +188,25 @@ class BlockDraft(nn.Module):
         fused = (self.serving_fc or self.fc)(aux_hidden.to(self.fc.weight.dtype))
         return (self.serving_hidden_norm or self.hidden_norm)(fused)
 
-    def injected_kv(self, ctx: Tensor, positions: Tensor) -> list[KVRows]:
-        """Context rows [n, d] at positions [n] -> each layer's (k, v) [n, kv, hd]."""
-        cos, sin = self.rotary(positions, ctx.dtype)
-        projs = self.serving_kv or [None] * self.num_layers
-        return [context_kv(layer, ctx, cos, sin, proj) for layer, proj in zip(self.layers, projs)]
+    def injected_kv(self, ctx: Tensor, positions: Tensor, max_position: int | None = None) -> list[KVRows]:
+        """Context rows [n, d] at positions [n] (the largest: max_position, if the caller knows it) -> each
+        layer's (k, v) [n, kv, hd]."""
+        cos, sin = self.rotary(positions, ctx.dtype, max_position)
+        if self.serving_kv is not None:
+            return self._serving_kv(ctx, cos, sin)
+        return [context_kv(layer, ctx, cos, sin) for layer in self.layers]
+
+    def _serving_kv(self, ctx: Tensor, cos: Tensor, sin: Tensor) -> list[KVRows]:
+        """Every layer's injected (k, v) from one projection [n, d] -> [n, (2 L kv) hd] (k of every layer, then v)
+        and one rope call: per-layer projections cost a dispatch each for a round's one or two new rows."""
+        attn = self.layers[0].self_attn
+        kv_heads, hd, L = attn.shape.num_kv_heads, attn.shape.head_dim, self.num_layers
+        kv = self.serving_kv(ctx).view(ctx.shape[0], 2 * L * kv_heads, hd)
+        if cos.dtype != kv.dtype:
+            cos, sin = cos.to(kv.dtype), sin.to(kv.dtype)
+        k = apply_rope(kv[:, :L * kv_heads], cos, sin)
+        v = kv[:, L * kv_heads:]
+        return [(k[:, i * kv_heads:(i + 1) * kv_heads], v[:, i * kv_heads:(i + 1) * kv_heads]) for i in range(L)]
 
     def block_embeds(self, root_ids: Tensor, num_masks: int | None = None) -> Tensor:
         """root_ids [R] -> [R, 1 + M, d]: each block = [embed(root), mask_1 .. mask_M] (M = trained K_max)."""
@@ -204,11 +215,19 @@ class BlockDraft(nn.Module):
         root = self.embed_tokens(root_ids)[:, None]  # [R, 1, d]
         return torch.cat([root, masks[:m].to(root.dtype)[None].expand(root.shape[0], -1, -1)], dim=1)
 
-    def forward(self, hidden: Tensor, positions: Tensor, attn_fns: list[AttnFn], out_rows: OutRows = None) -> Tensor:
+    def forward(self, hidden: Tensor, positions: Tensor, attn_fns: list[AttnFn], out_rows: OutRows = None,
+                max_position: int | None = None) -> Tensor:
         """Block tokens hidden [T, d] at positions [T]; attn_fns one per layer (they hold the injected KV and the
         block mask) -> output hidden [T, d] (pre-norm), or only ``out_rows`` of it: the last layer then runs its
-        o_proj and MLP on those rows alone (serving reads offsets 1..K, not the root or the masks past K)."""
-        cos, sin = self.rotary(positions, hidden.dtype)
+        o_proj and MLP on those rows alone (serving reads offsets 1..K, not the root or the masks past K).
+        max_position: the largest position, where the caller knows it (spares the rope a sync)."""
+        cos, sin = self.rotary(positions, hidden.dtype, max_position)
+        stack = self.native_stack
+        if stack is not None and stack.accepts(hidden, attn_fns):
+            # every layer in one C call over all block rows: the last layer's o_proj and MLP on the rows nobody
+            # reads cost less than a torch layer's dispatch (a row's values do not depend on the rows beside it)
+            hidden = stack(hidden, cos, sin, attn_fns)[0]
+            return hidden if out_rows is None else hidden[out_rows]
         last = len(self.layers) - 1
         for i, (layer, attn) in enumerate(zip(self.layers, attn_fns)):
             hidden = run_layer(layer, hidden, cos, sin, attn, out_rows=out_rows if i == last else None)
@@ -222,13 +241,16 @@ class BlockDraft(nn.Module):
 
     def to_serving_(self, pack: bool | None = None) -> "BlockDraft":
         """Serving form (inference only): fused, packed projections; one [k ; v] matrix per layer for injection."""
-        self.serving_kv = [Linear(torch.cat([l.self_attn.k_proj.weight, l.self_attn.v_proj.weight]).detach(),
-                                  None if l.self_attn.k_proj.bias is None else
-                                  torch.cat([l.self_attn.k_proj.bias, l.self_attn.v_proj.bias]).detach(), pack)
-                           for l in self.layers]
+        attns = [layer.self_attn for layer in self.layers]
+        biased = attns[0].k_proj.bias is not None
+        self.serving_kv = Linear(torch.cat([a.k_proj.weight for a in attns] + [a.v_proj.weight for a in attns]).detach(),
+                                 torch.cat([a.k_proj.bias for a in attns] + [a.v_proj.bias for a in attns]).detach()
+                                 if biased else None, pack)
         self.serving_fc = Linear.fuse([self.fc], pack)
         for layer in self.layers:
             layer.to_serving_(pack)
+        self.native_stack = NativeStack.build([None if l.serving_ops is None else l.serving_ops.native
+                                               for l in self.layers], min_layers=1)
         self.serving_norm = self.norm.serving()
         self.serving_hidden_norm = self.hidden_norm.serving()
         self.serving_head = Linear.fuse([self.lm_head], pack)

@@ -161,7 +161,7 @@ def test_a_block_drafts_injection_of_a_long_context_runs_on_both_cores(tmp_path,
     injected, blocks = [], []
     inject, forward = module.injected_kv, module.forward
     monkeypatch.setattr(module, "injected_kv",
-                        lambda ctx, pos: injected.append((ctx.shape[0], torch.get_num_threads())) or inject(ctx, pos))
+                        lambda ctx, *a: injected.append((ctx.shape[0], torch.get_num_threads())) or inject(ctx, *a))
     monkeypatch.setattr(module, "forward", lambda *a, **k: blocks.append(torch.get_num_threads()) or forward(*a, **k))
     wide = engine.threads.wide_from_tokens
     engine.add_request("long", list(range(1, wide + 9)), SamplingParams(max_tokens=4, ignore_eos=True))

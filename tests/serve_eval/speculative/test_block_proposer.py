@@ -12,6 +12,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from draftsmith.drafts.io import load_draft
+from draftsmith.kernels.layers import native_stack
 from draftsmith.kernels.layers.checkpoint import load_target_embed_and_head
 from draftsmith.serve_eval.engine import EngineConfig, LLMEngine, SamplingParams
 from draftsmith.serve_eval.speculative.config import SpecConfig
@@ -33,6 +34,20 @@ def world(tmp_path_factory):
     return target, draft
 
 
+class CountedStack:
+    """A draft's native stack that counts its calls."""
+
+    def __init__(self, stack) -> None:
+        self.stack, self.calls = stack, 0
+
+    def accepts(self, *args) -> bool:
+        return self.stack.accepts(*args)
+
+    def __call__(self, *args, **kwargs):
+        self.calls += 1
+        return self.stack(*args, **kwargs)
+
+
 def served_blocks(engine: LLMEngine, prompts, max_tokens: int) -> tuple[dict, list]:
     """Run the engine; record every served block as (request id, root position, logits [k, V])."""
     proposer = engine.strategy.proposer
@@ -51,12 +66,23 @@ def served_blocks(engine: LLMEngine, prompts, max_tokens: int) -> tuple[dict, li
 
 
 @pytest.mark.parametrize("num_seqs", [1, 3])
-def test_served_block_logits_equal_the_training_forward(world, num_seqs):
+@pytest.mark.parametrize("native", [True, False], ids=["c-stack", "torch-layers"])
+def test_served_block_logits_equal_the_training_forward(world, num_seqs, native):
+    """Both serving paths: every draft layer in one C call (the default where the native kernels build), and the
+    torch layers (the path of drafts the C layers do not serve)."""
     target, draft_dir = world
     engine = LLMEngine(EngineConfig(str(target), **ENGINE),
                        speculative=SpecConfig("block", draft_path=str(draft_dir), num_speculative_tokens=4,
                                               policy=SpecPolicyConfig(fallback=False),  # every round speculates
                                               draft_weight_storage="float32"))  # the training forward's weights
+    module = engine.strategy.proposer.draft
+    if native:
+        if native_stack._library() is None:
+            pytest.skip("the native CPU kernels do not build here")
+        assert module.native_stack is not None
+        module.native_stack = CountedStack(module.native_stack)
+    else:
+        module.native_stack = None
     gen = torch.Generator().manual_seed(5)
     prompts = [torch.randint(1, VOCAB - 1, (n,), generator=gen).tolist() for n in (70, 53, 97)[:num_seqs]]
     outputs, seen = served_blocks(engine, prompts, max_tokens=40)
@@ -78,3 +104,5 @@ def test_served_block_logits_equal_the_training_forward(world, num_seqs):
                                        msg=lambda m: f"request {rid} root {root}: {m}")
             checked += 1
     assert checked == len(seen)
+    if native:   # every block forward ran its layers in the one C call
+        assert module.native_stack.calls == engine.strategy.proposer.num_forwards > 0

@@ -117,6 +117,7 @@ class BlockProposer(Proposer):
         if num_blocks is not None:
             self._allocate(num_blocks)
         self._states: dict[str, _RequestState] = {}
+        self._block_masks: dict[int, Tensor] = {}
         self.num_forwards = 0  # block forwards run (one per propose call with any ready sequence)
         self.threads: ThreadChoice | None = None   # the engine's thread rule, for a long injection (attach)
 
@@ -230,7 +231,7 @@ class BlockProposer(Proposer):
             pos = torch.tensor(positions, dtype=torch.int64, device=self.device)
             with threads_for(self.threads, len(slots)):   # after plain steps, every token since (16 x 64 at batch 16)
                 ctx = self.draft.fuse(torch.cat([r for _, r in todo]))  # [n, d]
-                kv = self.draft.injected_kv(ctx, pos)
+                kv = self.draft.injected_kv(ctx, pos, max(positions))
             self.cache.inject(kv, torch.tensor(slots, dtype=torch.int64, device=self.device))
         for state, r in zip(states, rows):
             state.num_committed += r.shape[0]
@@ -239,20 +240,28 @@ class BlockProposer(Proposer):
         """One flattened forward of every ready sequence's (full, trained) query block -> draft logits of offsets
         1..k [R, k, V] float32."""
         width, num = self.width, len(seqs)
-        tree_mask = torch.ones(num * width, width, dtype=torch.bool, device=self.device)  # bidirectional block
+        tree_mask = self._block_mask(num)
         meta = AttentionMetadata.build([width] * num, [s.num_committed + width for s in states],
                                        [self.cache.block_table(s.record) for s in states], self.block_size,
                                        self.device, tree_mask)
         roots = torch.tensor([s.token_ids[-1] for s in seqs], dtype=torch.int64, device=self.device)
         hidden = self.draft.block_embeds(roots).reshape(num * width, -1)  # [R W, d]
-        positions = (torch.tensor([len(s.token_ids) - 1 for s in seqs], device=self.device)[:, None]
-                     + torch.arange(width, device=self.device)).reshape(-1)
+        roots_at = [len(s.token_ids) - 1 for s in seqs]
+        positions = torch.tensor([at + j for at in roots_at for j in range(width)], device=self.device)
         # Only offsets 1..k leave the last layer: each block's rows b * width + 1 .. b * width + k
         out_rows = slice(1, k + 1) if num == 1 else (
             torch.arange(num, device=self.device)[:, None] * width + torch.arange(1, k + 1, device=self.device)).reshape(-1)
-        out = self.draft(hidden, positions, self.cache.layer_attn_fns(meta, self.draft.config.decoder.head_dim), out_rows)
+        out = self.draft(hidden, positions, self.cache.layer_attn_fns(meta, self.draft.config.decoder.head_dim), out_rows,
+                         max(roots_at) + width - 1)
         self.num_forwards += 1
         return self.draft.compute_logits(out.view(num, k, -1)).float()
+
+    def _block_mask(self, num: int) -> Tensor:
+        """[num W, W] all true: every block is bidirectional (built once per batch size; the attention reads it)."""
+        mask = self._block_masks.get(num)
+        if mask is None:
+            mask = self._block_masks[num] = torch.ones(num * self.width, self.width, dtype=torch.bool, device=self.device)
+        return mask
 
     def _chains(self, seqs: list[SequenceView], counts: list[int], logits: Tensor) -> list[Proposal]:
         rows = torch.cat([logits[i, :k] for i, k in enumerate(counts)])  # [sum k, V]
