@@ -34,25 +34,22 @@ from draftsmith.serve_eval.engine.kv_cache_manager import cdiv
 from draftsmith.serve_eval.engine.threads import ThreadChoice, threads_for
 from draftsmith.serve_eval.speculative.proposers.base import (
     Proposal,
-    Proposer,
     SequenceView,
     TargetFeatures,
     check_num_tokens,
     empty_proposal,
     sampling_arrays,
 )
-from draftsmith.serve_eval.speculative.proposers.draft_cache import DEFAULT_DRAFT_BLOCKS, DraftKVCache
-from draftsmith.serve_eval.speculative.proposers.eagle import _RequestState
+from draftsmith.serve_eval.speculative.proposers.draft_cache import DraftKVCache
 from draftsmith.serve_eval.speculative.proposers.features import (
-    check_features,
     draw_rows,
     engine_build_args,
     feed_features,
     load_feature_draft,
     serving_form,
 )
+from draftsmith.serve_eval.speculative.proposers.feature_state import FeatureCacheProposer, FeatureState
 from draftsmith.serve_eval.speculative.proposers.registry import register_proposer
-from draftsmith.serve_eval.speculative.verify import VerifyResult
 
 
 class LayeredKVCache(DraftKVCache):
@@ -75,9 +72,9 @@ class LayeredKVCache(DraftKVCache):
 
 
 @register_proposer("block")
-class BlockProposer(Proposer):
+class BlockProposer(FeatureCacheProposer):
     kind = "block"
-    needs_hidden = True
+    feature_name = "aux"
     supports_tree = False
 
     def __init__(self, spec_config: Any, target_executor: Any, device: str | torch.device = "cpu",
@@ -116,7 +113,7 @@ class BlockProposer(Proposer):
         self.cache: LayeredKVCache | None = None
         if num_blocks is not None:
             self._allocate(num_blocks)
-        self._states: dict[str, _RequestState] = {}
+        self._states: dict[str, FeatureState] = {}
         self._block_masks: dict[int, Tensor] = {}
         self.num_forwards = 0  # block forwards run (one per propose call with any ready sequence)
         self.threads: ThreadChoice | None = None   # the engine's thread rule, for a long injection (attach)
@@ -136,40 +133,13 @@ class BlockProposer(Proposer):
         self.cache = LayeredKVCache(self.draft.config.num_layers, num_blocks, self.block_size,
                                     layer.num_key_value_heads, layer.head_dim, self.dtype, self.device, self.attn_backend)
 
-    # -- features and verification outcome ----------------------------------------------------
-    def add_features(self, request_id: str, feats: TargetFeatures) -> None:
-        if self.cache is None:
-            self._allocate(DEFAULT_DRAFT_BLOCKS)
-        state = self._states.setdefault(request_id, _RequestState())
-        started = state.base_pos is not None
-        check_features(feats, state.next_pos if started else None, request_id,
-                       len(self.aux_layers) * self.draft.config.target_hidden_size, "aux")
-        if not feats.aux.shape[0]:
-            return
-        if not started:
-            state.base_pos = feats.start_pos
-        state.pending.append(feats.aux.detach().to(self.device, self.dtype, copy=True))
-        state.num_pending += feats.aux.shape[0]
+    # -- features ----------------------------------------------------------------------------
+    @property
+    def feature_width(self) -> int:
+        return len(self.aux_layers) * self.draft.config.target_hidden_size
 
-    def on_accepted(self, request_id: str, result: VerifyResult) -> None:
-        """Drop the block's speculative entries; accepted positions return as target features."""
-        state = self._states.get(request_id)
-        if state is not None:
-            self.cache.resize(state.record, state.num_committed)
-
-    def reset(self, request_id: str) -> None:
-        state = self._states.pop(request_id, None)
-        if state is not None:
-            self.cache.free(state.record)
-
-    def fork(self, parent_id: str, child_id: str) -> None:
-        parent = self._states.get(parent_id)
-        if parent is not None:
-            self._states[child_id] = parent.fork(self.cache)
-
-    def check_integrity(self) -> None:
-        if self.cache is not None:
-            self.cache.manager.check_integrity()
+    def _feature_rows(self, feats: TargetFeatures) -> Tensor | None:
+        return feats.aux
 
     # -- proposing -----------------------------------------------------------------------------
     @torch.inference_mode()
@@ -218,7 +188,7 @@ class BlockProposer(Proposer):
         state.num_pending -= num_new
         return pending[:num_new]
 
-    def _inject(self, states: list[_RequestState], rows: list[Tensor]) -> None:
+    def _inject(self, states: list[FeatureState], rows: list[Tensor]) -> None:
         """Project every new context row into every layer's KV at its committed cache entry."""
         todo = [(s, r) for s, r in zip(states, rows) if r.shape[0]]
         if todo:
@@ -236,7 +206,7 @@ class BlockProposer(Proposer):
         for state, r in zip(states, rows):
             state.num_committed += r.shape[0]
 
-    def _block_forward(self, seqs: list[SequenceView], states: list[_RequestState], k: int) -> Tensor:
+    def _block_forward(self, seqs: list[SequenceView], states: list[FeatureState], k: int) -> Tensor:
         """One flattened forward of every ready sequence's (full, trained) query block -> draft logits of offsets
         1..k [R, k, V] float32."""
         width, num = self.width, len(seqs)

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -51,66 +51,40 @@ from draftsmith.serve_eval.engine.kv_cache_manager import cdiv
 from draftsmith.serve_eval.engine.threads import ThreadChoice, threads_for
 from draftsmith.serve_eval.speculative.proposers.base import (
     Proposal,
-    Proposer,
     SequenceView,
-    TargetFeatures,
     check_num_tokens,
     empty_proposal,
     sampling_arrays,
 )
-from draftsmith.serve_eval.speculative.proposers.draft_cache import DEFAULT_DRAFT_BLOCKS, DraftKVCache, _CacheRecord
+from draftsmith.serve_eval.speculative.proposers.draft_cache import DraftKVCache, _CacheRecord
 from draftsmith.serve_eval.speculative.proposers.features import (
-    check_features,
     draw_rows,
     engine_build_args,
     feed_features,
     load_feature_draft,
     serving_form,
 )
+from draftsmith.serve_eval.speculative.proposers.feature_state import FeatureCacheProposer, FeatureState
 from draftsmith.serve_eval.speculative.proposers.registry import register_proposer
 from draftsmith.serve_eval.speculative.proposers.eagle_tree import IncrementalTreeDrafter, TreeShapeLimits
 from draftsmith.serve_eval.speculative.tree_budget import TreeBudget
 from draftsmith.serve_eval.speculative.tree_dynamic import DynamicTreeBuilder
-from draftsmith.serve_eval.speculative.verify import VerifyResult
-
-@dataclass
-class _RequestState:
-    record: _CacheRecord = field(default_factory=_CacheRecord)
-    base_pos: int | None = None  # position of draft cache index 0 (the first fed feature)
-    num_committed: int = 0  # cache entries holding true (feature, next token) pairs
-    pending: list[Tensor] = field(default_factory=list)  # fed rows not yet ingested, in position order
-    num_pending: int = 0
-
-    @property
-    def next_pos(self) -> int:  # the position the next fed row must have
-        return (self.base_pos or 0) + self.num_committed + self.num_pending
-
-    def fork(self, cache: DraftKVCache) -> "_RequestState":
-        """A forked sample's own copy (parallel sampling): the committed entries pair prompt features with
-        prompt tokens, which the samples share; the rows still pending pair with each sample's own tokens."""
-        child = _RequestState(base_pos=self.base_pos, num_committed=self.num_committed,
-                              pending=list(self.pending), num_pending=self.num_pending)
-        if not cache.copy_entries(self.record, child.record, self.num_committed):
-            raise RuntimeError("draft KV cache is full: cannot fork a sample's draft state")
-        return child
-
 
 @dataclass
 class _Query:
     """One sequence's slice of a draft forward: tokens at cache entries [num_entries - q, num_entries)."""
 
-    state: _RequestState
+    state: FeatureState
     token_ids: list[int]
     hidden_in: Tensor  # [q, d]
     positions: list[int]
 
 
 @register_proposer("eagle")
-class EagleProposer(Proposer):
+class EagleProposer(FeatureCacheProposer):
     """EAGLE-1: features are the target's final-norm hidden states; logits = lm_head(predicted feature)."""
 
     kind = "eagle"
-    needs_hidden = True
     supports_tree = True
     tree_modes = ("dynamic",)
     aux_layers: tuple[int, ...] = ()
@@ -160,7 +134,7 @@ class EagleProposer(Proposer):
         self.tree_budget = tree_budget if tree is not None else None
         if tree is not None:
             DynamicTreeBuilder(*tree)  # validates the options now, not at the first request
-        self._states: dict[str, _RequestState] = {}
+        self._states: dict[str, FeatureState] = {}
 
     def attach(self, engine: Any) -> None:
         """Size the draft pool like the engine's: every target KV token may need a draft entry, plus
@@ -178,18 +152,10 @@ class EagleProposer(Proposer):
         self.cache = DraftKVCache(num_blocks, self.block_size, layer.num_key_value_heads, layer.head_dim,
                                   self.dtype, self.device, self.attn_backend)
 
-    def _ensure_cache(self) -> DraftKVCache:
-        if self.cache is None:
-            self._allocate(DEFAULT_DRAFT_BLOCKS)
-        return self.cache
-
     # -- kind-specific pieces (EAGLE-3 overrides) ---------------------------------------------
     @property
     def feature_width(self) -> int:
         return self.draft.config.hidden_size
-
-    def _feature_rows(self, feats: TargetFeatures) -> Tensor | None:
-        return feats.hidden
 
     def _ingest_input(self, rows: Tensor) -> Tensor:  # fed rows [n, width] -> draft hidden input [n, d]
         return rows
@@ -200,45 +166,10 @@ class EagleProposer(Proposer):
     def _target_rows(self, draft_probs: Tensor) -> Tensor:  # the draft loop's rows over its head -> target vocab
         return draft_probs
 
-    # -- features and verification outcome ----------------------------------------------------
-    def add_features(self, request_id: str, feats: TargetFeatures) -> None:
-        self._ensure_cache()
-        state = self._states.setdefault(request_id, _RequestState())
-        started = state.base_pos is not None
-        check_features(feats, state.next_pos if started else None, request_id, self.feature_width,
-                       "hidden" if self.kind == "eagle" else "aux")
-        rows = self._feature_rows(feats)
-        if not rows.shape[0]:
-            return
-        if not started:
-            state.base_pos = feats.start_pos
-        state.pending.append(rows.detach().to(self.device, self.dtype, copy=True))
-        state.num_pending += rows.shape[0]
-
-    def on_accepted(self, request_id: str, result: VerifyResult) -> None:
-        """Drop the speculative unroll entries; the accepted positions return as true features."""
-        state = self._states.get(request_id)
-        if state is not None:
-            self.cache.resize(state.record, state.num_committed)
-
-    def reset(self, request_id: str) -> None:
-        state = self._states.pop(request_id, None)
-        if state is not None:
-            self.cache.free(state.record)
-
-    def fork(self, parent_id: str, child_id: str) -> None:
-        parent = self._states.get(parent_id)
-        if parent is not None:
-            self._states[child_id] = parent.fork(self._ensure_cache())
-
     def num_cached_entries(self, request_id: str) -> tuple[int, int]:
         """(committed entries, entries backed by blocks) of a request's draft cache (tests, stats)."""
         state = self._states[request_id]
         return state.num_committed, state.record.num_computed_tokens
-
-    def check_integrity(self) -> None:
-        if self.cache is not None:
-            self.cache.manager.check_integrity()
 
     # -- proposing -----------------------------------------------------------------------------
     @torch.inference_mode()

@@ -22,6 +22,7 @@ from draftsmith.serve_eval.speculative.proposers.registry import register_propos
 @register_proposer("eagle3")
 class Eagle3Proposer(EagleProposer):
     kind = "eagle3"
+    feature_name = "aux"
 
     def _setup(self, draft: torch.nn.Module, **opts: Any) -> None:
         super()._setup(draft, **opts)

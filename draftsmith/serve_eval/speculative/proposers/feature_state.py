@@ -1,0 +1,103 @@
+"""What a feature-fed draft with a KV cache of its own keeps per request, and the calls that keep it.
+
+EAGLE-1, EAGLE-3 and the block draft all take the target's features of accepted positions (add_features,
+consecutive positions), hold them as pending rows until their next propose turns them into committed entries
+of the draft's paged KV cache, drop the speculative entries a round wrote (on_accepted), and free or fork a
+request's entries (reset, fork). One definition of that bookkeeping; each kind says which feature it reads
+(``_feature_rows``, ``feature_width``, ``feature_name``) and how its cache is built (``_allocate``).
+
+A cache index is ``position - base_pos``, base_pos being the first fed position (after a prefix-cache hit the
+target never computed features for the cached prefix; the draft then starts after it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from torch import Tensor
+
+from draftsmith.serve_eval.speculative.proposers.base import Proposer, TargetFeatures
+from draftsmith.serve_eval.speculative.proposers.draft_cache import DEFAULT_DRAFT_BLOCKS, DraftKVCache, _CacheRecord
+from draftsmith.serve_eval.speculative.proposers.features import check_features
+from draftsmith.serve_eval.speculative.verify import VerifyResult
+
+
+@dataclass
+class FeatureState:
+    """One request's draft cache record and the fed rows not yet in it."""
+
+    record: _CacheRecord = field(default_factory=_CacheRecord)
+    base_pos: int | None = None  # position of draft cache index 0 (the first fed feature)
+    num_committed: int = 0  # cache entries holding true (target feature, next token) pairs
+    pending: list[Tensor] = field(default_factory=list)  # fed rows not yet committed, in position order
+    num_pending: int = 0
+
+    @property
+    def next_pos(self) -> int:  # the position the next fed row must have
+        return (self.base_pos or 0) + self.num_committed + self.num_pending
+
+    def fork(self, cache: DraftKVCache) -> "FeatureState":
+        """A forked sample's own copy (parallel sampling): the committed entries pair prompt features with
+        prompt tokens, which the samples share; the rows still pending pair with each sample's own tokens."""
+        child = FeatureState(base_pos=self.base_pos, num_committed=self.num_committed,
+                             pending=list(self.pending), num_pending=self.num_pending)
+        if not cache.copy_entries(self.record, child.record, self.num_committed):
+            raise RuntimeError("draft KV cache is full: cannot fork a sample's draft state")
+        return child
+
+
+class FeatureCacheProposer(Proposer):
+    """The per-request bookkeeping of a feature-fed draft with its own KV cache (module docstring)."""
+
+    needs_hidden = True
+    feature_name = "hidden"   # the TargetFeatures field it reads, as check_features names it
+    cache: DraftKVCache | None
+    _states: dict[str, FeatureState]
+
+    @property
+    def feature_width(self) -> int:
+        raise NotImplementedError
+
+    def _feature_rows(self, feats: TargetFeatures) -> Tensor | None:
+        return feats.hidden
+
+    def _allocate(self, num_blocks: int) -> None:
+        raise NotImplementedError
+
+    def _ensure_cache(self) -> DraftKVCache:
+        if self.cache is None:
+            self._allocate(DEFAULT_DRAFT_BLOCKS)
+        return self.cache
+
+    def add_features(self, request_id: str, feats: TargetFeatures) -> None:
+        self._ensure_cache()
+        state = self._states.setdefault(request_id, FeatureState())
+        started = state.base_pos is not None
+        check_features(feats, state.next_pos if started else None, request_id, self.feature_width, self.feature_name)
+        rows = self._feature_rows(feats)
+        if not rows.shape[0]:
+            return
+        if not started:
+            state.base_pos = feats.start_pos
+        state.pending.append(rows.detach().to(self.device, self.dtype, copy=True))
+        state.num_pending += rows.shape[0]
+
+    def on_accepted(self, request_id: str, result: VerifyResult) -> None:
+        """Drop the round's speculative entries; the accepted positions return as true features."""
+        state = self._states.get(request_id)
+        if state is not None:
+            self.cache.resize(state.record, state.num_committed)
+
+    def reset(self, request_id: str) -> None:
+        state = self._states.pop(request_id, None)
+        if state is not None:
+            self.cache.free(state.record)
+
+    def fork(self, parent_id: str, child_id: str) -> None:
+        parent = self._states.get(parent_id)
+        if parent is not None:
+            self._states[child_id] = parent.fork(self._ensure_cache())
+
+    def check_integrity(self) -> None:
+        if self.cache is not None:
+            self.cache.manager.check_integrity()
