@@ -35,7 +35,6 @@ from draftsmith.serve_eval.engine.threads import ThreadChoice, threads_for
 from draftsmith.serve_eval.speculative.proposers.base import (
     Proposal,
     SequenceView,
-    TargetFeatures,
     check_num_tokens,
     empty_proposal,
     sampling_arrays,
@@ -138,9 +137,6 @@ class BlockProposer(FeatureCacheProposer):
     def feature_width(self) -> int:
         return len(self.aux_layers) * self.draft.config.target_hidden_size
 
-    def _feature_rows(self, feats: TargetFeatures) -> Tensor | None:
-        return feats.aux
-
     # -- proposing -----------------------------------------------------------------------------
     @torch.inference_mode()
     def propose(self, seqs: Sequence[SequenceView], num_tokens: Sequence[int],
@@ -183,7 +179,7 @@ class BlockProposer(FeatureCacheProposer):
             return None  # draft pool full: skip speculation for this sequence this step
         pending = torch.cat(state.pending) if len(state.pending) > 1 else (state.pending[0] if state.pending else None)
         if pending is None:
-            return torch.zeros(0, len(self.aux_layers) * self.draft.config.target_hidden_size, dtype=self.dtype, device=self.device)
+            return torch.zeros(0, self.feature_width, dtype=self.dtype, device=self.device)
         state.pending = [pending[num_new:]] if pending.shape[0] > num_new else []
         state.num_pending -= num_new
         return pending[:num_new]

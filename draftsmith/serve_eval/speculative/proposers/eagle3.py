@@ -14,7 +14,6 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from draftsmith.serve_eval.speculative.proposers.base import TargetFeatures
 from draftsmith.serve_eval.speculative.proposers.eagle import EagleProposer
 from draftsmith.serve_eval.speculative.proposers.registry import register_proposer
 
@@ -31,9 +30,6 @@ class Eagle3Proposer(EagleProposer):
     @property
     def feature_width(self) -> int:
         return 3 * self.draft.config.target_hidden_size
-
-    def _feature_rows(self, feats: TargetFeatures) -> Tensor | None:
-        return feats.aux
 
     def _ingest_input(self, rows: Tensor) -> Tensor:  # aux [n, 3 d_t] -> fused [n, d]
         return self.draft.fuse(rows)

@@ -4,7 +4,7 @@ EAGLE-1, EAGLE-3 and the block draft all take the target's features of accepted 
 consecutive positions), hold them as pending rows until their next propose turns them into committed entries
 of the draft's paged KV cache, drop the speculative entries a round wrote (on_accepted), and free or fork a
 request's entries (reset, fork). One definition of that bookkeeping; each kind says which feature it reads
-(``_feature_rows``, ``feature_width``, ``feature_name``) and how its cache is built (``_allocate``).
+(``feature_name``, ``feature_width``) and how its cache is built (``_allocate``).
 
 A cache index is ``position - base_pos``, base_pos being the first fed position (after a prefix-cache hit the
 target never computed features for the cached prefix; the draft then starts after it).
@@ -59,7 +59,7 @@ class FeatureCacheProposer(Proposer):
         raise NotImplementedError
 
     def _feature_rows(self, feats: TargetFeatures) -> Tensor | None:
-        return feats.hidden
+        return getattr(feats, self.feature_name)   # the field check_features checked
 
     def _allocate(self, num_blocks: int) -> None:
         raise NotImplementedError
