@@ -33,7 +33,7 @@ class DraftDataConfig:
     top_k: int = 0
     top_p: float = 1.0
     seed: int = 0
-    max_length: int = 512  # prompt + answer truncated to this many tokens
+    max_length: int = 512  # the training window: an example's last max_length tokens (its answer, the end of its prompt)
     shard_size: int = 64  # prompts per shard (the unit of resume)
     # Target extras stored per position (teacher-forced pass over prompt + answer).
     topk_logits: int = 0  # k > 0: top-k target log-probs for token-level KD
@@ -54,6 +54,12 @@ def answer_temperature(data: DraftDataConfig, example_id: int) -> float:
     ``sampled_fraction`` of any run of consecutive prompts, hence of every domain (they interleave), at
     ``sampled_temperature``, the same however the prompts are sharded."""
     return data.sampled_temperature if (example_id * 0.6180339887498949) % 1.0 < data.sampled_fraction else data.temperature
+
+
+def answer_budget(data: DraftDataConfig) -> int:
+    """Tokens an answer may take: max_new_tokens, with at least one prompt token left in the max_length training
+    window (prompts are answered whole; the window keeps the answer and the end of the prompt)."""
+    return max(1, min(data.max_new_tokens, data.max_length - 1))
 
 
 def generated_temperatures(data: DraftDataConfig) -> list[float]:

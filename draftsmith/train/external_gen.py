@@ -152,11 +152,11 @@ class OpenAIGenerator:
         return tensors
 
     def sampling(self, prompt_len: int, example_id: int) -> dict:
-        from draftsmith.drafts.schemas import answer_temperature
+        from draftsmith.drafts.schemas import answer_budget, answer_temperature
 
         d = self.data
         return {"temperature": answer_temperature(d, example_id), "top_p": d.top_p, "top_k": d.top_k,
-                "seed": d.seed + example_id, "max_tokens": max(1, min(d.max_new_tokens, d.max_length - prompt_len))}
+                "seed": d.seed + example_id, "max_tokens": answer_budget(d)}
 
     def answers(self, prompts: list[list[int]], example_ids: list[int]) -> list[tuple[list[int], str]]:
         """All of a shard's answers, or EndpointError (nothing of the shard is kept)."""

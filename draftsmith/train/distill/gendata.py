@@ -32,6 +32,7 @@ FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 HIDDEN_DTYPE = torch.bfloat16
 REQUIRED_ROW_FIELDS = ("input_ids", "prompt_length")
+PER_POSITION_FIELDS = ("hidden", "aux", "topk_ids", "topk_logprobs")   # the <id>.<field> tensors, rows [T, ...]
 
 
 def aux_columns(stored: list[int], needed: list[int]) -> list[int] | None:

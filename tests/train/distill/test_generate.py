@@ -147,3 +147,45 @@ def test_a_disk_that_fills_mid_run_leaves_no_half_written_shard(world, monkeypat
     monkeypatch.setattr(datasets.Dataset, "to_parquet", real_to_parquet)
     again = generate(world, **{"draft.data.max_new_tokens": "5"})
     assert again == reference and json.loads((again / "manifest.json").read_text()) == expected
+
+
+def test_prompts_are_answered_whole_and_stored_in_their_training_window(world):
+    """A prompt longer than the training window is answered whole (the answer is the target's greedy continuation
+    of the full prompt, as serving sees it) and stored as the window's last max_length tokens: the answer and the
+    end of its prompt, prompt_length counted inside the window, hidden states of a forward over the full
+    sequence (not over the cut one)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from draftsmith.train.distill.gendata import DistillDataset, Manifest
+    from draftsmith.train.distill.objectives.teacher import Teacher
+
+    out = generate(world, **{"draft.data.max_length": "8"})
+    manifest = Manifest.read(out)
+    dataset = DistillDataset(out, manifest.target_fingerprint, manifest.extras)
+    tokenizer = AutoTokenizer.from_pretrained(str(world[1]))
+    prompts = [tokenizer.encode(json.loads(line)["prompt"]) for line in world[2].read_text().splitlines()]
+    model = AutoModelForCausalLM.from_pretrained(str(world[1])).eval()
+    teacher = Teacher(model)
+    cut_examples = 0
+    for i in range(len(dataset)):
+        ex = dataset[i]
+        ids, p = ex["input_ids"], ex["prompt_length"]
+        assert len(ids) <= 8 and 1 <= p < len(ids)
+        # the records whose prompt ends in the window's prompt part: one of them is this example's, answered whole
+        candidates = [q for q in prompts if len(q) >= p and q[-p:] == ids[:p]]
+        assert any(_answered_from(model, teacher, q, ids, p, ex["hidden"]) for q in candidates), i
+        cut_examples += max(map(len, candidates)) > p
+    assert cut_examples > 0   # the window did cut prompts
+
+
+def _answered_from(model, teacher, prompt: list[int], ids: list[int], p: int, hidden: torch.Tensor) -> bool:
+    """Whether the window ids (prompt part p) holds the target's greedy answer to the whole ``prompt``, with the
+    hidden states of a forward over the whole sequence."""
+    with torch.no_grad():
+        ref = model.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False, pad_token_id=0,
+                             attention_mask=torch.ones(1, len(prompt), dtype=torch.long))[0, len(prompt):].tolist()
+        if ids[p:] != ref[: len(ids) - p]:
+            return False
+        sequence = prompt + ids[p:]
+        fwd = teacher(torch.tensor([sequence]), torch.ones(1, len(sequence), dtype=torch.bool), [2, 2, 1])
+    return torch.allclose(hidden.float(), fwd.hidden[0, -len(ids):], atol=0.02, rtol=0.01)

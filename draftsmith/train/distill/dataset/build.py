@@ -20,7 +20,13 @@ from draftsmith.drafts.files import stable_hash
 from draftsmith.drafts.identity import tokenizer_hash
 from draftsmith.drafts.schemas import SOURCES, DraftDataConfig, answer_temperature
 from draftsmith.kernels.precision import AUTO, resolve_bf16
-from draftsmith.train.distill.dataset.passes import EngineGenerator, prompt_token_ids, reference_answers, teacher_forced_extras
+from draftsmith.train.distill.dataset.passes import (
+    EngineGenerator,
+    prompt_token_ids,
+    reference_answers,
+    teacher_forced_extras,
+    training_window,
+)
 from draftsmith.train.distill.dataset.settings import cache_key, check_data_config, content_key, interleave_domains, sampling_dict
 from draftsmith.train.distill.gendata import Manifest, StoredExtras, finalize, find_covering, shard_complete, write_shard
 from draftsmith.train.logs import log_event, progress, warn_event
@@ -65,8 +71,9 @@ def generate_dataset(target_dir: Path, fingerprint: str, records: list[dict[str,
     if not records:
         raise ValueError("draft.data: no distill prompts to generate from")
     tokenizer = AutoTokenizer.from_pretrained(str(target_dir))
-    hidden_size = int(AutoConfig.from_pretrained(str(target_dir)).hidden_size)
-    prompts = prompt_token_ids(tokenizer, records, data)
+    target_config = AutoConfig.from_pretrained(str(target_dir))
+    hidden_size = int(target_config.hidden_size)
+    prompts = prompt_token_ids(tokenizer, records, data, getattr(target_config, "max_position_embeddings", None))
     prompt_hash = stable_hash([[r["domain"], r["prompt"]] for r in records])
     tok_hash = tokenizer_hash(target_dir) or "no-tokenizer-files"   # the same hash the registry keeps
     external = _external(endpoint, tokenizer, data, extras.topk)  # reached (and its model id read) before any shard
@@ -166,6 +173,7 @@ def _write_shards(out_dir: Path, manifest: Manifest, target_dir: Path, tokenizer
                  "prompt_length": len(prompts[i]), "finish_reason": reason, "answer": tokenizer.decode(answer),
                  "temperature": answer_temperature(data, i) if data.source == "target" else -1.0}
                 for i, seq, (answer, reason) in zip(ids, sequences, answers)]
+        training_window(rows, tensors, data.max_length)
         write_shard(out_dir, shard, rows, tensors)
         bar.update(hi - lo)
     bar.close()

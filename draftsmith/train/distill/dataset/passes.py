@@ -8,20 +8,41 @@ from typing import Any
 
 import torch
 
-from draftsmith.drafts.schemas import DraftDataConfig, answer_temperature
-from draftsmith.train.distill.gendata import HIDDEN_DTYPE, StoredExtras
+from draftsmith.drafts.schemas import DraftDataConfig, answer_budget, answer_temperature
+from draftsmith.train.distill.gendata import HIDDEN_DTYPE, PER_POSITION_FIELDS, StoredExtras
 
 
-def prompt_token_ids(tokenizer: Any, records: list[dict[str, str]], data: DraftDataConfig) -> list[list[int]]:
-    """Prompts as ids; an over-long prompt keeps its last tokens so at least some answer fits."""
-    budget = data.max_length - max(1, min(data.max_new_tokens, data.max_length // 2))
+def prompt_token_ids(tokenizer: Any, records: list[dict[str, str]], data: DraftDataConfig,
+                     context: int | None = None) -> list[list[int]]:
+    """Prompts as ids, whole: the target answers the prompt it is served, and only the training window
+    (training_window) is cut to max_length. Cut before generation, half of the embedded chat conversations
+    (longer than the window) were answered from a text that starts mid-conversation, and the drafts learned
+    answers the served target does not give. Only a prompt that the target's context (``context`` positions)
+    cannot hold with an answer keeps its last tokens."""
+    budget = None if context is None else max(1, context - answer_budget(data))
     out = []
     for record in records:
         ids = tokenizer.encode(record["prompt"])
         if not ids:
             raise ValueError(f"prompt of domain {record['domain']!r} tokenizes to nothing: {record['prompt'][:60]!r}")
-        out.append(ids[-budget:])
+        out.append(ids if budget is None else ids[-budget:])
     return out
+
+
+def training_window(rows: list[dict[str, Any]], tensors: dict[str, torch.Tensor], max_length: int) -> None:
+    """In place: each example's last max_length positions (its whole answer and the end of its prompt), in its
+    row (input_ids, prompt_length) and in every per-position tensor stored for it (<id>.<field>, [T, ...]), which
+    were computed over the whole sequence, as the served target computes them."""
+    for row in rows:
+        cut = len(row["input_ids"]) - max_length
+        if cut <= 0:
+            continue
+        row["input_ids"] = row["input_ids"][cut:]
+        row["prompt_length"] -= cut   # >= 1: an answer takes at most max_length - 1 positions (answer_budget)
+        for field in PER_POSITION_FIELDS:
+            name = f"{row['example_id']}.{field}"
+            if name in tensors:
+                tensors[name] = tensors[name][cut:]
 
 
 def teacher_forced_extras(teacher: Any, sequences: list[list[int]], extras: StoredExtras, batch_size: int,
@@ -68,7 +89,7 @@ class EngineGenerator:
         d = self.data
         # One seed per prompt (from its global index): the same answers however the prompts are sharded.
         params = [SamplingParams(temperature=answer_temperature(d, eid), top_k=d.top_k, top_p=d.top_p, seed=d.seed + eid,
-                                 max_tokens=max(1, min(d.max_new_tokens, d.max_length - len(p))))
+                                 max_tokens=answer_budget(d))
                   for p, eid in zip(prompts, example_ids)]
         outs = self.llm.generate(prompts, params, use_tqdm=False)
         return [(list(o.output_token_ids), o.finish_reason or "length") for o in outs]
@@ -80,5 +101,5 @@ def reference_answers(tokenizer: Any, records: list[dict[str, str]], prompts: li
         ids = tokenizer.encode(record["reference"], add_special_tokens=False)
         if tokenizer.eos_token_id is not None:
             ids = ids + [tokenizer.eos_token_id]
-        out.append((ids[: max(1, min(data.max_new_tokens, data.max_length - len(prompt)))], "reference"))
+        out.append((ids[: answer_budget(data)], "reference"))
     return out

@@ -83,6 +83,7 @@ def content_key(fingerprint: str, tok_hash: str, prompt_hash: str, data: DraftDa
         "format": FORMAT_VERSION, "target": fingerprint, "tokenizer": tok_hash, "prompts": prompt_hash,
         "source": data.source, "sampling": sampling_dict(data) if data.source == "target" else None,
         "max_length": data.max_length, "shard_size": data.shard_size,
+        "answers_to": "whole prompts",   # (answers to prompts cut to max_length before were keyed without it)
     }
     if model_id is not None:
         fields["endpoint_model"] = model_id
