@@ -173,14 +173,14 @@ def test_prompts_are_answered_whole_and_stored_in_their_training_window(world):
         assert len(ids) <= 8 and 1 <= p < len(ids)
         # the records whose prompt ends in the window's prompt part: one of them is this example's, answered whole
         candidates = [q for q in prompts if len(q) >= p and q[-p:] == ids[:p]]
-        assert any(_answered_from(model, teacher, q, ids, p, ex["hidden"]) for q in candidates), i
-        cut_examples += max(map(len, candidates)) > p
+        assert any(_answered_from(model, teacher, q, ids, p, ex) for q in candidates), i
+        cut_examples += min(map(len, candidates)) > p   # no record's whole prompt fits the window
     assert cut_examples > 0   # the window did cut prompts
 
 
-def _answered_from(model, teacher, prompt: list[int], ids: list[int], p: int, hidden: torch.Tensor) -> bool:
+def _answered_from(model, teacher, prompt: list[int], ids: list[int], p: int, example: dict) -> bool:
     """Whether the window ids (prompt part p) holds the target's greedy answer to the whole ``prompt``, with the
-    hidden states of a forward over the whole sequence."""
+    hidden states, aux layers and top-k of a forward over the whole sequence."""
     with torch.no_grad():
         ref = model.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False, pad_token_id=0,
                              attention_mask=torch.ones(1, len(prompt), dtype=torch.long))[0, len(prompt):].tolist()
@@ -188,4 +188,43 @@ def _answered_from(model, teacher, prompt: list[int], ids: list[int], p: int, hi
             return False
         sequence = prompt + ids[p:]
         fwd = teacher(torch.tensor([sequence]), torch.ones(1, len(sequence), dtype=torch.bool), [2, 2, 1])
-    return torch.allclose(hidden.float(), fwd.hidden[0, -len(ids):], atol=0.02, rtol=0.01)
+    window = slice(len(sequence) - len(ids), len(sequence))
+    top = torch.log_softmax(fwd.logits[0, window], -1).topk(4)
+    return (torch.allclose(example["hidden"].float(), fwd.hidden[0, window], atol=0.02, rtol=0.01)
+            and torch.allclose(example["aux_hidden"].float(), fwd.aux_hidden[0, window], atol=0.02, rtol=0.01)
+            and torch.allclose(example["topk_logprobs"], top.values, atol=1e-4, rtol=1e-4)
+            and bool((example["topk_ids"] == top.indices).all()))
+
+
+def test_a_window_keeps_the_answer_and_a_prompt_token_and_long_prompts_batch_by_positions():
+    """window_bounds: the last max_length positions, or, for an answer longer than the window (an endpoint may
+    return more than asked), one prompt token and the answer's head. The teacher batches whole sequences by
+    positions (batch_size windows' worth), so a prompt many windows long runs alone, and its head and top-k run on
+    the window only."""
+    from types import SimpleNamespace
+
+    from draftsmith.train.distill.dataset.passes import teacher_forced_extras, window_bounds
+    from draftsmith.train.distill.gendata import StoredExtras
+
+    assert window_bounds(10, 4, 8) == (2, 10)
+    assert window_bounds(6, 4, 8) == (0, 6)
+    assert window_bounds(20, 3, 8) == (2, 10)
+    widths, head_rows = [], []
+
+    class FakeTeacher:
+        model = torch.nn.Module()
+
+        def __call__(self, ids, mask, aux_layers, need_logits):
+            assert not need_logits
+            widths.append(tuple(ids.shape))
+            return SimpleNamespace(hidden=ids[..., None].float().expand(-1, -1, 4), aux_hidden=None)
+
+    FakeTeacher.model.register_parameter("w", torch.nn.Parameter(torch.zeros(1)))
+    FakeTeacher.model.lm_head = lambda h: head_rows.append(h.shape[0]) or torch.cat([h, -h], -1)
+    sequences = [list(range(1, 101)), [1, 2, 3, 4, 5], [6, 7, 8, 9, 10]]
+    bounds = [window_bounds(len(s), len(s) - 2, 8) for s in sequences]   # 2-token answers
+    out = teacher_forced_extras(FakeTeacher(), sequences, StoredExtras(final_hidden=True, topk=2), 2, [0, 1, 2],
+                                bounds=bounds)
+    assert widths == [(1, 100), (2, 5)]   # the long prompt alone; the two short ones together
+    assert head_rows == [8, 5, 5]
+    assert out["0.hidden"][:, 0].tolist() == list(range(93, 101))   # the whole sequence's last 8 positions

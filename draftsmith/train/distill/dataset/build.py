@@ -25,7 +25,8 @@ from draftsmith.train.distill.dataset.passes import (
     prompt_token_ids,
     reference_answers,
     teacher_forced_extras,
-    training_window,
+    window_bounds,
+    window_tensors,
 )
 from draftsmith.train.distill.dataset.settings import cache_key, check_data_config, content_key, interleave_domains, sampling_dict
 from draftsmith.train.distill.gendata import Manifest, StoredExtras, finalize, find_covering, shard_complete, write_shard
@@ -73,10 +74,13 @@ def generate_dataset(target_dir: Path, fingerprint: str, records: list[dict[str,
     tokenizer = AutoTokenizer.from_pretrained(str(target_dir))
     target_config = AutoConfig.from_pretrained(str(target_dir))
     hidden_size = int(target_config.hidden_size)
-    prompts = prompt_token_ids(tokenizer, records, data, getattr(target_config, "max_position_embeddings", None))
+    external = _external(endpoint, tokenizer, data, extras.topk)  # reached (and its model id read) before any shard
+    # In process, the target's own context holds whole prompts; an endpoint's limit is its server's (unknown
+    # here), so its prompts keep to the training window, as all prompts did before.
+    context = data.max_length if external else getattr(target_config, "max_position_embeddings", None)
+    prompts = prompt_token_ids(tokenizer, records, data, context)
     prompt_hash = stable_hash([[r["domain"], r["prompt"]] for r in records])
     tok_hash = tokenizer_hash(target_dir) or "no-tokenizer-files"   # the same hash the registry keeps
-    external = _external(endpoint, tokenizer, data, extras.topk)  # reached (and its model id read) before any shard
     model_id = external.model_id if external else None
     content = content_key(fingerprint, tok_hash, prompt_hash, data, model_id)
     key = cache_key(fingerprint, tok_hash, prompt_hash, data, extras, model_id)
@@ -161,19 +165,20 @@ def _write_shards(out_dir: Path, manifest: Manifest, target_dir: Path, tokenizer
         answers = (generator.answers(prompts[lo:hi], ids) if data.source == "target"
                    else reference_answers(tokenizer, records[lo:hi], prompts[lo:hi], data))
         sequences = [prompts[i] + answer for i, (answer, _) in zip(ids, answers)]
+        bounds = [window_bounds(len(seq), len(prompts[i]), data.max_length) for i, seq in zip(ids, sequences)]
         if teacher:
             # A batched forward of every sequence: every core pays (the engine leaves the count of its last,
             # small step; 64 answers of the embedded target: 14.6 s at 1 thread, 8.2 s at 2).
             set_threads(training_threads(AUTO))
-        tensors = (teacher_forced_extras(teacher, sequences, local, data.teacher_batch_size, ids, teacher_bf16)
+        tensors = (teacher_forced_extras(teacher, sequences, local, data.teacher_batch_size, ids, teacher_bf16, bounds)
                    if teacher else {})
         if local is not extras:
-            tensors.update(external.topk_tensors(prompts[lo:hi], sequences, ids))
-        rows = [{"example_id": i, "shard": shard, "domain": records[i]["domain"], "input_ids": seq,
-                 "prompt_length": len(prompts[i]), "finish_reason": reason, "answer": tokenizer.decode(answer),
+            tensors.update(window_tensors(external.topk_tensors(prompts[lo:hi], sequences, ids), ids, bounds))
+        # each example's training window (window_bounds): the answer and the end of the prompt it was given whole
+        rows = [{"example_id": i, "shard": shard, "domain": records[i]["domain"], "input_ids": seq[start:end],
+                 "prompt_length": len(prompts[i]) - start, "finish_reason": reason, "answer": tokenizer.decode(answer),
                  "temperature": answer_temperature(data, i) if data.source == "target" else -1.0}
-                for i, seq, (answer, reason) in zip(ids, sequences, answers)]
-        training_window(rows, tensors, data.max_length)
+                for i, seq, (answer, reason), (start, end) in zip(ids, sequences, answers, bounds)]
         write_shard(out_dir, shard, rows, tensors)
         bar.update(hi - lo)
     bar.close()

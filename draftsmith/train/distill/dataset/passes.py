@@ -14,11 +14,12 @@ from draftsmith.train.distill.gendata import HIDDEN_DTYPE, PER_POSITION_FIELDS, 
 
 def prompt_token_ids(tokenizer: Any, records: list[dict[str, str]], data: DraftDataConfig,
                      context: int | None = None) -> list[list[int]]:
-    """Prompts as ids, whole: the target answers the prompt it is served, and only the training window
-    (training_window) is cut to max_length. Cut before generation, half of the embedded chat conversations
-    (longer than the window) were answered from a text that starts mid-conversation, and the drafts learned
-    answers the served target does not give. Only a prompt that the target's context (``context`` positions)
-    cannot hold with an answer keeps its last tokens."""
+    """Prompts as ids, whole: the target answers the prompt it is served, and only what is stored is cut to the
+    max_length training window (window_bounds). Cut before generation, half of the embedded chat conversations
+    (longer than the window) were answered from a text that starts mid-conversation: answers the served target
+    does not give. Only a prompt that ``context`` positions (the generator's) cannot hold with an answer keeps
+    its last tokens. (The stored features come from the whole sequence; a job in online mode runs the target over
+    the stored window, so its features there see the window's context only.)"""
     budget = None if context is None else max(1, context - answer_budget(data))
     out = []
     for record in records:
@@ -29,49 +30,72 @@ def prompt_token_ids(tokenizer: Any, records: list[dict[str, str]], data: DraftD
     return out
 
 
-def training_window(rows: list[dict[str, Any]], tensors: dict[str, torch.Tensor], max_length: int) -> None:
-    """In place: each example's last max_length positions (its whole answer and the end of its prompt), in its
-    row (input_ids, prompt_length) and in every per-position tensor stored for it (<id>.<field>, [T, ...]), which
-    were computed over the whole sequence, as the served target computes them."""
-    for row in rows:
-        cut = len(row["input_ids"]) - max_length
-        if cut <= 0:
-            continue
-        row["input_ids"] = row["input_ids"][cut:]
-        row["prompt_length"] -= cut   # >= 1: an answer takes at most max_length - 1 positions (answer_budget)
+def window_bounds(length: int, prompt_length: int, max_length: int) -> tuple[int, int]:
+    """[start, end) of the positions an example stores: its last max_length (the answer and the end of its prompt),
+    keeping at least one prompt token (an endpoint's answer may run past the budget: then its head)."""
+    start = max(0, length - max_length)
+    if start >= prompt_length:
+        start = max(0, prompt_length - 1)
+    return start, min(length, start + max_length)
+
+
+def window_tensors(tensors: dict[str, torch.Tensor], example_ids: list[int],
+                   bounds: list[tuple[int, int]]) -> dict[str, torch.Tensor]:
+    """Per-position tensors of whole sequences (<id>.<field>, [T, ...]) cut to each example's window (copies)."""
+    out = {}
+    for eid, (start, end) in zip(example_ids, bounds):
         for field in PER_POSITION_FIELDS:
-            name = f"{row['example_id']}.{field}"
+            name = f"{eid}.{field}"
             if name in tensors:
-                tensors[name] = tensors[name][cut:]
+                out[name] = tensors[name][start:end].clone()
+    return out
 
 
 def teacher_forced_extras(teacher: Any, sequences: list[list[int]], extras: StoredExtras, batch_size: int,
-                          example_ids: list[int], bf16: bool = False) -> dict[str, torch.Tensor]:
-    """One forward of the target over each full sequence; per-example tensors named <id>.<field>."""
+                          example_ids: list[int], bf16: bool = False,
+                          bounds: list[tuple[int, int]] | None = None) -> dict[str, torch.Tensor]:
+    """One forward of the target over each whole sequence (the context the served target sees); per example the
+    tensors <id>.<field> of its stored window (bounds, window_bounds; None: every position). The head and the top-k
+    run on the window's rows only, and a batch holds at most batch_size windows' worth of positions (whole prompts
+    may be many times the window)."""
     tensors: dict[str, torch.Tensor] = {}
     if not extras.any:
         return tensors
+    bounds = bounds or [(0, len(s)) for s in sequences]
     device = next(teacher.model.parameters()).device
-    for start in range(0, len(sequences), batch_size):
-        chunk = sequences[start : start + batch_size]
-        width = max(len(s) for s in chunk)
-        ids = torch.zeros(len(chunk), width, dtype=torch.long)
-        mask = torch.zeros(len(chunk), width, dtype=torch.bool)
-        for row, seq in enumerate(chunk):
-            ids[row, : len(seq)], mask[row, : len(seq)] = torch.tensor(seq), True
-        with torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
-            out = teacher(ids.to(device), mask.to(device), extras.aux_layers, need_logits=extras.topk > 0)
-        for row, seq in enumerate(chunk):
-            eid, n = example_ids[start + row], len(seq)
+    budget = batch_size * max(end - start for start, end in bounds)
+    start = 0
+    while start < len(sequences):
+        stop = start + 1
+        while (stop < len(sequences) and stop - start < batch_size
+               and (stop + 1 - start) * max(len(s) for s in sequences[start:stop + 1]) <= budget):
+            stop += 1
+        _teacher_batch(teacher, sequences[start:stop], extras, example_ids[start:stop], bounds[start:stop], device,
+                       bf16, tensors)
+        start = stop
+    return tensors
+
+
+def _teacher_batch(teacher: Any, chunk: list[list[int]], extras: StoredExtras, example_ids: list[int],
+                   bounds: list[tuple[int, int]], device: torch.device, bf16: bool,
+                   tensors: dict[str, torch.Tensor]) -> None:
+    width = max(len(s) for s in chunk)
+    ids = torch.zeros(len(chunk), width, dtype=torch.long)
+    mask = torch.zeros(len(chunk), width, dtype=torch.bool)
+    for row, seq in enumerate(chunk):
+        ids[row, : len(seq)], mask[row, : len(seq)] = torch.tensor(seq), True
+    with torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+        out = teacher(ids.to(device), mask.to(device), extras.aux_layers, need_logits=False)
+        for row, (eid, (lo, hi)) in enumerate(zip(example_ids, bounds)):
             if extras.final_hidden:
-                tensors[f"{eid}.hidden"] = out.hidden[row, :n].to(HIDDEN_DTYPE).cpu()
+                tensors[f"{eid}.hidden"] = out.hidden[row, lo:hi].to(HIDDEN_DTYPE).cpu()
             if extras.aux_layers:
-                tensors[f"{eid}.aux"] = out.aux_hidden[row, :n].to(HIDDEN_DTYPE).cpu()
+                tensors[f"{eid}.aux"] = out.aux_hidden[row, lo:hi].to(HIDDEN_DTYPE).cpu()
             if extras.topk:
-                top = torch.log_softmax(out.logits[row, :n].float(), -1).topk(extras.topk, dim=-1)
+                logits = teacher.model.lm_head(out.hidden[row, lo:hi]).float()
+                top = torch.log_softmax(logits, -1).topk(extras.topk, dim=-1)
                 tensors[f"{eid}.topk_ids"] = top.indices.to(torch.int32).cpu()
                 tensors[f"{eid}.topk_logprobs"] = top.values.float().cpu()
-    return tensors
 
 
 class EngineGenerator:
