@@ -66,9 +66,10 @@ def teacher_forced_extras(teacher: Any, sequences: list[list[int]], extras: Stor
     budget = batch_size * max(end - start for start, end in bounds)
     start = 0
     while start < len(sequences):
-        stop = start + 1
+        stop, width = start + 1, len(sequences[start])   # a batch pads every row to its longest
         while (stop < len(sequences) and stop - start < batch_size
-               and (stop + 1 - start) * max(len(s) for s in sequences[start:stop + 1]) <= budget):
+               and (stop + 1 - start) * max(width, len(sequences[stop])) <= budget):
+            width = max(width, len(sequences[stop]))
             stop += 1
         _teacher_batch(teacher, sequences[start:stop], extras, example_ids[start:stop], bounds[start:stop], device,
                        bf16, tensors)
@@ -86,11 +87,12 @@ def _teacher_batch(teacher: Any, chunk: list[list[int]], extras: StoredExtras, e
         ids[row, : len(seq)], mask[row, : len(seq)] = torch.tensor(seq), True
     with torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
         out = teacher(ids.to(device), mask.to(device), extras.aux_layers, need_logits=False)
+        # copies of the windows: a view would keep the batch's whole-sequence states alive until the shard is written
         for row, (eid, (lo, hi)) in enumerate(zip(example_ids, bounds)):
             if extras.final_hidden:
-                tensors[f"{eid}.hidden"] = out.hidden[row, lo:hi].to(HIDDEN_DTYPE).cpu()
+                tensors[f"{eid}.hidden"] = out.hidden[row, lo:hi].to(HIDDEN_DTYPE, copy=True).cpu()
             if extras.aux_layers:
-                tensors[f"{eid}.aux"] = out.aux_hidden[row, lo:hi].to(HIDDEN_DTYPE).cpu()
+                tensors[f"{eid}.aux"] = out.aux_hidden[row, lo:hi].to(HIDDEN_DTYPE, copy=True).cpu()
             if extras.topk:
                 logits = teacher.model.lm_head(out.hidden[row, lo:hi]).float()
                 top = torch.log_softmax(logits, -1).topk(extras.topk, dim=-1)
