@@ -30,8 +30,7 @@ from draftsmith.drafts.block import check_aux_layers, check_block_k
 from draftsmith.kernels.attention import AttentionMetadata, paged_attn_fn, write_kv
 from draftsmith.kernels.layers.decoder import AttnFn
 from draftsmith.kernels.sampling import logits_to_probs
-from draftsmith.serve_eval.engine.kv_cache_manager import cdiv
-from draftsmith.serve_eval.engine.threads import ThreadChoice, threads_for
+from draftsmith.serve_eval.engine.threads import threads_for
 from draftsmith.serve_eval.speculative.proposers.base import (
     Proposal,
     SequenceView,
@@ -106,26 +105,12 @@ class BlockProposer(FeatureCacheProposer):
         self.draft = draft
         self.aux_layers = tuple(draft.config.aux_layers)
         self.width = draft.config.block_size  # query block length (1 root + K_max masks)
-        weight = draft.fc.weight
-        self.device, self.dtype = weight.device, weight.dtype
-        self.block_size, self.attn_backend = block_size, attn_backend
-        self.cache: LayeredKVCache | None = None
-        if num_blocks is not None:
-            self._allocate(num_blocks)
-        self._states: dict[str, FeatureState] = {}
+        self._init_cache_state(draft.fc.weight, num_blocks, block_size, attn_backend)
         self._block_masks: dict[int, Tensor] = {}
         self.num_forwards = 0  # block forwards run (one per propose call with any ready sequence)
-        self.threads: ThreadChoice | None = None   # the engine's thread rule, for a long injection (attach)
 
-    def attach(self, engine: Any) -> None:
-        """Size the draft pool like the engine's: a context entry per target KV token, plus each running
-        sequence's query block and one partly filled block."""
-        self.threads = engine.threads
-        if self.cache is not None:
-            return
-        tokens = engine.kv.num_gpu_blocks * engine.config.block_size
-        per_seq = cdiv(self.width, self.block_size) + 1
-        self._allocate(cdiv(tokens, self.block_size) + engine.config.max_num_seqs * per_seq)
+    def _draft_rows_per_seq(self, engine: Any) -> int:
+        return self.width   # its query block
 
     def _allocate(self, num_blocks: int) -> None:
         layer = self.draft.config.decoder

@@ -47,8 +47,7 @@ from draftsmith.kernels.attention import (
 from draftsmith.kernels.attention.torch_paged import paged_attention as torch_paged_attention
 from draftsmith.kernels.layers.native_draft_loop import LOOP_CATCH_UP, LoopSampling, padded_tables
 from draftsmith.kernels.sampling import logits_to_probs
-from draftsmith.serve_eval.engine.kv_cache_manager import cdiv
-from draftsmith.serve_eval.engine.threads import ThreadChoice, threads_for
+from draftsmith.serve_eval.engine.threads import threads_for
 from draftsmith.serve_eval.speculative.proposers.base import (
     Proposal,
     SequenceView,
@@ -123,29 +122,14 @@ class EagleProposer(FeatureCacheProposer):
         if getattr(draft, "kind", None) != self.kind:
             raise ValueError(f"{type(self).__name__} needs a {self.kind!r} draft, got {getattr(draft, 'kind', None)!r}")
         self.draft = serving_form(draft, copy_first=False)  # the engine's fused, packed layers (kernels.layers)
-        weight = draft.fc.weight
-        self.device, self.dtype = weight.device, weight.dtype
-        self.block_size, self.attn_backend = block_size, attn_backend
-        self.cache: DraftKVCache | None = None
-        self.threads: ThreadChoice | None = None   # the engine's thread rule, for the catch-up forward (attach)
-        if num_blocks is not None:
-            self._allocate(num_blocks)
+        self._init_cache_state(draft.fc.weight, num_blocks, block_size, attn_backend)
         self.tree = tree
         self.tree_budget = tree_budget if tree is not None else None
         if tree is not None:
             DynamicTreeBuilder(*tree)  # validates the options now, not at the first request
-        self._states: dict[str, FeatureState] = {}
 
-    def attach(self, engine: Any) -> None:
-        """Size the draft pool like the engine's: every target KV token may need a draft entry, plus
-        each running sequence's lookahead and one partly filled block."""
-        self.threads = engine.threads
-        if self.cache is not None:
-            return
-        tokens = engine.kv.num_gpu_blocks * engine.config.block_size
-        lookahead = getattr(getattr(engine, "strategy", None), "max_lookahead_tokens", 64)
-        per_seq = cdiv(lookahead, self.block_size) + 1
-        self._allocate(cdiv(tokens, self.block_size) + engine.config.max_num_seqs * per_seq)
+    def _draft_rows_per_seq(self, engine: Any) -> int:
+        return getattr(getattr(engine, "strategy", None), "max_lookahead_tokens", 64)   # its round's lookahead
 
     def _allocate(self, num_blocks: int) -> None:
         layer = self.draft.config.decoder

@@ -4,7 +4,8 @@ EAGLE-1, EAGLE-3 and the block draft all take the target's features of accepted 
 consecutive positions), hold them as pending rows until their next propose turns them into committed entries
 of the draft's paged KV cache, drop the speculative entries a round wrote (on_accepted), and free or fork a
 request's entries (reset, fork). One definition of that bookkeeping; each kind says which feature it reads
-(``feature_name``, ``feature_width``) and how its cache is built (``_allocate``).
+(``feature_name``, ``feature_width``), how its cache is built (``_allocate``) and how many draft entries a
+running sequence holds beyond its context (``_draft_rows_per_seq``).
 
 A cache index is ``position - base_pos``, base_pos being the first fed position (after a prefix-cache hit the
 target never computed features for the cached prefix; the draft then starts after it).
@@ -13,9 +14,12 @@ target never computed features for the cached prefix; the draft then starts afte
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from torch import Tensor
 
+from draftsmith.serve_eval.engine.kv_cache_manager import cdiv
+from draftsmith.serve_eval.engine.threads import ThreadChoice
 from draftsmith.serve_eval.speculative.proposers.base import Proposer, TargetFeatures
 from draftsmith.serve_eval.speculative.proposers.draft_cache import DEFAULT_DRAFT_BLOCKS, DraftKVCache, _CacheRecord
 from draftsmith.serve_eval.speculative.proposers.features import check_features
@@ -53,6 +57,31 @@ class FeatureCacheProposer(Proposer):
     feature_name = "hidden"   # the TargetFeatures field it reads, as check_features names it
     cache: DraftKVCache | None
     _states: dict[str, FeatureState]
+
+    def _init_cache_state(self, weight: Tensor, num_blocks: int | None, block_size: int, attn_backend: str) -> None:
+        """The draft's device and dtype (its weights'), no requests, and its cache: allocated now with num_blocks,
+        else sized by attach(engine) (or DEFAULT_DRAFT_BLOCKS at the first feature without an engine)."""
+        self.device, self.dtype = weight.device, weight.dtype
+        self.block_size, self.attn_backend = block_size, attn_backend
+        self.threads: ThreadChoice | None = None   # the engine's thread rule, for a long catch-up (attach)
+        self._states = {}
+        self.cache = None
+        if num_blocks is not None:
+            self._allocate(num_blocks)
+
+    def attach(self, engine: Any) -> None:
+        """Size the draft pool like the engine's: a draft entry per target KV token, plus each running sequence's
+        speculative rows and one partly filled block."""
+        self.threads = engine.threads
+        if self.cache is not None:
+            return
+        tokens = engine.kv.num_gpu_blocks * engine.config.block_size
+        per_seq = cdiv(self._draft_rows_per_seq(engine), self.block_size) + 1
+        self._allocate(cdiv(tokens, self.block_size) + engine.config.max_num_seqs * per_seq)
+
+    def _draft_rows_per_seq(self, engine: Any) -> int:
+        """Draft cache entries a running sequence may hold beyond its context (its round's speculative rows)."""
+        raise NotImplementedError
 
     @property
     def feature_width(self) -> int:
