@@ -14,7 +14,8 @@ Recipes (a recipe = the draft's objective settings + the data it trains on):
   eagle3      old: TTT 2, 1024-token vocabulary, greedy answers | new: TTT 4, equal step weights, vocabulary
               covering 99% of the answer tokens, lr 5e-3, mixed answers | alt: step weights 0.8^j at lr 2e-3
               (the previous default) | alt: 0.8^j at lr 5e-3 | alt: 95% coverage | alt: the full vocabulary |
-              alt: aux layers [2, L/2, L] (the final hidden in place of layer L-3) | alt: the greedy half
+              alt: aux layers [2, L/2, L] (the final hidden in place of layer L-3) | alt: the greedy half |
+              alt: labels sharpened, softmax(logits / 0.5) or / 0.25
   medusa      old: an all-greedy dataset | new: the greedy half of the mixed dataset (train_temperatures [0]) | alt:
               every answer of the mixed dataset (the previous default) | alt: equal head weights, every answer
   block       new: the profile's (2 layers, block 9, 32 anchors, weights 0.6^(j-1), the greedy half) | alt: every
@@ -111,6 +112,9 @@ def recipes(target_vocab: int, target_layers: int) -> list[Recipe]:
                {"train_temperatures": [0.0]}),
         Recipe("eagle3", "alt-aux-final", f"the new recipe on aux layers {final} (the final hidden, EAGLE-1's "
                "feature, in place of layer L-3)", {"aux_layers": final}),
+        Recipe("eagle3", "alt-sharp0.5", "the new recipe, labels softmax(logits / 0.5): leaning toward the target's "
+               "argmax (served at T=0)", {"label_temperature": 0.5}),
+        Recipe("eagle3", "alt-sharp0.25", "the new recipe, labels softmax(logits / 0.25)", {"label_temperature": 0.25}),
         Recipe("block", "new", "the profile's block draft (2 layers, block 9, 32 anchors, offsets weighted 0.6^(j-1), "
                "the greedy half)", {}),
         Recipe("block", "alt-all", "every answer of the mixed dataset (greedy and T=1)", {"train_temperatures": None}),

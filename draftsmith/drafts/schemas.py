@@ -148,6 +148,9 @@ class Eagle3Schema(DraftSchema):
     ttt_steps: int = 3  # training-time-test unroll length (at least the largest K the eval drafts)
     init_layer_from_target: bool = False  # warm start from the target's last layer (Eagle3Draft.init_layer_from_target)
     step_weight_decay: float = 0.8  # step j loss weight = decay ** j
+    # The target distribution each step learns is softmax(logits / label_temperature): below 1 it leans toward
+    # the target's argmax, which is all that greedy verification asks of a draft served at T=0.
+    label_temperature: float = 1.0
     noise_width: float = 0.0
     eval_steps: int = 4
 

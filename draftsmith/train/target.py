@@ -30,13 +30,15 @@ from draftsmith.train.corpus import Corpus
 from draftsmith.train.distill.trainer_config import lr_factor
 from draftsmith.train.logs import progress
 from draftsmith.train.tokenizer import load_tokenizer
+from draftsmith.train.worker_process import run_spinning
 
 logger = logging.getLogger("draftsmith")
 
 PERPLEXITY_FILE = "perplexity.json"
 TARGET_META_FILE = "draftsmith_target.json"
 # Target settings that do not change the trained weights (kept out of the cache key).
-_NON_WEIGHT_FIELDS = ("name", "path", "num_threads", "log_every", "eval_records_per_domain", "eval_batch_size")
+_NON_WEIGHT_FIELDS = ("name", "path", "num_threads", "omp_spin_count", "log_every", "eval_records_per_domain",
+                      "eval_batch_size")
 
 
 @dataclass
@@ -261,7 +263,7 @@ def build_target(cfg: DictConfig, corpus: Corpus, tokenizer_dir: Path | None, ar
         with entry_lock(model_dir):
             cached = is_complete(model_dir) and not force
             if not cached:
-                _train_and_save(cfg, corpus, tokenizer, model_dir, run)
+                _train(cfg, corpus, tokenizer_dir, model_dir, run)
         config = LlamaConfig.from_pretrained(str(model_dir))
         perplexity = _perplexity(model_dir / PERPLEXITY_FILE, model_dir, tcfg, corpus, tokenizer)
         fingerprint = target_fingerprint(model_dir)
@@ -272,14 +274,32 @@ def build_target(cfg: DictConfig, corpus: Corpus, tokenizer_dir: Path | None, ar
     return TargetResult(model_dir, fingerprint, perplexity, cached, model_shape(config))
 
 
-def _train_and_save(cfg: DictConfig, corpus: Corpus, tokenizer: Any, model_dir: Path, run: Any) -> None:
+def _train(cfg: DictConfig, corpus: Corpus, tokenizer_dir: Path, model_dir: Path, run: Any) -> None:
+    """Train and save the embedded target: with target.omp_spin_count set and several threads, in a process whose
+    OpenMP workers spin between ops (train.worker_process says why), else here."""
     tcfg = cfg.target
-    torch.manual_seed(cfg.seed)
+    spin_count = tcfg.get("omp_spin_count")
+    if spin_count is not None and (not isinstance(spin_count, int) or spin_count < 0):
+        raise ValueError(f"target.omp_spin_count must be an int >= 0 or null, got {spin_count!r}")
+    # Only what training reads crosses to a worker, resolved (a Hydra job's other fields may not resolve there).
+    job = dict(tcfg=OmegaConf.create(OmegaConf.to_container(tcfg, resolve=True)), seed=int(cfg.seed), corpus=corpus,
+               tokenizer_dir=tokenizer_dir, model_dir=model_dir)
+    if spin_count is not None and tcfg.num_threads > 1:
+        run_spinning(_train_and_save, job, spin_count, run, name="target training")
+    else:
+        _train_and_save(**job, run=run)
+
+
+def _train_and_save(tcfg: DictConfig, seed: int, corpus: Corpus, tokenizer_dir: Path, model_dir: Path,
+                    run: Any) -> None:
+    torch.set_num_threads(tcfg.num_threads)   # a spawned worker starts at torch's default
+    tokenizer = load_tokenizer(tokenizer_dir)
+    torch.manual_seed(seed)
     model = LlamaForCausalLM(llama_config(tcfg, tokenizer))
     rows = pack_tokens(tokenizer, corpus.texts("pretrain"), tcfg.seq_len)
     logger.info("draftsmith target params=%.2fM rows=%d tokens=%d", sum(p.numel() for p in model.parameters()) / 1e6,
                 len(rows), rows.numel())
-    result = train_model(model, rows, tcfg, cfg.seed, run)
+    result = train_model(model, rows, tcfg, seed, run)
     if result.stopped_by_time_cap:
         logger.warning("draftsmith target stopped_by_time_cap=true steps=%d of max_steps=%d (target.max_minutes=%s)",
                        result.steps, tcfg.max_steps, tcfg.max_minutes)

@@ -21,9 +21,7 @@ import dataclasses
 import functools
 import logging
 import multiprocessing
-import pickle
 import queue
-import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -32,6 +30,7 @@ from omegaconf import open_dict
 from draftsmith.train.logs import log_event, progress_lane
 from draftsmith.train.pipeline.context import PipelineContext
 from draftsmith.train.pipeline.distill import STAGE_PREFIX, DraftPlan, draft_plan, train_draft
+from draftsmith.train.worker_process import configure_child_logging, parent_log_files, portable_error
 
 GROUP_STAGE = "distill_side_by_side"
 Train = Callable[[DraftPlan], None]
@@ -103,20 +102,13 @@ def _lane_main(position: int, plans: list[DraftPlan], events: Any, log_files: li
     """A worker: its lane's drafts one after another, each reported on `events` as (kind, None) or (kind, error);
     a failure ends the lane. Log lines go to stderr and the run's log files, tagged with the kind."""
     for plan in plans:
-        handlers: list[logging.Handler] = [logging.StreamHandler(sys.stderr)]
-        handlers += [logging.FileHandler(path) for path in log_files]   # append: the parent writes there too
-        logging.basicConfig(level=logging.INFO, handlers=handlers, force=True,
-                            format=f"[%(asctime)s][distill {plan.kind}][%(levelname)s] - %(message)s")
+        configure_child_logging(log_files, f"[%(asctime)s][distill {plan.kind}][%(levelname)s] - %(message)s")
         progress_lane(position, plan.kind)
         try:
             train(plan)
         except Exception as error:
             log.exception("%s%s failed", STAGE_PREFIX, plan.kind)
-            try:
-                pickle.dumps(error)
-            except Exception:   # an error the queue cannot carry crosses as its text
-                error = RuntimeError(f"{type(error).__name__}: {error}")
-            events.put((plan.kind, error))
+            events.put((plan.kind, portable_error(error)))
             return
         events.put((plan.kind, None))
 
@@ -127,7 +119,7 @@ def run_lanes(lanes: list[list[DraftPlan]], train: Train = train_draft, poll_s: 
     process died names the kinds it left. An interrupt of this process stops every worker."""
     context = multiprocessing.get_context("spawn")   # a forked worker would inherit torch's pools and Hydra's state
     events = context.Queue()
-    log_files = [h.baseFilename for h in logging.getLogger().handlers if isinstance(h, logging.FileHandler)]
+    log_files = parent_log_files()
     workers = [context.Process(target=_lane_main, args=(i, lane, events, log_files, train), name=f"distill-lane-{i}")
                for i, lane in enumerate(lanes)]
     pending = {plan.kind for lane in lanes for plan in lane}

@@ -2,7 +2,8 @@
 
 The draft is unrolled ``ttt_steps`` times on its own hidden states (drafts.common.unroll_ttt); step j at
 index i predicts x_{i+2+j} and weighs ``step_weight_decay ** j``. Labels are the target's distribution
-restricted to the draft vocabulary (soft, as EAGLE-3 trains), and a position counts only where the
+restricted to the draft vocabulary (soft, as EAGLE-3 trains; ``label_temperature`` below 1 sharpens them toward
+the argmax for a draft served at T=0), and a position counts only where the
 target's top token is in the draft vocabulary. The target's distribution comes from the online forward,
 or offline from the cached final-norm hidden through the target's lm_head (kept here, frozen).
 """
@@ -28,6 +29,8 @@ class Eagle3Objective:
     def __init__(self, cfg, teacher: Teacher | None, target_lm_head: Tensor, aux_layers: list[int]) -> None:
         if cfg.ttt_steps < 1:
             raise ValueError(f"draft.ttt_steps must be >= 1, got {cfg.ttt_steps}")
+        if not cfg.label_temperature > 0:
+            raise ValueError(f"draft.label_temperature must be > 0, got {cfg.label_temperature}")
         self.cfg = cfg
         self.features = FeatureSource(cfg.mode, teacher, aux_layers)
         self.target_lm_head = target_lm_head  # [V, d_target], frozen
@@ -57,7 +60,7 @@ class Eagle3Objective:
         outs = model(ids_in, aux_in, self.cfg.ttt_steps)
         width = ids_in.shape[1]
         # The target's distribution over the draft vocabulary, normalised once; step j reads it shifted by 1 + j.
-        teacher_log_probs = losses.log_probs(teacher_logits[..., self.draft_ids])  # [B, S, V_draft]
+        teacher_log_probs = losses.log_probs(teacher_logits[..., self.draft_ids], self.cfg.label_temperature)  # [B, S, V_draft]
         in_vocab = self.in_draft_vocab[teacher_logits.argmax(-1)]  # [B, S]
         components: dict[str, Tensor] = {}
         loss = teacher_logits.new_zeros(())
