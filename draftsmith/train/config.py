@@ -65,8 +65,9 @@ class TargetConfig:
     bf16_autocast: bool | str = "auto"  # CPU bf16 autocast for the training forward/backward; auto: where it is fast
     num_threads: int = 2
     # With several threads the target trains in a worker process whose OpenMP workers spin up to this many
-    # iterations between ops instead of sleeping (train.worker_process: 1.46x the steps on 2 cores); null: here.
-    omp_spin_count: int | None = 30000
+    # iterations between ops instead of sleeping (train.worker_process: 1.46x the steps on 2 cores; the embedded
+    # profile sets it); null: in this process.
+    omp_spin_count: int | None = None
     log_every: int = 10
     eval_records_per_domain: int = 48  # held-out records scored for per-domain perplexity
     eval_batch_size: int = 8

@@ -9,7 +9,8 @@ wake the sleeping workers. On the 2-core AVX2 machine a step of the embedded tar
 fp32, 2 threads) took 0.73 s under PASSIVE and 0.50 s with the workers spinning up to GOMP_SPINCOUNT=30000 (about
 0.3 ms) between ops (10000: 0.53 s; 1000: 0.58 s): 1.46x the steps in the target's time cap. libgomp reads its spin
 count once, as torch loads it, so such training runs in a spawned process that loads torch with it; a
-GOMP_SPINCOUNT the user set stands.
+GOMP_SPINCOUNT the user set stands (it also decides over an OMP_WAIT_POLICY, which the count overrides; a torch
+built on another OpenMP runtime ignores it).
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ import os
 import pickle
 import queue
 import sys
+import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -41,12 +44,35 @@ def configure_child_logging(log_files: list[str], log_format: str = CHILD_LOG_FO
 
 
 def portable_error(error: BaseException) -> BaseException:
-    """`error` if a queue can carry it to the parent (its type kept, so bad input stays one line), else its text."""
+    """`error` if a queue can carry it to the parent and back into an error (its type kept, so bad input stays one
+    line), else its text."""
     try:
-        pickle.dumps(error)
+        pickle.loads(pickle.dumps(error))
     except Exception:
         return RuntimeError(f"{type(error).__name__}: {error}")
     return error
+
+
+def log_worker_failure(error: BaseException, what: str) -> None:
+    """A worker's error, before it crosses to the parent: bad input (a ValueError) is the parent's one line to
+    print; anything else leaves its traceback here, where it happened (the parent re-raises it without one)."""
+    if isinstance(error, ValueError):
+        log.info("%s stopped on bad input (the parent reports it): %s", what, error)
+    else:
+        log.exception("%s failed in its worker process", what)
+
+
+def exit_with_parent(poll_s: float = 1.0) -> None:
+    """A daemon thread that ends this worker when its parent dies (a killed job's worker would otherwise train on,
+    then replace the cache entry its parent no longer holds the lock of)."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(poll_s)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
 
 
 class RelayedRun:
@@ -62,10 +88,11 @@ class RelayedRun:
 def _spun_main(fn: Callable[..., Any], kwargs: dict[str, Any], relay_run: bool, events: Any,
                log_files: list[str]) -> None:
     configure_child_logging(log_files)
+    exit_with_parent()
     try:
         result = fn(**kwargs, run=RelayedRun(events) if relay_run else None)
     except BaseException as error:
-        log.exception("%s failed in its worker process", getattr(fn, "__qualname__", fn))
+        log_worker_failure(error, getattr(fn, "__qualname__", str(fn)))
         events.put(("error", portable_error(error)))
         return
     events.put(("done", result))
@@ -81,7 +108,8 @@ def run_spinning(fn: Callable[..., Any], kwargs: dict[str, Any], spin_count: int
     worker = context.Process(target=_spun_main, args=(fn, kwargs, run is not None, events, parent_log_files()),
                              name=name)
     user_value = os.environ.get(SPIN_COUNT_ENV)
-    os.environ[SPIN_COUNT_ENV] = user_value or str(spin_count)   # the child reads the environment as it starts
+    if user_value is None:   # the child reads the environment as it starts
+        os.environ[SPIN_COUNT_ENV] = str(spin_count)
     try:
         worker.start()
     finally:

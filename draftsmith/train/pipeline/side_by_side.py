@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import logging
 import multiprocessing
 import queue
 from collections.abc import Callable, Sequence
@@ -30,11 +29,11 @@ from omegaconf import open_dict
 from draftsmith.train.logs import log_event, progress_lane
 from draftsmith.train.pipeline.context import PipelineContext
 from draftsmith.train.pipeline.distill import STAGE_PREFIX, DraftPlan, draft_plan, train_draft
-from draftsmith.train.worker_process import configure_child_logging, parent_log_files, portable_error
+from draftsmith.train.worker_process import (configure_child_logging, log_worker_failure, parent_log_files,
+                                             portable_error)
 
 GROUP_STAGE = "distill_side_by_side"
 Train = Callable[[DraftPlan], None]
-log = logging.getLogger(__name__)
 
 
 def group_at(stage_names: Sequence[str], index: int) -> list[str]:
@@ -107,7 +106,7 @@ def _lane_main(position: int, plans: list[DraftPlan], events: Any, log_files: li
         try:
             train(plan)
         except Exception as error:
-            log.exception("%s%s failed", STAGE_PREFIX, plan.kind)
+            log_worker_failure(error, f"{STAGE_PREFIX}{plan.kind}")
             events.put((plan.kind, portable_error(error)))
             return
         events.put((plan.kind, None))
