@@ -15,12 +15,13 @@ Recipes (a recipe = the draft's objective settings + the data it trains on):
               covering 99% of the answer tokens, lr 5e-3, mixed answers | alt: step weights 0.8^j at lr 2e-3
               (the previous default) | alt: 0.8^j at lr 5e-3 | alt: 95% coverage | alt: the full vocabulary |
               alt: aux layers [2, L/2, L] (the final hidden in place of layer L-3) | alt: the greedy half |
-              alt: labels sharpened, softmax(logits / 0.5) or / 0.25
+              alt: labels sharpened, softmax(logits / 0.5), / 0.25 or / 0.1
   medusa      old: an all-greedy dataset | new: the greedy half of the mixed dataset (train_temperatures [0]) | alt:
               every answer of the mixed dataset (the previous default) | alt: equal head weights, every answer
   block       new: the profile's (2 layers, block 9, 32 anchors, weights 0.6^(j-1), the greedy half) | alt: every
               answer of the mixed dataset | alt: an all-greedy dataset | alt: block 5 | alt: weights 0.8^(j-1) |
-              alt: 3 layers | alt: 16 anchors a step | alt: block 5 with 32 anchors (--kinds block --k 4)
+              alt: 3 layers | alt: 16 anchors a step | alt: block 5 with 32 anchors (--kinds block --k 4) | alt:
+              labels sharpened, softmax(logits / 0.25)
 
 The data the new defaults train on is the pipeline profile's own (pipeline.data): with the same
 --artifacts as a pipeline run, its target and dataset are reused, not rebuilt. "old" data = the profile's
@@ -115,8 +116,11 @@ def recipes(target_vocab: int, target_layers: int) -> list[Recipe]:
         Recipe("eagle3", "alt-sharp0.5", "the new recipe, labels softmax(logits / 0.5): leaning toward the target's "
                "argmax (served at T=0)", {"label_temperature": 0.5}),
         Recipe("eagle3", "alt-sharp0.25", "the new recipe, labels softmax(logits / 0.25)", {"label_temperature": 0.25}),
+        Recipe("eagle3", "alt-sharp0.1", "the new recipe, labels softmax(logits / 0.1)", {"label_temperature": 0.1}),
         Recipe("block", "new", "the profile's block draft (2 layers, block 9, 32 anchors, offsets weighted 0.6^(j-1), "
                "the greedy half)", {}),
+        Recipe("block", "alt-sharp0.25", "the profile's block draft, labels softmax(logits / 0.25): leaning toward the "
+               "target's argmax (served at T=0)", {"label_temperature": 0.25}),
         Recipe("block", "alt-all", "every answer of the mixed dataset (greedy and T=1)", {"train_temperatures": None}),
         Recipe("block", "alt-greedy", "an all-greedy dataset", {"train_temperatures": None}, GREEDY),
         Recipe("block", "alt-bs5", "block 5 (K <= 4): every mask an offset the eval reads", {"block_size": 5}),

@@ -167,6 +167,7 @@ class BlockSchema(DraftSchema):
     num_mask_tokens: int | None = None  # None = one learned mask per block offset; 1 = one shared mask
     max_anchors: int = 16  # block roots sampled per answer per step
     position_weight_decay: float = 0.8  # block offset j (1-based) loss weight = decay ** (j - 1)
+    label_temperature: float = 1.0  # as EAGLE-3's (below 1: labels lean toward the argmax); logit teachers only
     teacher: str = "auto"  # auto (online: the forward's logits; offline: stored top-k if any, else cached hidden) | topk | hidden
     eval_anchors: int = 16
 

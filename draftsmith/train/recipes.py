@@ -39,13 +39,13 @@ def check_recipe(kind: str, dcfg: Any, target_vocab: int | None) -> None:
             raise ValueError(f"draft.draft_vocab_coverage: {coverage} is outside (0, 1]")
         if dcfg.ttt_steps < 1:
             raise ValueError(f"draft.ttt_steps: {dcfg.ttt_steps} must be >= 1")
-        if not dcfg.get("label_temperature", 1.0) > 0:
-            raise ValueError(f"draft.label_temperature: {dcfg.label_temperature} must be > 0")
     if kind == "block":
         if dcfg.block_size < 2:
             raise ValueError(f"draft.block_size: {dcfg.block_size} must be >= 2 (1 root + at least one mask)")
         if dcfg.max_anchors < 1:
             raise ValueError(f"draft.max_anchors: {dcfg.max_anchors} must be >= 1")
+    if kind in ("eagle3", "block") and not dcfg.get("label_temperature", 1.0) > 0:
+        raise ValueError(f"draft.label_temperature: {dcfg.label_temperature} must be > 0")
 
 
 def check_train_temperatures(dcfg: Any) -> None:

@@ -81,6 +81,8 @@ class BlockObjective:
             raise ValueError(f"draft.max_anchors: {cfg.max_anchors} must be >= 1")
         if cfg.teacher not in TEACHERS:
             raise ValueError(f"draft.teacher: {cfg.teacher!r} is not one of {TEACHERS}")
+        if not cfg.label_temperature > 0:
+            raise ValueError(f"draft.label_temperature: {cfg.label_temperature} must be > 0")
         self.cfg = cfg
         self.features = FeatureSource(cfg.mode, teacher, aux_layers)
         self.num_offsets = block_size - 1
@@ -103,6 +105,9 @@ class BlockObjective:
         if self.cfg.teacher == "topk" and teacher_logits is None and "topk_ids" not in batch:
             raise ValueError("draft.teacher=topk: the dataset has no stored top-k (set draft.data.topk_logits > 0)")
         if use_topk:
+            if self.cfg.label_temperature != 1.0:
+                raise ValueError(f"draft.label_temperature: {self.cfg.label_temperature} sharpens logit labels, but "
+                                 "this run's teacher is the stored top-k (set draft.teacher=hidden)")
             ids, lps = gather_positions(batch["topk_ids"], prev), gather_positions(batch["topk_logprobs"], prev)
             return torch.stack([losses.topk_soft_cross_entropy(logits[:, :, j].float(), ids[:, :, j], lps[:, :, j].float(),
                                                                mask=mask[:, :, j]) for j in range(self.num_offsets)])
@@ -111,6 +116,7 @@ class BlockObjective:
                 teacher_logits = F.linear(gather_positions(hidden, prev), self.lm_head.to(hidden.device).float())
         else:
             teacher_logits = gather_positions(teacher_logits, prev)
+        teacher_logits = teacher_logits / self.cfg.label_temperature   # the labels only: the draft is served at T=0
         return torch.stack([losses.forward_kl(logits[:, :, j].float(), teacher_logits[:, :, j], mask=mask[:, :, j])
                             for j in range(self.num_offsets)])
 
