@@ -45,7 +45,9 @@ def distill(world, **extra):
     ("medusa", {}),
     ("eagle", {}),
     ("eagle3", {"draft.draft_vocab_size": "64"}),
+    ("eagle3", {"draft.draft_vocab_size": "64", "draft.label_temperature": "0.25"}),
     ("block", {}),
+    ("block", {"draft.mode": "offline", "draft.label_temperature": "0.25"}),
     ("block", {"draft.mode": "offline"}),
     ("block", {"draft.mode": "offline", "draft.data.topk_logits": "8", "draft.teacher": "topk"}),
     ("standalone", {"draft.loss": "token_kd", "draft.data.topk_logits": "8", "draft.divergence": "tv"}),
@@ -62,6 +64,16 @@ def test_kind_trains_and_held_out_loss_drops(world, kind, extra):
     loaded = load_draft(out, world[1])
     assert loaded.kind == kind
     assert loaded.meta.metrics["steps"] == 6
+
+
+@pytest.mark.parametrize("kind,extra", [("eagle3", {"draft.draft_vocab_size": "64"}), ("block", {"draft.mode": "offline"})])
+def test_sharpened_labels_are_what_the_draft_learns(world, kind, extra):
+    """label_temperature 0.25: the labels are the target's distribution sharpened toward its argmax, so the
+    untrained draft (near uniform over its vocabulary) starts further from them: KL(p || u) = log V - H(p), and
+    sharpening lowers H(p)."""
+    _, soft = distill(world, draft=kind, **extra)
+    _, sharp = distill(world, draft=kind, **extra, **{"draft.label_temperature": "0.25"})
+    assert sharp[0]["eval/loss"] > soft[0]["eval/loss"] + 0.1
 
 
 def test_eagle3_offline_matches_online(world):
