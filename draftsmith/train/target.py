@@ -278,7 +278,7 @@ def _train(cfg: DictConfig, corpus: Corpus, tokenizer_dir: Path, model_dir: Path
     """Train and save the embedded target: with target.omp_spin_count set and several threads, in a process whose
     OpenMP workers spin between ops (train.worker_process says why), else here."""
     tcfg = cfg.target
-    spin_count = tcfg.get("omp_spin_count")
+    spin_count = tcfg.omp_spin_count
     if spin_count is not None and (not isinstance(spin_count, int) or spin_count < 0):
         raise ValueError(f"target.omp_spin_count must be an int >= 0 or null, got {spin_count!r}")
     # Only what training reads crosses to a worker, resolved (a Hydra job's other fields may not resolve there).

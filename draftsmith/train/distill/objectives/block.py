@@ -81,8 +81,6 @@ class BlockObjective:
             raise ValueError(f"draft.max_anchors: {cfg.max_anchors} must be >= 1")
         if cfg.teacher not in TEACHERS:
             raise ValueError(f"draft.teacher: {cfg.teacher!r} is not one of {TEACHERS}")
-        if not cfg.label_temperature > 0:
-            raise ValueError(f"draft.label_temperature: {cfg.label_temperature} must be > 0")
         self.cfg = cfg
         self.features = FeatureSource(cfg.mode, teacher, aux_layers)
         self.num_offsets = block_size - 1

@@ -29,8 +29,6 @@ class Eagle3Objective:
     def __init__(self, cfg, teacher: Teacher | None, target_lm_head: Tensor, aux_layers: list[int]) -> None:
         if cfg.ttt_steps < 1:
             raise ValueError(f"draft.ttt_steps must be >= 1, got {cfg.ttt_steps}")
-        if not cfg.label_temperature > 0:
-            raise ValueError(f"draft.label_temperature must be > 0, got {cfg.label_temperature}")
         self.cfg = cfg
         self.features = FeatureSource(cfg.mode, teacher, aux_layers)
         self.target_lm_head = target_lm_head  # [V, d_target], frozen
