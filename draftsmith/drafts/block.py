@@ -242,7 +242,7 @@ class BlockDraft(nn.Module):
     def to_serving_(self, pack: bool | None = None) -> "BlockDraft":
         """Serving form (inference only): fused, packed projections; one injection matrix for every layer (each
         layer's k, then each layer's v); every layer in one C call where the native kernels serve the layers (up
-        to the C layers' 64 rows: 7 sequences of a 9-row block; more run the layers in torch)."""
+        to the C layers' SMALL_GEMM_MAX_ROWS rows: 28 sequences of a 9-row block; more run the layers in torch)."""
         attns = [layer.self_attn for layer in self.layers]
         biased = attns[0].k_proj.bias is not None
         self.serving_kv = Linear(torch.cat([a.k_proj.weight for a in attns] + [a.v_proj.weight for a in attns]).detach(),

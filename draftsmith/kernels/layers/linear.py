@@ -7,7 +7,7 @@ from DRAM, as a 20-layer target's do every step, MKL's sgemm runs that layout 1.
 ``F.linear``'s [out, in] at every row count from 1 to 64 (one target's worth of matmuls at 1 thread: 5.5 vs
 7.6 ms at 1 row, 10.9 vs 13.8 at 5, 33.9 vs 37.8 at 64). CUDA keeps cuBLAS.
 
-A decode step's or a verify round's few rows (1 to ``SMALL_GEMM_MAX_ROWS``) take kernels.small_gemm instead where
+A decode step's or a verify round's rows (1 to ``SMALL_GEMM_MAX_ROWS``) take kernels.small_gemm instead where
 it builds (fp32, AVX2): MKL re-packs the weight on every call of 2+ rows, so 5 rows cost 2-4x one row; the packed
 kernel reads it once, and computes a row the same way whatever rows share the call, so a token's logits in a
 verify round are bit for bit those of a plain decode step (with the native attention, kernels.attention). It
@@ -26,15 +26,16 @@ from torch import Tensor, nn
 
 from draftsmith.kernels import native, small_gemm
 
-# Rows up to which the packed small-row kernel beats MKL here (one target's matmuls in sequence, weights from
-# memory, 1 thread, ms, MKL vs it: 1 row 8.9 vs 6.6, 5 rows 22.4 vs 10.4, 8 rows 25.3 vs 17.0; 64 rows 1.6x slower, before
-# the accumulators moved to registers).
-# With the accumulators kept in registers (scripts/bench_small_gemm.py, the embedded target's 20 layers): 8 rows
-# 16.2 vs 9.8, 9 rows 17.8 vs 10.7 (a K=8 block round's verify), 16 rows 22.6 vs 16.5, 24 rows 29.9 vs 23.3,
-# 32 rows 39.0 vs 32.2, 48 rows 52.7 vs 45.4. In the engine (the native layer: one C call per layer, no per-op
-# dispatch) plain decoding of 32 prompts ran 1.56 ms/token at 1 thread against 2.05-2.30 with MKL on 2 threads,
-# 64 prompts about even (1.38-1.55 against 1.41-1.54), 128 prompts slower (1.41-1.46 against 1.18-1.26).
-SMALL_GEMM_MAX_ROWS = 64
+# Rows up to which the native path (the packed kernel, and the C decoder layer built on it, kernels.layers.native_layer)
+# serves a one-thread step. Its calls split over every core (kernels/csrc/parallel.c), so it now beats MKL on 2
+# threads at every step measured up to 256 rows: the 20-layer embedded target's whole forward, ms, torch path vs
+# native (2-core AVX2 EPYC, fp32, 5 interleaved repetitions): 80 verify rows (batch 16, K=4) 54.1 vs 27.7, 96 rows
+# 66.0 vs 34.3, 160 rows 94.0 vs 46.7, 128 decode rows 99.4 vs 62.7, a 256-token prefill 123 vs 77, 256 rows of
+# one sequence after 768 cached tokens 158 vs 125. Past that the C attention's row-by-row loop loses to torch's
+# batched matmuls on long query blocks: 512 rows of one sequence after 512 cached 288 vs 252, a 1024-token
+# prefill 635 vs 402 (the GEMMs alone are even there). The matmuls alone (scripts/bench_small_gemm.py): 1.2-2x
+# faster up to 256 rows, even from 512.
+SMALL_GEMM_MAX_ROWS = 256
 
 
 def should_pack(dtype: torch.dtype, device: torch.device) -> bool:

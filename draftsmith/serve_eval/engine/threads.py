@@ -5,10 +5,11 @@ hundreds of small matmuls; handing each to a second thread costs more than the w
 the embedded target (8 layers, hidden 256, bf16, 2 cores), 2 threads ran about 2x slower than 1 at batch 1
 and at batch 16. A step of many tokens (a prefill chunk, a large batch) has enough rows per matmul for every
 core to pay: with torch's matmuls from ``WIDE_STEP_TOKENS`` (32) tokens. Where the one-thread native C layers
-serve the model (fp32 on CPU), they win up to their ``SMALL_GEMM_MAX_ROWS`` rows instead: on the 20-layer
-embedded target (2 cores) greedy decoding of 32 prompts ran 1.56 ms/token at 1 thread against 2.05-2.30 at 2,
-64 prompts about even, 128 prompts 1.41-1.46 against 1.18-1.26. So a small model runs smaller steps on one
-thread and larger ones on every core (switching costs nothing measurable: torch keeps its thread pool).
+serve the model (fp32 on CPU), they win up to their ``SMALL_GEMM_MAX_ROWS`` rows instead, their calls split over
+every core (below): on the 20-layer embedded target (2 cores) a verify forward of 80 rows (batch 16, K=4) took
+27.7 ms against 54.1 with torch's ops on 2 threads, 128 decode rows 62.7 against 99.4
+(kernels/layers/linear.py has the figures). So a small model runs smaller steps on one thread and larger ones
+on every core (switching costs nothing measurable: torch keeps its thread pool).
 Larger models use every core for every step.
 
 The native C kernels of a one-thread step split each call over every core instead (``native_count``,
@@ -61,7 +62,7 @@ class ThreadChoice:
         return self.count
 
     def describe(self) -> str:
-        """e.g. "1" or "1 (2 from 65 tokens per step)": the counts the reports print."""
+        """e.g. "1" or "1 (2 from 257 tokens per step)": the counts the reports print."""
         native = f"; native kernels on {self.native_count}" if self.native_count > 1 else ""
         if self.wide_count is None or self.wide_count == self.count:
             return f"{self.count} ({native[2:]})" if native else str(self.count)

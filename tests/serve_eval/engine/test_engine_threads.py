@@ -101,7 +101,7 @@ def test_engine_sets_each_steps_count(tmp_path, restore_threads, monkeypatch):
     """The engine applies for_step to every step: a long prefill runs on both cores, the decode steps after it
     on one."""
     monkeypatch.setattr("draftsmith.serve_eval.engine.threads.available_cores", lambda: 2)
-    model = make_llama(tmp_path / "m")
+    model = make_llama(tmp_path / "m", max_pos=512)
     engine = LLMEngine(EngineConfig(str(model), num_gpu_blocks=64))
     assert torch.get_num_threads() == 1
     seen = []
@@ -112,9 +112,9 @@ def test_engine_sets_each_steps_count(tmp_path, restore_threads, monkeypatch):
         return execute(eng, out)
 
     monkeypatch.setattr(engine.strategy, "execute", recording)
-    wide = engine.threads.wide_from_tokens   # 65 where the native C layers serve the model, else 32
+    wide = engine.threads.wide_from_tokens   # 257 where the native C layers serve the model, else 32
     assert wide == engine.executor.native_rows + 1 or wide == WIDE_STEP_TOKENS
-    engine.add_request("long", list(range(1, wide + 9)), SamplingParams(max_tokens=3, ignore_eos=True))
+    engine.add_request("long", [1 + i % 100 for i in range(wide + 8)], SamplingParams(max_tokens=3, ignore_eos=True))
     while engine.has_unfinished_requests():
         engine.step()
     assert seen == [(wide + 8, 2), (1, 1), (1, 1)]
@@ -128,7 +128,7 @@ def test_a_drafts_catch_up_forward_runs_at_its_own_rows_count_inside_a_one_threa
     from draftsmith.serve_eval.speculative.config import SpecConfig
 
     monkeypatch.setattr("draftsmith.serve_eval.engine.threads.available_cores", lambda: 2)
-    target, draft = make_llama(tmp_path / "t"), make_llama(tmp_path / "d", layers=1, seed=1)
+    target, draft = make_llama(tmp_path / "t", max_pos=512), make_llama(tmp_path / "d", layers=1, seed=1, max_pos=512)
     engine = LLMEngine(EngineConfig(str(target), num_gpu_blocks=64),
                        speculative=SpecConfig("standalone", draft_path=str(draft), num_speculative_tokens=2))
     proposer = engine.strategy.proposer
@@ -137,7 +137,7 @@ def test_a_drafts_catch_up_forward_runs_at_its_own_rows_count_inside_a_one_threa
     monkeypatch.setattr(proposer.executor, "forward",
                         lambda ids, *a, **k: seen.append((ids.numel(), torch.get_num_threads())) or forward(ids, *a, **k))
     wide = engine.threads.wide_from_tokens
-    engine.add_request("long", list(range(1, wide + 9)), SamplingParams(max_tokens=4, ignore_eos=True))
+    engine.add_request("long", [1 + i % 100 for i in range(wide + 8)], SamplingParams(max_tokens=4, ignore_eos=True))
     engine.step()   # the target's prefill (both cores)
     engine.step()   # the first round: catch-up on the prompt and the first token, then one draft step
     assert seen[0] == (wide + 9, 2)
@@ -152,7 +152,7 @@ def test_a_block_drafts_injection_of_a_long_context_runs_on_both_cores(tmp_path,
     from draftsmith.serve_eval.speculative.policy import SpecPolicyConfig
 
     monkeypatch.setattr("draftsmith.serve_eval.engine.threads.available_cores", lambda: 2)
-    target = make_llama(tmp_path / "t", layers=4)
+    target = make_llama(tmp_path / "t", layers=4, max_pos=512)
     draft = feature_draft("block", target, tmp_path / "block", block_opts={"block_size": 5, "num_layers": 1})
     engine = LLMEngine(EngineConfig(str(target), num_gpu_blocks=64),
                        speculative=SpecConfig("block", draft_path=str(draft), num_speculative_tokens=4,
@@ -164,7 +164,7 @@ def test_a_block_drafts_injection_of_a_long_context_runs_on_both_cores(tmp_path,
                         lambda ctx, *a: injected.append((ctx.shape[0], torch.get_num_threads())) or inject(ctx, *a))
     monkeypatch.setattr(module, "forward", lambda *a, **k: blocks.append(torch.get_num_threads()) or forward(*a, **k))
     wide = engine.threads.wide_from_tokens
-    engine.add_request("long", list(range(1, wide + 9)), SamplingParams(max_tokens=4, ignore_eos=True))
+    engine.add_request("long", [1 + i % 100 for i in range(wide + 8)], SamplingParams(max_tokens=4, ignore_eos=True))
     engine.step()   # the target's prefill (both cores)
     engine.step()   # the first round: the prompt injected, then one block forward
     assert injected[0] == (wide + 8, 2)
