@@ -31,7 +31,9 @@ from draftsmith.drafts.common import _expand_kv, copy_from_target, count_paramet
 from draftsmith.drafts.eagle3 import default_aux_layers
 from draftsmith.kernels.layers.config import DecoderConfig, hf_config_dict
 from draftsmith.kernels.layers.decoder import AttnFn, DecoderLayer, OutRows, run_layer
+from draftsmith.kernels.attention import write_kv
 from draftsmith.kernels.layers.linear import Linear
+from draftsmith.kernels.layers.native_context_kv import NativeContextKV
 from draftsmith.kernels.layers.native_stack import NativeStack
 from draftsmith.kernels.layers.norm import RMSNorm
 from draftsmith.kernels.layers.rope import RotaryEmbedding, apply_rope
@@ -137,6 +139,7 @@ class BlockDraft(nn.Module):
         self.serving_norm = None
         self.serving_hidden_norm = None
         self.native_stack: NativeStack | None = None  # every layer in one C call (to_serving_)
+        self.native_context: NativeContextKV | None = None  # the context injection in one C call (to_serving_)
         for module in self.modules():
             if isinstance(module, (nn.Linear, nn.Embedding)):
                 nn.init.normal_(module.weight, std=0.02)
@@ -195,6 +198,20 @@ class BlockDraft(nn.Module):
         if self.serving_kv is not None:
             return self._serving_kv(ctx, cos, sin)
         return [context_kv(layer, ctx, cos, sin) for layer in self.layers]
+
+    def inject_context(self, aux: Tensor, positions: Tensor, max_position: int, caches: list[KVRows],
+                       slots: Tensor) -> None:
+        """Serving: context rows' aux hidden states [n, A d_t] at positions [n] into every layer's (k, v) cache
+        [blocks, block_size, kv, hd] at slots int64 [n]. One C call where the native kernels serve it (the rows a
+        round feeds), else fuse, injected_kv and one write per layer."""
+        native_context = self.native_context
+        if native_context is not None and native_context.accepts(aux, caches):
+            cos, sin = self.rotary(positions, torch.float32, max_position)
+            native_context(aux, cos, sin, caches, slots)
+            return
+        kv = self.injected_kv(self.fuse(aux), positions, max_position)
+        for (k, v), (k_cache, v_cache) in zip(kv, caches):
+            write_kv(k, v, k_cache, v_cache, slots)
 
     def _serving_kv(self, ctx: Tensor, cos: Tensor, sin: Tensor) -> list[KVRows]:
         """Every layer's injected (k, v) from one projection [n, d] -> [n, (2 L kv) hd] (k of every layer, then v)
@@ -255,6 +272,10 @@ class BlockDraft(nn.Module):
                                                for l in self.layers], min_layers=1)
         self.serving_norm = self.norm.serving()
         self.serving_hidden_norm = self.hidden_norm.serving()
+        attn = attns[0].shape
+        self.native_context = NativeContextKV.build(
+            self.serving_fc.small if isinstance(self.serving_fc, Linear) else None, self.hidden_norm.weight,
+            self.hidden_norm.eps, self.serving_kv.small, self.num_layers, attn.num_kv_heads, attn.head_dim)
         self.serving_head = Linear.fuse([self.lm_head], pack)
         return self
 

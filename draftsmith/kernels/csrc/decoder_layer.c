@@ -179,6 +179,33 @@ int decoder_stack_f32(float *hidden, long rows, long d, long num_layers, const f
     return 0;
 }
 
+/* A block draft's context rows into every layer's KV cache, in one call: ctx = rms_norm(fc(aux)) [rows, d], then
+ * kv = ctx @ W_kv^T [rows, 2 L KVH D] (every layer's k heads, then every layer's v heads: one matrix for all layers),
+ * rope on the k heads (cos / signed sin [rows, head_dim]), and layer l's k and v written to its caches at slots.
+ * Why: in torch this is ~15 small ops (two projections, a norm, the rope's slicing, a write per layer) at 3-10 us of
+ * dispatch each, a quarter of a block round at batch 1 for the one or two rows a round injects. fc_f16 / kv_f16:
+ * fp16 panels (small_gemm.c). Returns 0, -3 when the workspace could not be allocated, -4 for a slot outside the
+ * caches. */
+int context_kv_f32(const float *aux, long rows, long aux_width, int fc_f16, const void *fc_w, const float *fc_b,
+                   long d, const float *norm_w, float eps, int kv_f16, const void *kv_w, const float *kv_b,
+                   long num_layers, long kv_heads, long head_dim, const float *cos, const float *sin,
+                   float *const *k_cache, float *const *v_cache, const int64_t *slots, long num_slots) {
+    long layer_width = kv_heads * head_dim, width = 2 * num_layers * layer_width;
+    float *fused = malloc(sizeof(float) * rows * (2 * d + width));
+    if (!fused) return -3;
+    float *ctx = fused + rows * d, *kv = ctx + rows * d;
+    project(fc_f16, aux, rows, aux_width, aux_width, fc_w, d, fc_b, fused, d);
+    rms_norm(fused, rows, d, norm_w, eps, ctx);
+    project(kv_f16, ctx, rows, d, d, kv_w, width, kv_b, kv, width);
+    rope(kv, rows, width, num_layers * kv_heads, head_dim, cos, sin);
+    int status = 0;
+    for (long l = 0; l < num_layers && status == 0; l++)
+        status = paged_kv_write_f32(kv + l * layer_width, width, head_dim, kv + (num_layers + l) * layer_width, width,
+                                    head_dim, slots, rows, num_slots, kv_heads, head_dim, k_cache[l], v_cache[l]);
+    free(fused);
+    return status == 0 ? 0 : -4;
+}
+
 /* What the draft loop needs of a model besides its stack (the argument lists above grew past what a reader
  * can check by eye, so the loop takes two structs; kernels/layers/native_draft_loop.py mirrors them). */
 typedef struct {

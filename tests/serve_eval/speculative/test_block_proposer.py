@@ -34,8 +34,8 @@ def world(tmp_path_factory):
     return target, draft
 
 
-class CountedStack:
-    """A draft's native stack that counts its calls."""
+class Counted:
+    """A draft's native stack or native context injection, counting its calls."""
 
     def __init__(self, stack) -> None:
         self.stack, self.calls = stack, 0
@@ -68,8 +68,9 @@ def served_blocks(engine: LLMEngine, prompts, max_tokens: int) -> tuple[dict, li
 @pytest.mark.parametrize("num_seqs", [1, 3])
 @pytest.mark.parametrize("native", [True, False], ids=["c-stack", "torch-layers"])
 def test_served_block_logits_equal_the_training_forward(world, num_seqs, native):
-    """Both serving paths: every draft layer in one C call (the default where the native kernels build), and the
-    torch layers (the path of drafts the C layers do not serve)."""
+    """Both serving paths: every draft layer in one C call and the context rows injected in another (the default
+    where the native kernels build), and the torch layers and injection (the path of drafts the C layers do not
+    serve)."""
     target, draft_dir = world
     engine = LLMEngine(EngineConfig(str(target), **ENGINE),
                        speculative=SpecConfig("block", draft_path=str(draft_dir), num_speculative_tokens=4,
@@ -79,10 +80,10 @@ def test_served_block_logits_equal_the_training_forward(world, num_seqs, native)
     if native:
         if native_stack._library() is None:
             pytest.skip("the native CPU kernels do not build here")
-        assert module.native_stack is not None
-        module.native_stack = CountedStack(module.native_stack)
+        assert module.native_stack is not None and module.native_context is not None
+        module.native_stack, module.native_context = Counted(module.native_stack), Counted(module.native_context)
     else:
-        module.native_stack = None
+        module.native_stack = module.native_context = None
     gen = torch.Generator().manual_seed(5)
     prompts = [torch.randint(1, VOCAB - 1, (n,), generator=gen).tolist() for n in (70, 53, 97)[:num_seqs]]
     outputs, seen = served_blocks(engine, prompts, max_tokens=40)
@@ -104,5 +105,6 @@ def test_served_block_logits_equal_the_training_forward(world, num_seqs, native)
                                        msg=lambda m: f"request {rid} root {root}: {m}")
             checked += 1
     assert checked == len(seen)
-    if native:   # every block forward ran its layers in the one C call
+    if native:   # every block forward ran its layers in the one C call, and the context went in through C
         assert module.native_stack.calls == engine.strategy.proposer.num_forwards > 0
+        assert module.native_context.calls > 0

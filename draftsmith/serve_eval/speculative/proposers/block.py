@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 
 from draftsmith.drafts.block import check_aux_layers, check_block_k
-from draftsmith.kernels.attention import AttentionMetadata, paged_attn_fn, write_kv
+from draftsmith.kernels.attention import AttentionMetadata, paged_attn_fn
 from draftsmith.kernels.layers.decoder import AttnFn
 from draftsmith.kernels.sampling import logits_to_probs
 from draftsmith.serve_eval.engine.threads import threads_for
@@ -63,10 +63,6 @@ class LayeredKVCache(DraftKVCache):
 
     def layers(self) -> list[tuple[Tensor, Tensor]]:
         return list(zip(self.k_caches, self.v_caches))
-
-    def inject(self, kv: list[tuple[Tensor, Tensor]], slot_mapping: Tensor) -> None:
-        for (k, v), k_cache, v_cache in zip(kv, self.k_caches, self.v_caches):
-            write_kv(k, v, k_cache, v_cache, slot_mapping)
 
 
 @register_proposer("block")
@@ -179,11 +175,11 @@ class BlockProposer(FeatureCacheProposer):
                 for idx in range(state.num_committed, state.num_committed + r.shape[0]):
                     slots.append(table[idx // self.block_size] * self.block_size + idx % self.block_size)
                     positions.append(state.base_pos + idx)
-            pos = torch.tensor(positions, dtype=torch.int64, device=self.device)
+            aux = torch.cat([r for _, r in todo]) if len(todo) > 1 else todo[0][1]
             with threads_for(self.threads, len(slots)):   # after plain steps, every token since (16 x 64 at batch 16)
-                ctx = self.draft.fuse(torch.cat([r for _, r in todo]))  # [n, d]
-                kv = self.draft.injected_kv(ctx, pos, max(positions))
-            self.cache.inject(kv, torch.tensor(slots, dtype=torch.int64, device=self.device))
+                self.draft.inject_context(aux, torch.tensor(positions, dtype=torch.int64, device=self.device),
+                                          max(positions), self.cache.layers(),
+                                          torch.tensor(slots, dtype=torch.int64, device=self.device))
         for state, r in zip(states, rows):
             state.num_committed += r.shape[0]
 
