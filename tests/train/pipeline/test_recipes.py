@@ -39,6 +39,8 @@ def node(schema, **fields):
     ("eagle3", Eagle3Schema, {"draft_vocab_coverage": 1.5}, "draft.draft_vocab_coverage: 1.5"),
     ("eagle3", Eagle3Schema, {"label_temperature": 0.0}, "draft.label_temperature: 0.0 must be > 0"),
     ("block", BlockSchema, {"label_temperature": -1.0}, "draft.label_temperature: -1.0 must be > 0"),
+    ("eagle3", Eagle3Schema, {"ttt_steps": 0}, "draft.ttt_steps: 0 must be >= 1"),
+    ("block", BlockSchema, {"max_anchors": 0}, "draft.max_anchors: 0 must be >= 1"),
     ("medusa", MedusaSchema, {"train_temperatures": [0.0, 0.7], "data.sampled_fraction": 0.5},
      "draft.train_temperatures: [0.0, 0.7] names [0.7], but the dataset's answers are generated at [0.0, 1.0]"),
     ("medusa", MedusaSchema, {"train_temperatures": [1.0]}, "names [1.0], but the dataset's answers are generated at [0.0]"),

@@ -4,15 +4,28 @@ to the accepted ones after verification."""
 from __future__ import annotations
 
 import itertools
+from typing import TYPE_CHECKING
 
 import torch
 
 from draftsmith.kernels.attention import AttentionMetadata, get_attention_backend, paged_attn_fn, select_backend
 from draftsmith.kernels.layers.decoder import AttnFn
-from draftsmith.serve_eval.engine.kv_cache_manager import KVCacheManager
+from draftsmith.serve_eval.engine.kv_cache_manager import KVCacheManager, cdiv
+
+if TYPE_CHECKING:
+    from draftsmith.serve_eval.engine.llm_engine import LLMEngine
 
 _record_ids = itertools.count()
 DEFAULT_DRAFT_BLOCKS = 1024  # draft pool without an engine to size it (tests, notebooks)
+
+
+def draft_pool_blocks(engine: "LLMEngine", block_size: int, rows_per_seq: int) -> int:
+    """Blocks of block_size entries for a draft's KV pool sized like the engine's: an entry per target KV token, on
+    the device or swapped out (a swapped sequence keeps its draft state, the strategy resets only recomputed ones),
+    plus each running sequence's rows beyond its context (its round's speculative rows) and one partly filled block.
+    Every draft that keeps a KV pool (standalone, EAGLE, the block draft) sizes it here."""
+    tokens = (engine.kv.num_gpu_blocks + engine.config.num_cpu_blocks) * engine.kv.block_size
+    return cdiv(tokens, block_size) + engine.config.max_num_seqs * (cdiv(rows_per_seq, block_size) + 1)
 
 
 class _CacheRecord:

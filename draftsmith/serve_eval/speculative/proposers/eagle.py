@@ -129,7 +129,7 @@ class EagleProposer(FeatureCacheProposer):
             DynamicTreeBuilder(*tree)  # validates the options now, not at the first request
 
     def _draft_rows_per_seq(self, engine: Any) -> int:
-        return getattr(getattr(engine, "strategy", None), "max_lookahead_tokens", 64)   # its round's lookahead
+        return engine.strategy.max_lookahead_tokens   # its round's lookahead (a chain's K, a tree's nodes)
 
     def _allocate(self, num_blocks: int) -> None:
         layer = self.draft.config.decoder

@@ -18,10 +18,14 @@ from typing import Any
 
 from torch import Tensor
 
-from draftsmith.serve_eval.engine.kv_cache_manager import cdiv
 from draftsmith.serve_eval.engine.threads import ThreadChoice
 from draftsmith.serve_eval.speculative.proposers.base import Proposer, TargetFeatures
-from draftsmith.serve_eval.speculative.proposers.draft_cache import DEFAULT_DRAFT_BLOCKS, DraftKVCache, _CacheRecord
+from draftsmith.serve_eval.speculative.proposers.draft_cache import (
+    DEFAULT_DRAFT_BLOCKS,
+    DraftKVCache,
+    _CacheRecord,
+    draft_pool_blocks,
+)
 from draftsmith.serve_eval.speculative.proposers.features import check_features
 from draftsmith.serve_eval.speculative.verify import VerifyResult
 
@@ -70,14 +74,10 @@ class FeatureCacheProposer(Proposer):
             self._allocate(num_blocks)
 
     def attach(self, engine: Any) -> None:
-        """Size the draft pool like the engine's: a draft entry per target KV token, plus each running sequence's
-        speculative rows and one partly filled block."""
+        """Size the draft pool like the engine's (draft_cache.draft_pool_blocks)."""
         self.threads = engine.threads
-        if self.cache is not None:
-            return
-        tokens = engine.kv.num_gpu_blocks * engine.config.block_size
-        per_seq = cdiv(self._draft_rows_per_seq(engine), self.block_size) + 1
-        self._allocate(cdiv(tokens, self.block_size) + engine.config.max_num_seqs * per_seq)
+        if self.cache is None:
+            self._allocate(draft_pool_blocks(engine, self.block_size, self._draft_rows_per_seq(engine)))
 
     def _draft_rows_per_seq(self, engine: Any) -> int:
         """Draft cache entries a running sequence may hold beyond its context (its round's speculative rows)."""

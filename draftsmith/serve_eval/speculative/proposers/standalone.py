@@ -24,7 +24,7 @@ import torch
 from draftsmith.kernels.attention import AttentionMetadata
 from draftsmith.kernels.layers.native_draft_loop import LOOP_CATCH_UP, LoopSampling
 from draftsmith.kernels.sampling import logits_to_probs, sample
-from draftsmith.serve_eval.engine.kv_cache_manager import KVCacheManager, cdiv
+from draftsmith.serve_eval.engine.kv_cache_manager import KVCacheManager
 from draftsmith.serve_eval.engine.model_executor import ModelExecutor
 from draftsmith.serve_eval.engine.threads import ThreadChoice, threads_for
 from draftsmith.serve_eval.speculative.proposers.base import (
@@ -34,6 +34,7 @@ from draftsmith.serve_eval.speculative.proposers.base import (
     check_num_tokens,
     sampling_arrays,
 )
+from draftsmith.serve_eval.speculative.proposers.draft_cache import draft_pool_blocks
 from draftsmith.serve_eval.speculative.proposers.registry import register_proposer
 from draftsmith.serve_eval.speculative.verify import VerifyResult
 
@@ -99,13 +100,12 @@ class StandaloneProposer(Proposer):
         return cls(executor, config.draft_num_blocks, None, engine.config.seed + 1)
 
     def attach(self, engine) -> None:
-        """Size the draft pool like the target's (GPU + swap blocks) plus lookahead room per sequence."""
+        """Size the draft pool like the engine's (draft_cache.draft_pool_blocks): the root and the lookahead are
+        the rows a round feeds beyond the context."""
         self.threads = engine.threads
         bs = self.block_size or engine.kv.block_size
         if self.num_blocks is None:
-            per_seq = cdiv(engine.strategy.max_lookahead_tokens + 1, bs) + 1
-            self.num_blocks = (engine.kv.num_gpu_blocks + engine.config.num_cpu_blocks
-                               + engine.config.max_num_seqs * per_seq)
+            self.num_blocks = draft_pool_blocks(engine, bs, engine.strategy.max_lookahead_tokens + 1)
         self.allocate(self.num_blocks, bs)
 
     def allocate(self, num_blocks: int, block_size: int) -> None:

@@ -77,8 +77,7 @@ def gather_positions(x: Tensor, pos: Tensor) -> Tensor:
 
 class BlockObjective:
     def __init__(self, cfg, teacher: Teacher | None, aux_layers: list[int], block_size: int) -> None:
-        if cfg.max_anchors < 1:
-            raise ValueError(f"draft.max_anchors: {cfg.max_anchors} must be >= 1")
+        # max_anchors and label_temperature: train.recipes.check_recipe, which every job runs before building this
         if cfg.teacher not in TEACHERS:
             raise ValueError(f"draft.teacher: {cfg.teacher!r} is not one of {TEACHERS}")
         self.cfg = cfg

@@ -27,9 +27,7 @@ from draftsmith.train.distill.objectives.teacher import Teacher
 
 class Eagle3Objective:
     def __init__(self, cfg, teacher: Teacher | None, target_lm_head: Tensor, aux_layers: list[int]) -> None:
-        if cfg.ttt_steps < 1:
-            raise ValueError(f"draft.ttt_steps must be >= 1, got {cfg.ttt_steps}")
-        self.cfg = cfg
+        self.cfg = cfg   # checked by train.recipes.check_recipe, which every job runs before building this
         self.features = FeatureSource(cfg.mode, teacher, aux_layers)
         self.target_lm_head = target_lm_head  # [V, d_target], frozen
         self.weights = [cfg.step_weight_decay ** j for j in range(cfg.ttt_steps)]
