@@ -29,9 +29,9 @@ from torch import Tensor, nn
 
 from draftsmith.drafts.common import _expand_kv, copy_from_target, count_parameters, target_layer_pairs, target_layers
 from draftsmith.drafts.eagle3 import default_aux_layers
+from draftsmith.kernels.attention import write_kv
 from draftsmith.kernels.layers.config import DecoderConfig, hf_config_dict
 from draftsmith.kernels.layers.decoder import AttnFn, DecoderLayer, OutRows, run_layer
-from draftsmith.kernels.attention import write_kv
 from draftsmith.kernels.layers.linear import Linear
 from draftsmith.kernels.layers.native_context_kv import NativeContextKV
 from draftsmith.kernels.layers.native_stack import NativeStack
@@ -199,13 +199,13 @@ class BlockDraft(nn.Module):
             return self._serving_kv(ctx, cos, sin)
         return [context_kv(layer, ctx, cos, sin) for layer in self.layers]
 
-    def inject_context(self, aux: Tensor, positions: Tensor, max_position: int, caches: list[KVRows],
+    def inject_context(self, aux: Tensor, positions: Tensor, max_position: int, caches: list[tuple[Tensor, Tensor]],
                        slots: Tensor) -> None:
         """Serving: context rows' aux hidden states [n, A d_t] at positions [n] into every layer's (k, v) cache
         [blocks, block_size, kv, hd] at slots int64 [n]. One C call where the native kernels serve it (the rows a
         round feeds), else fuse, injected_kv and one write per layer."""
         native_context = self.native_context
-        if native_context is not None and native_context.accepts(aux, caches):
+        if native_context is not None and native_context.accepts(aux, caches, slots):
             cos, sin = self.rotary(positions, torch.float32, max_position)
             native_context(aux, cos, sin, caches, slots)
             return

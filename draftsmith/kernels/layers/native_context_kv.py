@@ -54,9 +54,10 @@ class NativeContextKV:
             return None
         return cls(fc, norm.detach().contiguous(), float(eps), kv, num_layers, num_kv_heads, head_dim)
 
-    def accepts(self, aux: Tensor, caches: Sequence[tuple[Tensor, Tensor]]) -> bool:
-        return (0 < aux.shape[0] <= SMALL_GEMM_MAX_ROWS and native.eligible(aux) and aux.dim() == 2
+    def accepts(self, aux: Tensor, caches: Sequence[tuple[Tensor, Tensor]], slots: Tensor) -> bool:
+        return (aux.dim() == 2 and 0 < aux.shape[0] <= SMALL_GEMM_MAX_ROWS and native.eligible(aux)
                 and aux.shape[1] == self.fc.in_features and len(caches) == self.num_layers
+                and slots.shape == (aux.shape[0],) and slots.device.type == "cpu"
                 and all(caches_served(k, v) and k.shape[2:] == (self.num_kv_heads, self.head_dim) for k, v in caches))
 
     def __call__(self, aux: Tensor, cos: Tensor, sin: Tensor, caches: Sequence[tuple[Tensor, Tensor]],
