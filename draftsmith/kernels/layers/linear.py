@@ -11,8 +11,8 @@ A decode step's or a verify round's rows (1 to ``SMALL_GEMM_MAX_ROWS``) take ker
 it builds (fp32, AVX2): MKL re-packs the weight on every call of 2+ rows, so 5 rows cost 2-4x one row; the packed
 kernel reads it once, and computes a row the same way whatever rows share the call, so a token's logits in a
 verify round are bit for bit those of a plain decode step (with the native attention, kernels.attention). It
-runs on one thread, so only steps the engine runs single-threaded use it (the engine's thread rule runs a small
-model's few-row steps on 1 thread). It costs a second copy of each fp32 CPU weight (DRAFTSMITH_SMALL_GEMM=0
+serves steps that torch runs on one thread (the engine's thread rule runs a small model's steps of up to
+SMALL_GEMM_MAX_ROWS rows so), and splits its own calls over the cores (csrc/parallel.c). It costs a second copy of each fp32 CPU weight (DRAFTSMITH_SMALL_GEMM=0
 turns it off).
 """
 
