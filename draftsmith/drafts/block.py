@@ -241,10 +241,9 @@ class BlockDraft(nn.Module):
         cos, sin = self.rotary(positions, hidden.dtype, max_position)
         stack = self.native_stack
         if stack is not None and stack.accepts(hidden, attn_fns):
-            # every layer in one C call over all block rows: the last layer's o_proj and MLP on the rows nobody
-            # reads cost less than a torch layer's dispatch (a row's values do not depend on the rows beside it)
-            hidden = stack(hidden, cos, sin, attn_fns)[0]
-            return hidden if out_rows is None else hidden[out_rows]
+            # every layer in one C call over all block rows; the last layer's o_proj and MLP run on the rows read
+            # alone (at K=4 of a 9-row block: 4 of them)
+            return stack(hidden, cos, sin, attn_fns, last_rows=row_indices(out_rows, hidden.shape[0]))[0]
         last = len(self.layers) - 1
         for i, (layer, attn) in enumerate(zip(self.layers, attn_fns)):
             hidden = run_layer(layer, hidden, cos, sin, attn, out_rows=out_rows if i == last else None)
@@ -300,6 +299,15 @@ class BlockDraft(nn.Module):
 
     def num_parameters(self, trainable_only: bool = False) -> int:
         return count_parameters(self, trainable_only)
+
+
+def row_indices(rows: OutRows, num_rows: int) -> Tensor | None:
+    """out_rows as int64 indices (a slice of a 1-D range, or the index tensor itself); None for every row."""
+    if rows is None:
+        return None
+    if isinstance(rows, slice):
+        return torch.arange(num_rows)[rows]
+    return rows
 
 
 def block_training_mask(anchors: Tensor, seqlen: int, width: int) -> Tensor:

@@ -117,3 +117,34 @@ def test_cache_addresses_are_built_once_per_cache_placement():
     with torch.no_grad():  # the copy runs on its own weights (same values: the same output)
         again = twin.run(torch.tensor([3]), torch.tensor([8]), fns)[0]
     assert torch.equal(again, first)
+
+
+@needs_native
+def test_last_rows_leave_the_last_layer_alone_with_the_full_calls_values():
+    """A block draft reads a few rows of its last layer: the stack then returns those rows only, bit for bit the
+    full call's, with every row's K and V written as in the full call; rows that are not strictly ascending rows of
+    the step are refused."""
+    model = serving_model()
+    specs = [(5, 20), (4, 9)]
+    rows = sum(q for q, _ in specs)
+    cases = [make_case(specs, num_heads=4, num_kv_heads=2, head_dim=16, seed=7 + layer) for layer in range(NUM_LAYERS)]
+    backend = get_attention_backend("torch")
+
+    def run(last_rows=None):
+        caches = [(kc.clone(), vc.clone()) for _, kc, vc, _, _ in cases]
+        fns = [paged_attn_fn(backend, kc, vc, cases[0][3], 0.25) for kc, vc in caches]
+        hidden = model.model.embed_tokens(torch.arange(rows) % 50)
+        positions = torch.tensor([p for q, ctx in specs for p in range(ctx - q, ctx)])
+        cos, sin = model.rotary(positions, hidden.dtype)
+        with torch.no_grad():
+            return model.native_stack(hidden, cos, sin, fns, last_rows=last_rows)[0], caches
+
+    full, full_caches = run()
+    keep = torch.tensor([1, 2, 6, 8])
+    kept, kept_caches = run(keep)
+    assert kept.shape == (4, 64) and torch.equal(kept, full[keep])
+    for (kc, vc), (rk, rv) in zip(kept_caches, full_caches):
+        assert torch.equal(kc, rk) and torch.equal(vc, rv)
+    for bad in ([2, 1], [0, 0], [rows]):
+        with pytest.raises(ValueError, match="last rows that are not strictly ascending rows of the step"):
+            run(torch.tensor(bad))

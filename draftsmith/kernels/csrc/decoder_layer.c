@@ -104,6 +104,32 @@ AVX2_FMA static void silu_mul(float *g, const float *u, long n) {
     }
 }
 
+/* Rows keep[0..n) of x [rows, width] moved to rows 0..n (keep strictly ascending, so keep[i] >= i: a forward copy
+ * never overwrites a row still to be moved). */
+static void compact_rows(float *x, long width, const int64_t *keep, long n) {
+    for (long i = 0; i < n; i++)
+        if (keep[i] != i) memmove(x + i * width, x + keep[i] * width, sizeof(float) * width);
+}
+
+static int keep_is_valid(const int64_t *keep, long n, long rows) {
+    for (long i = 0; i < n; i++)
+        if (keep[i] < (i ? keep[i - 1] + 1 : 0) || keep[i] >= rows) return 0;
+    return n > 0;
+}
+
+/* The layer; keep non-NULL: only rows keep[0..num_keep) leave it (strictly ascending), written to hidden's first
+ * num_keep rows. Every row's K and V are still written and every row attends (the kept rows read the others'
+ * keys); the o projection, the norm and the MLP run on the kept rows alone. */
+static int layer_f32(float *hidden, long rows, long d, const float *attn_in, long attn_in_width,
+                     const float *in_norm, const float *post_norm, float eps,
+                     int weights_f16, const void *qkv_w, const float *qkv_b, const void *o_w, const float *o_b,
+                     const void *gate_up_w, const float *gate_up_b, const void *down_w, const float *down_b,
+                     long inter, const float *cos, const float *sin, long num_heads, long kv_heads, long head_dim,
+                     float *k_cache, float *v_cache, const int64_t *slots, long num_slots,
+                     const int32_t *block_tables, long table_width, const int32_t *seq_lens,
+                     const int32_t *cu_seqlens_q, long num_seqs, const uint8_t *tree_mask, long tree_width,
+                     long block_size, long max_q_len, float scale, const int64_t *keep, long num_keep);
+
 /* Returns 0; else paged_attention_f32's status (> 0: a sequence with more than max_q_len rows, -1: no memory,
  * -2: bad metadata), -3 when the workspace could not be allocated, -4 for a slot outside the cache. */
 int decoder_layer_f32(float *hidden, long rows, long d, const float *attn_in, long attn_in_width,
@@ -115,6 +141,21 @@ int decoder_layer_f32(float *hidden, long rows, long d, const float *attn_in, lo
                       const int32_t *block_tables, long table_width, const int32_t *seq_lens,
                       const int32_t *cu_seqlens_q, long num_seqs, const uint8_t *tree_mask, long tree_width,
                       long block_size, long max_q_len, float scale) {
+    return layer_f32(hidden, rows, d, attn_in, attn_in_width, in_norm, post_norm, eps, weights_f16, qkv_w, qkv_b,
+                     o_w, o_b, gate_up_w, gate_up_b, down_w, down_b, inter, cos, sin, num_heads, kv_heads, head_dim,
+                     k_cache, v_cache, slots, num_slots, block_tables, table_width, seq_lens, cu_seqlens_q, num_seqs,
+                     tree_mask, tree_width, block_size, max_q_len, scale, NULL, 0);
+}
+
+static int layer_f32(float *hidden, long rows, long d, const float *attn_in, long attn_in_width,
+                      const float *in_norm, const float *post_norm, float eps,
+                      int weights_f16, const void *qkv_w, const float *qkv_b, const void *o_w, const float *o_b,
+                      const void *gate_up_w, const float *gate_up_b, const void *down_w, const float *down_b,
+                      long inter, const float *cos, const float *sin, long num_heads, long kv_heads, long head_dim,
+                      float *k_cache, float *v_cache, const int64_t *slots, long num_slots,
+                      const int32_t *block_tables, long table_width, const int32_t *seq_lens,
+                      const int32_t *cu_seqlens_q, long num_seqs, const uint8_t *tree_mask, long tree_width,
+                      long block_size, long max_q_len, float scale, const int64_t *keep, long num_keep) {
     long q_width = num_heads * head_dim, kv_width = kv_heads * head_dim, qkv_width = q_width + 2 * kv_width;
     float *x = malloc(sizeof(float) * rows * (d + qkv_width + q_width + 2 * inter + d));
     if (!x) return -3;
@@ -142,6 +183,11 @@ int decoder_layer_f32(float *hidden, long rows, long d, const float *attn_in, lo
         free(x);
         return status;
     }
+    if (keep) {   /* only the kept rows go on: their attention output and residual stream, moved to the front */
+        compact_rows(attn, q_width, keep, num_keep);
+        compact_rows(hidden, d, keep, num_keep);
+        rows = num_keep;
+    }
     project(weights_f16, attn, rows, q_width, q_width, o_w, d, o_b, proj, d);
     for (long i = 0; i < rows * d; i++) hidden[i] += proj[i];
     rms_norm(hidden, rows, d, post_norm, eps, x);
@@ -157,7 +203,9 @@ int decoder_layer_f32(float *hidden, long rows, long d, const float *attn_in, lo
 /* A model's whole stack of such layers in one call (layer l's tensors at index l of each pointer array), so a
  * forward pays the call's marshalling once instead of once per layer (~30 us each on a small CPU, ~10% of a
  * 20-layer decode step). aux_out[l] non-NULL receives the residual stream after layer l. Every layer shares the
- * shapes, eps, weight format and attention metadata; the caches and weights are each layer's own. */
+ * shapes, eps, weight format and attention metadata; the caches and weights are each layer's own. last_rows
+ * non-NULL: only those rows (strictly ascending) leave the last layer, in hidden's first num_last_rows rows (a
+ * block draft reads offsets 1..K of its 1 + K_max rows); -5 when they are not strictly ascending rows of the step. */
 int decoder_stack_f32(float *hidden, long rows, long d, long num_layers, const float *const *in_norm,
                       const float *const *post_norm, float eps, int weights_f16, const void *const *qkv_w,
                       const float *const *qkv_b, const void *const *o_w, const float *const *o_b,
@@ -166,15 +214,18 @@ int decoder_stack_f32(float *hidden, long rows, long d, long num_layers, const f
                       long kv_heads, long head_dim, float *const *k_cache, float *const *v_cache,
                       const int64_t *slots, long num_slots, const int32_t *block_tables, long table_width,
                       const int32_t *seq_lens, const int32_t *cu_seqlens_q, long num_seqs, const uint8_t *tree_mask,
-                      long tree_width, long block_size, long max_q_len, float scale, float *const *aux_out) {
+                      long tree_width, long block_size, long max_q_len, float scale, float *const *aux_out,
+                      const int64_t *last_rows, long num_last_rows) {
+    if (last_rows && !keep_is_valid(last_rows, num_last_rows, rows)) return -5;
     for (long l = 0; l < num_layers; l++) {
-        int status = decoder_layer_f32(hidden, rows, d, NULL, 0, in_norm[l], post_norm[l], eps, weights_f16, qkv_w[l], qkv_b[l],
-                                       o_w[l], o_b[l], gate_up_w[l], gate_up_b[l], down_w[l], down_b[l], inter, cos,
-                                       sin, num_heads, kv_heads, head_dim, k_cache[l], v_cache[l], slots, num_slots,
-                                       block_tables, table_width, seq_lens, cu_seqlens_q, num_seqs, tree_mask,
-                                       tree_width, block_size, max_q_len, scale);
+        int last = l == num_layers - 1 && last_rows;
+        int status = layer_f32(hidden, rows, d, NULL, 0, in_norm[l], post_norm[l], eps, weights_f16, qkv_w[l], qkv_b[l],
+                               o_w[l], o_b[l], gate_up_w[l], gate_up_b[l], down_w[l], down_b[l], inter, cos, sin,
+                               num_heads, kv_heads, head_dim, k_cache[l], v_cache[l], slots, num_slots, block_tables,
+                               table_width, seq_lens, cu_seqlens_q, num_seqs, tree_mask, tree_width, block_size,
+                               max_q_len, scale, last ? last_rows : NULL, last ? num_last_rows : 0);
         if (status != 0) return status;
-        if (aux_out && aux_out[l]) memcpy(aux_out[l], hidden, sizeof(float) * rows * d);
+        if (aux_out && aux_out[l]) memcpy(aux_out[l], hidden, sizeof(float) * (last ? num_last_rows : rows) * d);
     }
     return 0;
 }
@@ -361,7 +412,7 @@ static int draft_forward(const native_stack_t *s, const draft_ends_t *e, draft_w
                              s->qkv_w, s->qkv_b, s->o_w, s->o_b, s->gate_up_w, s->gate_up_b, s->down_w, s->down_b,
                              s->inter, w->cos, w->sin, s->num_heads, s->kv_heads, s->head_dim, s->k_cache, s->v_cache,
                              w->slots, s->num_slots, w->tables, tw, w->seq_lens, w->cu, n, NULL, 0, s->block_size,
-                             w->max_q_len, s->scale, NULL);
+                             w->max_q_len, s->scale, NULL, NULL, 0);
 }
 
 /* The carried features, then final norm, head and each sequence's step token (argmax or draw, through d2t). */

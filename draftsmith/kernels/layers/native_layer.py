@@ -28,7 +28,8 @@ from draftsmith.kernels.small_gemm import PackedWeight
 
 _P, _L, _F = ctypes.c_void_p, ctypes.c_long, ctypes.c_float
 STATUS = {-1: "no memory for attention scores", -2: "attention metadata that does not hold together",
-           -3: "no memory for the layer's workspace", -4: "a KV slot outside the cache"}
+           -3: "no memory for the layer's workspace", -4: "a KV slot outside the cache",
+           -5: "last rows that are not strictly ascending rows of the step"}
 
 
 @lru_cache(maxsize=1)

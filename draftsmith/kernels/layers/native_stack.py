@@ -31,7 +31,7 @@ _P, _L, _F = ctypes.c_void_p, ctypes.c_long, ctypes.c_float
 def _library() -> ctypes.CDLL | None:
     return native.kernel_library("DRAFTSMITH_NATIVE_LAYER", "the native decoder layer", {
         "decoder_stack_f32": ([_P, _L, _L, _L, _P, _P, _F, ctypes.c_int, _P, _P, _P, _P, _P, _P, _P, _P, _L, _P,
-                               _P, _L, _L, _L, _P, _P, _P, _L, _P, _L, _P, _P, _L, _P, _L, _L, _L, _F, _P],
+                               _P, _L, _L, _L, _P, _P, _P, _L, _P, _L, _P, _P, _L, _P, _L, _L, _L, _F, _P, _P, _L],
                               ctypes.c_int),
     })
 
@@ -130,12 +130,19 @@ class NativeStack:
         return served
 
     def __call__(self, hidden: Tensor, cos: Tensor, sin: Tensor, attn_fns: Sequence[PagedAttention],
-                 aux_after: Sequence[int] = ()) -> tuple[Tensor, dict[int, Tensor]]:
+                 aux_after: Sequence[int] = (), last_rows: Tensor | None = None) -> tuple[Tensor, dict[int, Tensor]]:
         """hidden [T, d] (left as it is) -> (the residual stream after the last layer [T, d], {l: the stream after
-        layer l} for l in aux_after); cos, signed sin [T, 1, head_dim]."""
+        layer l} for l in aux_after); cos, signed sin [T, 1, head_dim]. last_rows: int64 [n], strictly ascending:
+        only those rows leave the last layer (its o projection and MLP run on them alone; every row still writes
+        its K and V and attends), and the stream returned is theirs, [n, d]."""
         step = StepInputs.of(hidden, cos, sin, attn_fns[0])
         out = step.out
         rows, d = out.shape
+        if last_rows is not None:
+            last_rows = last_rows.to(torch.int64).contiguous()
+            if aux_after and len(self.layers) - 1 in aux_after:
+                raise ValueError("native decoder stack: the last layer's aux output is of every row, last_rows keeps "
+                                 "some")
         aux = {index: torch.empty(rows, d, dtype=torch.float32) for index in aux_after}
         aux_out = _pointers([aux.get(index) for index in range(len(self.layers))]) if aux else self.addresses["none"]
         k_caches, v_caches = self.caches_of([(fn.k_cache, fn.v_cache) for fn in attn_fns])
@@ -146,7 +153,8 @@ class NativeStack:
             a["o_proj_bias"].data_ptr(), a["gate_up"].data_ptr(), a["gate_up_bias"].data_ptr(), a["down"].data_ptr(),
             a["down_bias"].data_ptr(), layer.down.in_features, step.cos.data_ptr(), step.sin.data_ptr(),
             layer.num_heads, layer.num_kv_heads, layer.head_dim, k_caches.data_ptr(), v_caches.data_ptr(),
-            *step.attention, aux_out.data_ptr())
+            *step.attention, aux_out.data_ptr(), native.address(last_rows),
+            0 if last_rows is None else last_rows.shape[0])
         check_status(status, attn_fns[0].meta, "native decoder stack")
-        return out, aux
+        return (out if last_rows is None else out[:last_rows.shape[0]]), aux
 
