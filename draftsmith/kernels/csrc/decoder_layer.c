@@ -117,37 +117,12 @@ static int keep_is_valid(const int64_t *keep, long n, long rows) {
     return n > 0;
 }
 
-/* The layer; keep non-NULL: only rows keep[0..num_keep) leave it (strictly ascending), written to hidden's first
- * num_keep rows. Every row's K and V are still written and every row attends (the kept rows read the others'
- * keys); the o projection, the norm and the MLP run on the kept rows alone. */
-static int layer_f32(float *hidden, long rows, long d, const float *attn_in, long attn_in_width,
-                     const float *in_norm, const float *post_norm, float eps,
-                     int weights_f16, const void *qkv_w, const float *qkv_b, const void *o_w, const float *o_b,
-                     const void *gate_up_w, const float *gate_up_b, const void *down_w, const float *down_b,
-                     long inter, const float *cos, const float *sin, long num_heads, long kv_heads, long head_dim,
-                     float *k_cache, float *v_cache, const int64_t *slots, long num_slots,
-                     const int32_t *block_tables, long table_width, const int32_t *seq_lens,
-                     const int32_t *cu_seqlens_q, long num_seqs, const uint8_t *tree_mask, long tree_width,
-                     long block_size, long max_q_len, float scale, const int64_t *keep, long num_keep);
-
 /* Returns 0; else paged_attention_f32's status (> 0: a sequence with more than max_q_len rows, -1: no memory,
- * -2: bad metadata), -3 when the workspace could not be allocated, -4 for a slot outside the cache. */
+ * -2: bad metadata), -3 when the workspace could not be allocated, -4 for a slot outside the cache.
+ * keep non-NULL: only rows keep[0..num_keep) leave the layer (strictly ascending, checked by the caller), written
+ * to hidden's first num_keep rows. Every row's K and V are still written and every row attends (the kept rows read
+ * the others' keys); the o projection, the norm and the MLP run on the kept rows alone. */
 int decoder_layer_f32(float *hidden, long rows, long d, const float *attn_in, long attn_in_width,
-                      const float *in_norm, const float *post_norm, float eps,
-                      int weights_f16, const void *qkv_w, const float *qkv_b, const void *o_w, const float *o_b,
-                      const void *gate_up_w, const float *gate_up_b, const void *down_w, const float *down_b,
-                      long inter, const float *cos, const float *sin, long num_heads, long kv_heads, long head_dim,
-                      float *k_cache, float *v_cache, const int64_t *slots, long num_slots,
-                      const int32_t *block_tables, long table_width, const int32_t *seq_lens,
-                      const int32_t *cu_seqlens_q, long num_seqs, const uint8_t *tree_mask, long tree_width,
-                      long block_size, long max_q_len, float scale) {
-    return layer_f32(hidden, rows, d, attn_in, attn_in_width, in_norm, post_norm, eps, weights_f16, qkv_w, qkv_b,
-                     o_w, o_b, gate_up_w, gate_up_b, down_w, down_b, inter, cos, sin, num_heads, kv_heads, head_dim,
-                     k_cache, v_cache, slots, num_slots, block_tables, table_width, seq_lens, cu_seqlens_q, num_seqs,
-                     tree_mask, tree_width, block_size, max_q_len, scale, NULL, 0);
-}
-
-static int layer_f32(float *hidden, long rows, long d, const float *attn_in, long attn_in_width,
                       const float *in_norm, const float *post_norm, float eps,
                       int weights_f16, const void *qkv_w, const float *qkv_b, const void *o_w, const float *o_b,
                       const void *gate_up_w, const float *gate_up_b, const void *down_w, const float *down_b,
@@ -219,11 +194,12 @@ int decoder_stack_f32(float *hidden, long rows, long d, long num_layers, const f
     if (last_rows && !keep_is_valid(last_rows, num_last_rows, rows)) return -5;
     for (long l = 0; l < num_layers; l++) {
         int last = l == num_layers - 1 && last_rows;
-        int status = layer_f32(hidden, rows, d, NULL, 0, in_norm[l], post_norm[l], eps, weights_f16, qkv_w[l], qkv_b[l],
-                               o_w[l], o_b[l], gate_up_w[l], gate_up_b[l], down_w[l], down_b[l], inter, cos, sin,
-                               num_heads, kv_heads, head_dim, k_cache[l], v_cache[l], slots, num_slots, block_tables,
-                               table_width, seq_lens, cu_seqlens_q, num_seqs, tree_mask, tree_width, block_size,
-                               max_q_len, scale, last ? last_rows : NULL, last ? num_last_rows : 0);
+        int status = decoder_layer_f32(hidden, rows, d, NULL, 0, in_norm[l], post_norm[l], eps, weights_f16, qkv_w[l],
+                                       qkv_b[l], o_w[l], o_b[l], gate_up_w[l], gate_up_b[l], down_w[l], down_b[l],
+                                       inter, cos, sin, num_heads, kv_heads, head_dim, k_cache[l], v_cache[l], slots,
+                                       num_slots, block_tables, table_width, seq_lens, cu_seqlens_q, num_seqs,
+                                       tree_mask, tree_width, block_size, max_q_len, scale, last ? last_rows : NULL,
+                                       last ? num_last_rows : 0);
         if (status != 0) return status;
         if (aux_out && aux_out[l]) memcpy(aux_out[l], hidden, sizeof(float) * (last ? num_last_rows : rows) * d);
     }
@@ -406,7 +382,7 @@ static int draft_forward(const native_stack_t *s, const draft_ends_t *e, draft_w
                                  s->qkv_w[0], s->qkv_b[0], s->o_w[0], s->o_b[0], s->gate_up_w[0], s->gate_up_b[0],
                                  s->down_w[0], s->down_b[0], s->inter, w->cos, w->sin, s->num_heads, s->kv_heads,
                                  s->head_dim, s->k_cache[0], s->v_cache[0], w->slots, s->num_slots, w->tables, tw,
-                                 w->seq_lens, w->cu, n, NULL, 0, s->block_size, w->max_q_len, s->scale);
+                                 w->seq_lens, w->cu, n, NULL, 0, s->block_size, w->max_q_len, s->scale, NULL, 0);
     if (e->fc) project(e->fc_f16, w->x, rows, 2 * d, 2 * d, e->fc, d, e->fc_bias, w->hidden, d);
     return decoder_stack_f32(w->hidden, rows, d, s->num_layers, s->in_norm, s->post_norm, s->eps, s->weights_f16,
                              s->qkv_w, s->qkv_b, s->o_w, s->o_b, s->gate_up_w, s->gate_up_b, s->down_w, s->down_b,

@@ -36,7 +36,8 @@ STATUS = {-1: "no memory for attention scores", -2: "attention metadata that doe
 def _library() -> ctypes.CDLL | None:
     return native.kernel_library("DRAFTSMITH_NATIVE_LAYER", "the native decoder layer", {
         "decoder_layer_f32": ([_P, _L, _L, _P, _L, _P, _P, _F, ctypes.c_int, _P, _P, _P, _P, _P, _P, _P, _P, _L, _P,
-                               _P, _L, _L, _L, _P, _P, _P, _L, _P, _L, _P, _P, _L, _P, _L, _L, _L, _F], ctypes.c_int),
+                               _P, _L, _L, _L, _P, _P, _P, _L, _P, _L, _P, _P, _L, _P, _L, _L, _L, _F, _P, _L],
+                              ctypes.c_int),
     })
 
 
@@ -139,6 +140,6 @@ class NativeDecoderLayer:
             self.o_proj.packed.data_ptr(), address(self.o_proj.bias), self.gate_up.packed.data_ptr(),
             address(self.gate_up.bias), self.down.packed.data_ptr(), address(self.down.bias), self.down.in_features,
             step.cos.data_ptr(), step.sin.data_ptr(), self.num_heads, self.num_kv_heads, self.head_dim,
-            attn_fn.k_cache.data_ptr(), attn_fn.v_cache.data_ptr(), *step.attention)
+            attn_fn.k_cache.data_ptr(), attn_fn.v_cache.data_ptr(), *step.attention, None, 0)   # every row leaves
         check_status(status, attn_fn.meta, "native decoder layer")
         return out
