@@ -18,6 +18,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Sequence
 from functools import lru_cache
 from pathlib import Path
 
@@ -108,6 +109,11 @@ def eligible(x: Tensor, any_threads: bool = False) -> bool:
 def address(tensor: Tensor | None) -> int:
     """A tensor's data address for a C pointer argument; 0 (NULL) for None."""
     return 0 if tensor is None else tensor.data_ptr()
+
+
+def addresses(tensors: Sequence[Tensor | None]) -> Tensor:
+    """int64 [n]: each tensor's address (0 for None), a C `const T *const *` argument's array."""
+    return torch.tensor([address(t) for t in tensors], dtype=torch.int64)
 
 
 Signature = tuple[list[type], type | None]  # (argtypes, restype) of one C function

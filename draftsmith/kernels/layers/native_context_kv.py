@@ -67,8 +67,7 @@ class NativeContextKV:
         aux = aux.contiguous()
         cos, sin = cos.float().reshape(aux.shape[0], -1).contiguous(), sin.float().reshape(aux.shape[0], -1).contiguous()
         slots = slots.to(torch.int64).contiguous()
-        k_caches = torch.tensor([k.data_ptr() for k, _ in caches], dtype=torch.int64)
-        v_caches = torch.tensor([v.data_ptr() for _, v in caches], dtype=torch.int64)
+        k_caches, v_caches = native.addresses([k for k, _ in caches]), native.addresses([v for _, v in caches])
         first = caches[0][0]
         status = _library().context_kv_f32(
             aux.data_ptr(), aux.shape[0], aux.shape[1], int(self.fc.half), self.fc.packed.data_ptr(),

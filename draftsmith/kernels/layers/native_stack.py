@@ -36,11 +36,6 @@ def _library() -> ctypes.CDLL | None:
     })
 
 
-def _pointers(tensors: Sequence[Tensor | None]) -> Tensor:
-    """int64 [n]: each tensor's address (0 for None), the C side's `const T *const *`."""
-    return torch.tensor([0 if t is None else t.data_ptr() for t in tensors], dtype=torch.int64)
-
-
 @dataclass(frozen=True)
 class NativeStack:
     """Every layer's native form, and the per-layer address arrays the C loop reads (built once: the packed
@@ -72,14 +67,14 @@ class NativeStack:
         if any(signature(layer) != signature(first) for layer in layers):
             return None
         addresses = {
-            "in_norm": _pointers([layer.input_norm for layer in layers]),
-            "post_norm": _pointers([layer.post_norm for layer in layers]),
+            "in_norm": native.addresses([layer.input_norm for layer in layers]),
+            "post_norm": native.addresses([layer.post_norm for layer in layers]),
         }
         for name in ("qkv", "o_proj", "gate_up", "down"):
             packed = [getattr(layer, name) for layer in layers]
-            addresses[name] = _pointers([p.packed for p in packed])
-            addresses[name + "_bias"] = _pointers([p.bias for p in packed])
-        addresses["none"] = _pointers([None] * len(layers))
+            addresses[name] = native.addresses([p.packed for p in packed])
+            addresses[name + "_bias"] = native.addresses([p.bias for p in packed])
+        addresses["none"] = native.addresses([None] * len(layers))
         return cls(tuple(layers), addresses)
 
     def __deepcopy__(self, memo: dict) -> "NativeStack | None":
@@ -95,7 +90,7 @@ class NativeStack:
         if found is None:
             if len(self.cache_addresses) >= 4:
                 self.cache_addresses.clear()
-            found = (_pointers([k for k, _ in layer_caches]), _pointers([v for _, v in layer_caches]))
+            found = (native.addresses([k for k, _ in layer_caches]), native.addresses([v for _, v in layer_caches]))
             self.cache_addresses[key] = found
         return found
 
@@ -144,7 +139,7 @@ class NativeStack:
                 raise ValueError("native decoder stack: the last layer's aux output is of every row, last_rows keeps "
                                  "some")
         aux = {index: torch.empty(rows, d, dtype=torch.float32) for index in aux_after}
-        aux_out = _pointers([aux.get(index) for index in range(len(self.layers))]) if aux else self.addresses["none"]
+        aux_out = native.addresses([aux.get(index) for index in range(len(self.layers))]) if aux else self.addresses["none"]
         k_caches, v_caches = self.caches_of([(fn.k_cache, fn.v_cache) for fn in attn_fns])
         a, layer = self.addresses, self.layers[0]
         status = _library().decoder_stack_f32(
