@@ -14,7 +14,7 @@ One step, for the whole scheduled batch:
 5. compaction: the accepted tree path's KV is copied into the slots right after the root, so that
    rolling back the rest (the engine does that from num_rejected_slots) leaves exactly the accepted
    tokens' KV in place.
-6. proposer.on_accepted, then proposer.add_features (needs_hidden), metrics and policy updates; the
+6. proposer.on_accepted, then proposer.add_feature_batch (needs_hidden), metrics and policy updates; the
    tree budget learns from each verified tree and from the step's measured cost.
 Finished / aborted / recompute-preempted requests are reset in the proposer.
 """
@@ -36,7 +36,7 @@ from draftsmith.serve_eval.speculative.batch_gate import BatchGate
 from draftsmith.serve_eval.speculative.metrics import DEFAULT_DOMAIN, SpecEngineStats, SpecMetrics
 from draftsmith.serve_eval.speculative.policy import SpecPolicy
 from draftsmith.serve_eval.speculative.round_logprobs import round_rows
-from draftsmith.serve_eval.speculative.proposers.base import Proposal, TargetFeatures
+from draftsmith.serve_eval.speculative.proposers.base import FeatureBatch, Proposal
 from draftsmith.serve_eval.speculative.round_verify import RoundOutcome, SpecDraft, verify_round
 from draftsmith.serve_eval.speculative.tree import DraftTree
 from draftsmith.serve_eval.speculative.tree_budget import probe_token_counts, probe_verify_costs
@@ -338,7 +338,7 @@ class SpeculativeStrategy:
             engine.executor.copy_slots(slots[:src_t.numel()], slots[src_t.numel():])
 
     def _feed_features(self, out, fwd, cu: list[int], drafts, results) -> None:
-        """One gather of the kept rows for all sequences, then one add_features call per sequence."""
+        """One gather of the kept rows for all sequences, handed over in one add_feature_batch call."""
         rows: list[int] = []  # flat rows of fwd.hidden to keep, sequence after sequence
         counts = []
         for i, (seq, n) in enumerate(zip(out.seqs, out.num_scheduled_tokens)):
@@ -353,13 +353,12 @@ class SpeculativeStrategy:
             counts.append(len(rows) - start)
         # One index tensor and one gather for the batch (a tensor per sequence costs more than the rows).
         index = torch.tensor(rows, dtype=torch.int64, device=fwd.hidden.device)
-        hidden = fwd.hidden.index_select(0, index).split(counts)
-        aux = [None] * len(counts)
+        aux = None
         if self.aux_layers:
-            aux = torch.cat([fwd.aux_hidden[layer].index_select(0, index) for layer in self.aux_layers],
-                            dim=-1).split(counts)
-        for seq, h, a in zip(out.seqs, hidden, aux):
-            self.proposer.add_features(seq.request_id, TargetFeatures(seq.num_computed_tokens, h, a))
+            aux = torch.cat([fwd.aux_hidden[layer].index_select(0, index) for layer in self.aux_layers], dim=-1)
+        self.proposer.add_feature_batch(FeatureBatch([seq.request_id for seq in out.seqs],
+                                                     [seq.num_computed_tokens for seq in out.seqs], counts,
+                                                     fwd.hidden.index_select(0, index), aux))
 
     def _record(self, engine, out, drafts, results, draft_time: float, target_time: float) -> None:
         # A probe's wait counts engine steps, once per domain that decoded plainly in the step: counted per

@@ -18,7 +18,7 @@ from draftsmith.kernels.layers.checkpoint import load_target_embed_and_head
 from draftsmith.kernels.sampling import logits_to_probs, sample
 from draftsmith.serve_eval.engine.model_executor import ModelExecutor
 from draftsmith.serve_eval.speculative.config import SpecConfig
-from draftsmith.serve_eval.speculative.proposers.base import TargetFeatures
+from draftsmith.serve_eval.speculative.proposers.base import FeatureBatch, TargetFeatures
 from draftsmith.serve_eval.speculative.proposers.eagle import EagleProposer
 from draftsmith.serve_eval.speculative.proposers.eagle3 import Eagle3Proposer
 from draftsmith.serve_eval.speculative.tree_dynamic import DynamicTreeBuilder
@@ -264,6 +264,37 @@ def test_features_must_be_consecutive(target_dir):
     tokens = list(range(9))
     assert proposer.propose([Seq("x", tokens, params())], [2])[0].num_tokens == 2
     assert proposer.propose([Seq("y", tokens, params())], [2])[0].num_tokens == 0  # nothing fed: no draft
+
+
+@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
+@torch.inference_mode()
+def test_a_feature_batch_feeds_as_per_request_calls(kind, target_dir):
+    """One FeatureBatch (the strategy's call: a prefill of one request, a later chunk of another, a request with
+    no rows this step) leaves the proposer drafting exactly what per-request add_features calls leave it. A batch
+    of the wrong width or a gap in a request's positions is one ValueError naming the field or the request."""
+    draft = make_draft(kind, target_dir)
+    per_request, batched = (PROPOSERS[kind].from_draft(draft, num_blocks=32, block_size=4) for _ in range(2))
+    tables = [feature_table(kind, n, seed=i) for i, n in enumerate((9, 12, 7))]
+    spans = [(0, 8), (0, 5), (0, 6)]
+    for i, (hidden, aux) in enumerate(tables):
+        per_request.add_features(f"s{i}", feats(hidden, aux, *spans[i]))
+    batched.add_feature_batch(FeatureBatch(["s0", "s1", "s2"], [0, 0, 0], [8, 5, 6],
+                                           torch.cat([t[0][a:b] for t, (a, b) in zip(tables, spans)]),
+                                           torch.cat([t[1][a:b] for t, (a, b) in zip(tables, spans)])))
+    hidden, aux = tables[1]  # s1's next chunk alone: s0 and s2 keep no rows this step
+    per_request.add_features("s1", feats(hidden, aux, 5, 11))
+    batched.add_feature_batch(FeatureBatch(["s0", "s1", "s2"], [8, 5, 6], [0, 6, 0], hidden[5:11], aux[5:11]))
+    token_lists = [torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(30 + i)).tolist()
+                   for i, n in enumerate((9, 12, 7))]
+    seqs = [Seq(f"s{i}", tokens, params()) for i, tokens in enumerate(token_lists)]
+    expected = [p.tokens.tolist() for p in per_request.propose(seqs, [3, 3, 3])]
+    assert [p.tokens.tolist() for p in batched.propose(seqs, [3, 3, 3])] == expected
+    assert all(len(tokens) == 3 for tokens in expected)
+    width = HIDDEN if kind == "eagle" else 3 * HIDDEN
+    with pytest.raises(ValueError, match=rf"FeatureBatch\.{'hidden' if kind == 'eagle' else 'aux'} must be \[n, {width}\]"):
+        batched.add_feature_batch(FeatureBatch(["s0"], [8], [1], torch.zeros(1, HIDDEN + 1), torch.zeros(1, 3 * HIDDEN + 1)))
+    with pytest.raises(ValueError, match="request s2: TargetFeatures.start_pos is 9 but the proposer expects the next position 6"):
+        batched.add_feature_batch(FeatureBatch(["s2"], [9], [1], hidden[:1], aux[:1]))
 
 
 def spec(kind, draft_dir, **kw):

@@ -52,6 +52,27 @@ class TargetFeatures(NamedTuple):
     aux: Tensor | None = None  # [n, len(aux_layers) * d]: aux hidden states concatenated in aux_layers order
 
 
+class FeatureBatch(NamedTuple):
+    """One step's target features for several sequences, gathered once: sequence j's rows are the j-th of
+    ``hidden.split(counts)`` (and of aux), for its positions start_positions[j] onward.
+
+    The tensors are fresh (the strategy gathers them every step) and become the proposer's: it may keep views
+    of them instead of copies."""
+
+    request_ids: list[str]
+    start_positions: list[int]
+    counts: list[int]   # rows per sequence (0: nothing kept this step)
+    hidden: Tensor      # [sum(counts), d]
+    aux: Tensor | None = None   # [sum(counts), len(aux_layers) * d]
+
+    def per_request(self) -> "list[tuple[str, TargetFeatures]]":
+        """(request id, its TargetFeatures): the batch as add_features calls take it."""
+        hidden = self.hidden.split(self.counts)
+        aux = [None] * len(self.counts) if self.aux is None else self.aux.split(self.counts)
+        return [(rid, TargetFeatures(start, h, a))
+                for rid, start, h, a in zip(self.request_ids, self.start_positions, hidden, aux)]
+
+
 class Proposal(NamedTuple):
     tokens: Tensor  # int64 [K] chain tokens (K may be 0: no proposal); for a tree, tree.tokens
     draft_probs: Tensor | None = None  # [K, V] rows the tokens were drawn from; None = point masses
@@ -105,7 +126,8 @@ class Proposer(Protocol):
     """Subclass it (hooks default to no-ops) or satisfy it structurally.
 
     Class attributes tell the speculative strategy what to compute for the proposer:
-    needs_hidden: the target forward keeps hidden states and the strategy calls add_features;
+    needs_hidden: the target forward keeps hidden states and the strategy calls add_feature_batch (a subclass
+    inherits one that calls add_features per sequence);
     aux_layers: HF hidden_states indices to concatenate into TargetFeatures.aux (EAGLE-3);
     supports_tree: the proposer may return tree proposals (else a tree config is refused);
     tree_modes: the SpecConfig.tree modes it builds trees for (a routed proposer gives a child the tree
@@ -165,3 +187,9 @@ class Proposer(Protocol):
         Called after every forward + verify, after on_accepted, before the sequence's next propose.
         Consecutive calls cover consecutive positions; after reset they start again at the first
         position the target computes (0, or the prefix-cache hit length)."""
+
+    def add_feature_batch(self, batch: FeatureBatch) -> None:
+        """A step's features of every sequence at once (what the strategy calls): by default one add_features
+        per sequence; a proposer that keeps rows overrides it to check and move the batch once."""
+        for request_id, features in batch.per_request():
+            self.add_features(request_id, features)

@@ -19,14 +19,14 @@ from typing import Any
 from torch import Tensor
 
 from draftsmith.serve_eval.engine.threads import ThreadChoice
-from draftsmith.serve_eval.speculative.proposers.base import Proposer, TargetFeatures
+from draftsmith.serve_eval.speculative.proposers.base import FeatureBatch, Proposer, TargetFeatures
 from draftsmith.serve_eval.speculative.proposers.draft_cache import (
     DEFAULT_DRAFT_BLOCKS,
     DraftKVCache,
     _CacheRecord,
     draft_pool_blocks,
 )
-from draftsmith.serve_eval.speculative.proposers.features import check_features
+from draftsmith.serve_eval.speculative.proposers.features import check_feature_rows, check_feature_start
 from draftsmith.serve_eval.speculative.verify import VerifyResult
 
 
@@ -58,7 +58,7 @@ class FeatureCacheProposer(Proposer):
     """The per-request bookkeeping of a feature-fed draft with its own KV cache (module docstring)."""
 
     needs_hidden = True
-    feature_name = "hidden"   # the TargetFeatures field it reads, as check_features names it
+    feature_name = "hidden"   # the TargetFeatures / FeatureBatch field it reads: "hidden" or "aux"
     cache: DraftKVCache | None
     _states: dict[str, FeatureState]
 
@@ -87,8 +87,8 @@ class FeatureCacheProposer(Proposer):
     def feature_width(self) -> int:
         raise NotImplementedError
 
-    def _feature_rows(self, feats: TargetFeatures) -> Tensor | None:
-        return getattr(feats, self.feature_name)   # the field check_features checked
+    def _feature_rows(self, feats: TargetFeatures | FeatureBatch) -> Tensor | None:
+        return getattr(feats, self.feature_name)   # both name the fields alike
 
     def _allocate(self, num_blocks: int) -> None:
         raise NotImplementedError
@@ -99,16 +99,30 @@ class FeatureCacheProposer(Proposer):
         return self.cache
 
     def add_features(self, request_id: str, feats: TargetFeatures) -> None:
+        rows = self._feature_rows(feats)
+        check_feature_rows(rows, f"request {request_id}: TargetFeatures", self.feature_width, self.feature_name)
+        # a copy: the caller keeps its tensor
+        self._append(request_id, feats.start_pos, rows.detach().to(self.device, self.dtype, copy=True))
+
+    def add_feature_batch(self, batch: FeatureBatch) -> None:
+        """The batch's rows checked and moved once; each request keeps a view of them (the batch is ours)."""
+        rows = self._feature_rows(batch)
+        check_feature_rows(rows, "FeatureBatch", self.feature_width, self.feature_name)
+        rows = rows.detach().to(self.device, self.dtype)
+        for request_id, start_pos, own in zip(batch.request_ids, batch.start_positions, rows.split(batch.counts)):
+            self._append(request_id, start_pos, own)
+
+    def _append(self, request_id: str, start_pos: int, rows: Tensor) -> None:
+        """Checked rows [n, width] of consecutive positions from start_pos become the request's pending rows."""
         self._ensure_cache()
         state = self._states.setdefault(request_id, FeatureState())
         started = state.base_pos is not None
-        check_features(feats, state.next_pos if started else None, request_id, self.feature_width, self.feature_name)
-        rows = self._feature_rows(feats)
+        check_feature_start(start_pos, state.next_pos if started else None, request_id)
         if not rows.shape[0]:
             return
         if not started:
-            state.base_pos = feats.start_pos
-        state.pending.append(rows.detach().to(self.device, self.dtype, copy=True))
+            state.base_pos = start_pos
+        state.pending.append(rows)
         state.num_pending += rows.shape[0]
 
     def on_accepted(self, request_id: str, result: VerifyResult) -> None:

@@ -59,13 +59,23 @@ def feed_features(proposer: Any, seqs: Sequence[SequenceView], features: Sequenc
 
 def check_features(feats: TargetFeatures, expected_start: int | None, request_id: str, width: int, what: str) -> None:
     """ValueError naming both sides when fed rows are not the next consecutive positions or have the wrong width."""
-    rows = feats.hidden if what == "hidden" else feats.aux
+    check_feature_rows(feats.hidden if what == "hidden" else feats.aux, f"request {request_id}: TargetFeatures", width,
+                       what)
+    check_feature_start(feats.start_pos, expected_start, request_id)
+
+
+def check_feature_rows(rows: Tensor | None, owner: str, width: int, what: str) -> None:
+    """ValueError unless rows is [n, width] (owner and what name the field: 'request r: TargetFeatures', 'hidden')."""
     if rows is None or rows.dim() != 2 or rows.shape[1] != width:
         shape = None if rows is None else tuple(rows.shape)
-        raise ValueError(f"request {request_id}: TargetFeatures.{what} must be [n, {width}], got {shape}")
-    if expected_start is not None and feats.start_pos != expected_start:
+        raise ValueError(f"{owner}.{what} must be [n, {width}], got {shape}")
+
+
+def check_feature_start(start_pos: int, expected_start: int | None, request_id: str) -> None:
+    """ValueError unless fed rows start at the next consecutive position (None: the request's first rows)."""
+    if expected_start is not None and start_pos != expected_start:
         raise ValueError(
-            f"request {request_id}: TargetFeatures.start_pos is {feats.start_pos} but the proposer expects the next "
+            f"request {request_id}: TargetFeatures.start_pos is {start_pos} but the proposer expects the next "
             f"position {expected_start} (features must be consecutive; call reset() to start over)"
         )
 
