@@ -1,4 +1,4 @@
-"""A draft's decode steps in one C call (csrc/decoder_layer.c, draft_decode_f32).
+"""A draft's decode steps in one C call (csrc/draft_loop.c, draft_decode_f32).
 
 A standalone draft proposes K tokens in K forwards: one catch-up forward, then K - 1 decode steps of one row per
 sequence. Each decode step's arithmetic (a 1-layer draft with fp16 panels: ~0.4 ms on a 2-core AVX2 EPYC) sits in
