@@ -107,9 +107,10 @@ def test_cache_addresses_are_built_once_per_cache_placement():
     fns = [paged_attn_fn(get_attention_backend("torch"), k, v, meta, 0.25) for k, v in caches]
     with torch.no_grad():
         first = model.run(torch.tensor([3]), torch.tensor([8]), fns)[0]
-        arrays = list(model.native_stack.cache_addresses.values())
+        arrays = model.native_stack.caches.addresses(caches)
         model.run(torch.tensor([3]), torch.tensor([8]), fns)
-    assert len(arrays) == 1 and list(model.native_stack.cache_addresses.values())[0] is arrays[0]
+    assert model.native_stack.caches.addresses(caches) is arrays
+    assert model.native_stack.caches.served(caches) and not model.native_stack.caches.served(caches[:-1])
     twin = copy.deepcopy(model)
     assert twin.native_stack is not None and twin.native_stack.layers[0] is not model.native_stack.layers[0]
     assert not torch.equal(twin.native_stack.addresses["qkv"], model.native_stack.addresses["qkv"])

@@ -14,6 +14,7 @@ embedded target (2 cores, fp32, the dataset stage's engine) ran 530-542 tok/s ag
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Sequence
 from functools import lru_cache
 from typing import TYPE_CHECKING
 
@@ -47,6 +48,53 @@ def caches_served(k_cache: Tensor, v_cache: Tensor) -> bool:
     return (k_cache.shape == v_cache.shape and k_cache.dtype == v_cache.dtype == torch.float32
             and k_cache.device.type == v_cache.device.type == "cpu" and k_cache.is_contiguous()
             and v_cache.is_contiguous())
+
+
+class LayerCaches:
+    """A model's per-layer (k, v) paged caches as its C kernels see them, remembered per placement (an executor's
+    or a draft's caches stay where they are, so a step checks and builds nothing; a new allocation at new
+    addresses gets its own entry, a few at most):
+    - served: every layer's caches of one shape, [blocks, block_size, num_kv_heads, head_dim], each as
+      caches_served (~5 us a layer to check);
+    - addresses: the int64 arrays of the layers' k and v cache addresses that the C calls take."""
+
+    MAX_PLACEMENTS = 4
+
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int) -> None:
+        self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
+        self._served: set[tuple] = set()
+        self._addresses: dict[tuple, tuple[Tensor, Tensor]] = {}
+
+    @staticmethod
+    def _placement(layer_caches: Sequence[tuple[Tensor, Tensor]]) -> tuple:
+        first_k, first_v = layer_caches[0]
+        return (tuple(k.data_ptr() for k, _ in layer_caches), tuple(v.data_ptr() for _, v in layer_caches),
+                first_k.shape, first_k.dtype, first_v.shape, first_v.dtype)
+
+    def served(self, layer_caches: Sequence[tuple[Tensor, Tensor]]) -> bool:
+        if len(layer_caches) != self.num_layers:
+            return False
+        placement = self._placement(layer_caches)
+        if placement in self._served:
+            return True
+        first = layer_caches[0][0]
+        served = (first.shape[2:] == (self.num_kv_heads, self.head_dim)
+                  and all(k.shape == first.shape and caches_served(k, v) for k, v in layer_caches))
+        if served:
+            if len(self._served) >= self.MAX_PLACEMENTS:
+                self._served.clear()
+            self._served.add(placement)
+        return served
+
+    def addresses(self, layer_caches: Sequence[tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor]:
+        placement = self._placement(layer_caches)
+        found = self._addresses.get(placement)
+        if found is None:
+            if len(self._addresses) >= self.MAX_PLACEMENTS:
+                self._addresses.clear()
+            found = (native.addresses([k for k, _ in layer_caches]), native.addresses([v for _, v in layer_caches]))
+            self._addresses[placement] = found
+        return found
 
 
 def usable(q: Tensor, k_cache: Tensor, v_cache: Tensor) -> bool:

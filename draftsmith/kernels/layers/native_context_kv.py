@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import ctypes
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 
 import torch
 from torch import Tensor
 
 from draftsmith.kernels import native
-from draftsmith.kernels.attention.native_paged import caches_served
+from draftsmith.kernels.attention.native_paged import LayerCaches
 from draftsmith.kernels.layers.linear import SMALL_GEMM_MAX_ROWS
 from draftsmith.kernels.small_gemm import PackedWeight
 
@@ -44,6 +44,7 @@ class NativeContextKV:
     num_layers: int
     num_kv_heads: int
     head_dim: int
+    caches: LayerCaches = field(compare=False)   # the draft's caches it has checked and their address arrays
 
     @classmethod
     def build(cls, fc: PackedWeight | None, norm: Tensor, eps: float, kv: PackedWeight | None, num_layers: int,
@@ -52,13 +53,13 @@ class NativeContextKV:
         if (_library() is None or fc is None or kv is None or norm.dtype != torch.float32 or head_dim % 2
                 or kv.out_features != 2 * num_layers * num_kv_heads * head_dim or kv.in_features != fc.out_features):
             return None
-        return cls(fc, norm.detach().contiguous(), float(eps), kv, num_layers, num_kv_heads, head_dim)
+        return cls(fc, norm.detach().contiguous(), float(eps), kv, num_layers, num_kv_heads, head_dim,
+                   LayerCaches(num_layers, num_kv_heads, head_dim))
 
     def accepts(self, aux: Tensor, caches: Sequence[tuple[Tensor, Tensor]], slots: Tensor) -> bool:
         return (aux.dim() == 2 and 0 < aux.shape[0] <= SMALL_GEMM_MAX_ROWS and native.eligible(aux)
-                and aux.shape[1] == self.fc.in_features and len(caches) == self.num_layers
-                and slots.shape == (aux.shape[0],) and slots.device.type == "cpu"
-                and all(caches_served(k, v) and k.shape[2:] == (self.num_kv_heads, self.head_dim) for k, v in caches))
+                and aux.shape[1] == self.fc.in_features and slots.shape == (aux.shape[0],)
+                and slots.device.type == "cpu" and self.caches.served(caches))
 
     def __call__(self, aux: Tensor, cos: Tensor, sin: Tensor, caches: Sequence[tuple[Tensor, Tensor]],
                  slots: Tensor) -> None:
@@ -67,7 +68,7 @@ class NativeContextKV:
         aux = aux.contiguous()
         cos, sin = cos.float().reshape(aux.shape[0], -1).contiguous(), sin.float().reshape(aux.shape[0], -1).contiguous()
         slots = slots.to(torch.int64).contiguous()
-        k_caches, v_caches = native.addresses([k for k, _ in caches]), native.addresses([v for _, v in caches])
+        k_caches, v_caches = self.caches.addresses(caches)
         first = caches[0][0]
         status = _library().context_kv_f32(
             aux.data_ptr(), aux.shape[0], aux.shape[1], int(self.fc.half), self.fc.packed.data_ptr(),

@@ -186,7 +186,7 @@ class NativeDraftLoop:
         """Whether steps up to rope position max_position would run here now: one thread, every layer's caches as
         the C kernels read them (the stack's check, once per placement), the position inside the rope table."""
         return (native.eligible(self.embed) and max_position < self.cos.shape[0]
-                and self.stack.serves_caches(layer_caches))
+                and self.stack.caches.served(layer_caches))
 
     def __call__(self, first_tokens: Sequence[Sequence[int]], start_positions: Sequence[int],
                  num_steps: Sequence[int], block_tables: Tensor, layer_caches: Sequence[tuple[Tensor, Tensor]],
@@ -256,7 +256,7 @@ class NativeDraftLoop:
     def _stack_args(self, layer_caches: Sequence[tuple[Tensor, Tensor]], scale: float) -> _StackArgs:
         k_cache = layer_caches[0][0]
         layer, a = self.stack.layers[0], self.stack.addresses
-        k_addresses, v_addresses = self.stack.caches_of(layer_caches)
+        k_addresses, v_addresses = self.stack.caches.addresses(layer_caches)
         return _StackArgs(layer.post_norm.shape[0], len(self.stack.layers), layer.down.in_features, layer.num_heads,
                           layer.num_kv_heads, layer.head_dim, k_cache.shape[0] * k_cache.shape[1], k_cache.shape[1],
                           layer.eps, scale, int(layer.qkv.half), a["in_norm"].data_ptr(), a["post_norm"].data_ptr(),

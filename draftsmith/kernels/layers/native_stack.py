@@ -21,7 +21,7 @@ from torch import Tensor
 
 from draftsmith.kernels import native
 from draftsmith.kernels.attention import PagedAttention
-from draftsmith.kernels.attention.native_paged import caches_served
+from draftsmith.kernels.attention.native_paged import LayerCaches
 from draftsmith.kernels.layers.native_layer import NativeDecoderLayer, StepInputs, check_status
 
 _P, _L, _F = ctypes.c_void_p, ctypes.c_long, ctypes.c_float
@@ -43,10 +43,7 @@ class NativeStack:
 
     layers: tuple[NativeDecoderLayer, ...]
     addresses: dict[str, Tensor]
-    # the caches' address arrays by the caches' addresses: an executor's caches stay where they are, so a step
-    # builds none (a new allocation at new addresses gets its own entry; a few at most per stack)
-    cache_addresses: dict[tuple[int, ...], tuple[Tensor, Tensor]] = field(default_factory=dict, compare=False)
-    served_placements: set[tuple] = field(default_factory=set, compare=False)   # caches accepts() has checked
+    caches: LayerCaches = field(compare=False)   # the layers' caches it has checked and their address arrays, per placement
 
     @classmethod
     def build(cls, layers: Sequence[NativeDecoderLayer | None], min_layers: int = 2,
@@ -75,24 +72,13 @@ class NativeStack:
             addresses[name] = native.addresses([p.packed for p in packed])
             addresses[name + "_bias"] = native.addresses([p.bias for p in packed])
         addresses["none"] = native.addresses([None] * len(layers))
-        return cls(tuple(layers), addresses)
+        return cls(tuple(layers), addresses, LayerCaches(len(layers), first.num_kv_heads, first.head_dim))
 
     def __deepcopy__(self, memo: dict) -> "NativeStack | None":
         """A copy over copied layers, with its own address arrays (the originals point at the original's
         weights, which may be freed before the copy is)."""
         return NativeStack.build(copy.deepcopy(self.layers, memo), min_layers=1,
                                  reads_hidden=self.layers[0].reads_hidden)
-
-    def caches_of(self, layer_caches: Sequence[tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor]:
-        """The address arrays of each layer's (k, v) cache, built once per placement of the caches."""
-        key = tuple(k.data_ptr() for k, _ in layer_caches) + tuple(v.data_ptr() for _, v in layer_caches)
-        found = self.cache_addresses.get(key)
-        if found is None:
-            if len(self.cache_addresses) >= 4:
-                self.cache_addresses.clear()
-            found = (native.addresses([k for k, _ in layer_caches]), native.addresses([v for _, v in layer_caches]))
-            self.cache_addresses[key] = found
-        return found
 
     def accepts(self, hidden: Tensor, attn_fns: Sequence[object]) -> bool:
         """What one native layer accepts, for every layer's attention (one metadata, caches of one shape)."""
@@ -103,26 +89,7 @@ class NativeStack:
         if not all(isinstance(fn, PagedAttention) and fn.meta is first.meta and fn.backend is first.backend
                    and fn.scale == first.scale for fn in attn_fns[1:]):
             return False
-        return self.serves_caches([(fn.k_cache, fn.v_cache) for fn in attn_fns])
-
-    def serves_caches(self, layer_caches: Sequence[tuple[Tensor, Tensor]]) -> bool:
-        """Whether every layer's (k, v) cache is one the C kernels read for this stack: one shape, the layers' KV
-        heads and head width, as native_paged.caches_served. Checked once per placement (an executor's caches stay
-        where they are; ~0.1 ms per 20-layer step)."""
-        if len(layer_caches) != len(self.layers):
-            return False
-        first, layer = layer_caches[0][0], self.layers[0]
-        placement = (tuple(k.data_ptr() for k, _ in layer_caches), tuple(v.data_ptr() for _, v in layer_caches),
-                     first.shape, first.dtype, layer_caches[0][1].shape, layer_caches[0][1].dtype)
-        if placement in self.served_placements:
-            return True
-        served = (first.shape[2:] == (layer.num_kv_heads, layer.head_dim)
-                  and all(k.shape == first.shape and caches_served(k, v) for k, v in layer_caches))
-        if served:
-            if len(self.served_placements) >= 4:
-                self.served_placements.clear()
-            self.served_placements.add(placement)
-        return served
+        return self.caches.served([(fn.k_cache, fn.v_cache) for fn in attn_fns])
 
     def __call__(self, hidden: Tensor, cos: Tensor, sin: Tensor, attn_fns: Sequence[PagedAttention],
                  aux_after: Sequence[int] = (), last_rows: Tensor | None = None) -> tuple[Tensor, dict[int, Tensor]]:
@@ -140,7 +107,7 @@ class NativeStack:
                                  "some")
         aux = {index: torch.empty(rows, d, dtype=torch.float32) for index in aux_after}
         aux_out = native.addresses([aux.get(index) for index in range(len(self.layers))]) if aux else self.addresses["none"]
-        k_caches, v_caches = self.caches_of([(fn.k_cache, fn.v_cache) for fn in attn_fns])
+        k_caches, v_caches = self.caches.addresses([(fn.k_cache, fn.v_cache) for fn in attn_fns])
         a, layer = self.addresses, self.layers[0]
         status = _library().decoder_stack_f32(
             out.data_ptr(), rows, d, len(self.layers), a["in_norm"].data_ptr(), a["post_norm"].data_ptr(),
