@@ -67,9 +67,11 @@ class LayerCaches:
 
     @staticmethod
     def _placement(layer_caches: Sequence[tuple[Tensor, Tensor]]) -> tuple:
+        # every layer's addresses, the first layer's layout (served() checks that every layer shares it)
         first_k, first_v = layer_caches[0]
         return (tuple(k.data_ptr() for k, _ in layer_caches), tuple(v.data_ptr() for _, v in layer_caches),
-                first_k.shape, first_k.dtype, first_v.shape, first_v.dtype)
+                first_k.shape, first_k.stride(), first_k.dtype, first_k.device,
+                first_v.shape, first_v.stride(), first_v.dtype, first_v.device)
 
     def served(self, layer_caches: Sequence[tuple[Tensor, Tensor]]) -> bool:
         if len(layer_caches) != self.num_layers:

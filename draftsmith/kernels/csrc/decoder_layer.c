@@ -14,7 +14,6 @@
  * them (weights_f16: the fp16 panels of a draft's weights); the KV cache, slots and attention metadata as paged_attention.c documents.
  */
 #include <immintrin.h>
-#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>

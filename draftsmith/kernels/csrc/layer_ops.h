@@ -1,6 +1,6 @@
-/* What decoder_layer.c and draft_loop.c share: the kernels they call (small_gemm.c, sampling.c,
- * paged_attention.c, and the layer and stack of decoder_layer.c for the draft loop) and two helpers of a
- * layer's arithmetic. */
+/* What decoder_layer.c and draft_loop.c share: the kernels they call (parallel.c's small_gemm over small_gemm.c's
+ * panels, sampling.c, paged_attention.c, and the layer and stack of decoder_layer.c for the draft loop) and two
+ * helpers of a layer's arithmetic. */
 #ifndef DRAFTSMITH_LAYER_OPS_H
 #define DRAFTSMITH_LAYER_OPS_H
 
@@ -44,8 +44,8 @@ int decoder_stack_f32(float *hidden, long rows, long d, long num_layers, const f
                       const int64_t *last_rows, long num_last_rows);
 
 /* The layer's four projections, all fp32 panels or all fp16 panels (a draft's, small_gemm.c). */
-static inline void project(int f16, const float *x, long m, long k, long ldx, const void *packed, long n, const float *bias,
-                    float *y, long ldy) {
+static inline void project(int f16, const float *x, long m, long k, long ldx, const void *packed, long n,
+                           const float *bias, float *y, long ldy) {
     if (f16)
         small_gemm_f16(x, m, k, ldx, packed, n, bias, y, ldy);
     else

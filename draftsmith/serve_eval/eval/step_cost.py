@@ -1,7 +1,7 @@
 """What one speculative round costs in our engine, by component, beside a plain decode step.
 
 The measuring code of ``scripts/bench_spec_round.py`` and of the pipeline's ``cost`` stage (one copy):
-timers wrapped around the engine's own methods (draft = proposer.propose + on_accepted + add_features,
+timers wrapped around the engine's own methods (draft = proposer.propose + on_accepted + add_feature_batch,
 forward = executor.forward, verify = the strategy's _verify or, plain, engine.sample; rest = the step minus
 those), decode steps of one request at batch 1 and T = 0 with the policy's fallback off (every step
 speculates), interleaved repetitions over the methods, median and spread (max - min) per component.
@@ -100,7 +100,7 @@ def instrument(engine: LLMEngine) -> Timers:
     timers.wrap(engine.executor, "forward", "forward")
     strategy = engine.strategy
     if hasattr(strategy, "proposer"):
-        for hook in ("propose", "on_accepted", "add_features"):
+        for hook in ("propose", "on_accepted", "add_feature_batch"):
             timers.wrap(strategy.proposer, hook, "draft")
         timers.wrap(strategy, "_verify", "verify")
     else:

@@ -290,7 +290,17 @@ def test_a_feature_batch_feeds_as_per_request_calls(kind, target_dir):
     expected = [p.tokens.tolist() for p in per_request.propose(seqs, [3, 3, 3])]
     assert [p.tokens.tolist() for p in batched.propose(seqs, [3, 3, 3])] == expected
     assert all(len(tokens) == 3 for tokens in expected)
+    # in a step of one long chunk and one decode row, the chunk's request keeps a view and the row is copied, so a
+    # request that keeps decoding does not hold the chunk alive
+    storage = lambda rows: rows.untyped_storage().data_ptr()
+    chunk = FeatureBatch(["s3", "s0"], [0, 8], [20, 1], torch.randn(21, HIDDEN), torch.randn(21, 3 * HIDDEN))
+    batched.add_feature_batch(chunk)
+    fed = chunk.hidden if kind == "eagle" else chunk.aux
+    assert storage(batched._states["s3"].pending[-1]) == storage(fed)
+    assert storage(batched._states["s0"].pending[-1]) != storage(fed)
     width = HIDDEN if kind == "eagle" else 3 * HIDDEN
+    with pytest.raises(ValueError, match="FeatureBatch: 2 request ids, 2 start positions and 1 counts"):
+        batched.add_feature_batch(FeatureBatch(["s0", "s2"], [9, 6], [1], hidden[:1], aux[:1]))
     with pytest.raises(ValueError, match=rf"FeatureBatch\.{'hidden' if kind == 'eagle' else 'aux'} must be \[n, {width}\]"):
         batched.add_feature_batch(FeatureBatch(["s0"], [8], [1], torch.zeros(1, HIDDEN + 1), torch.zeros(1, 3 * HIDDEN + 1)))
     with pytest.raises(ValueError, match="request s2: TargetFeatures.start_pos is 9 but the proposer expects the next position 6"):

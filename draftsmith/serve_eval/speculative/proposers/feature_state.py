@@ -105,12 +105,18 @@ class FeatureCacheProposer(Proposer):
         self._append(request_id, feats.start_pos, rows.detach().to(self.device, self.dtype, copy=True))
 
     def add_feature_batch(self, batch: FeatureBatch) -> None:
-        """The batch's rows checked and moved once; each request keeps a view of them (the batch is ours)."""
+        """The batch's rows checked and moved once. A request keeps a view of its rows (the batch is ours) where
+        they are at least an even share of the batch (a decode step's one row each; a prefill chunk), else a copy:
+        a decoding request's row must not hold a step's prefill chunks alive until its next propose."""
         rows = self._feature_rows(batch)
         check_feature_rows(rows, "FeatureBatch", self.feature_width, self.feature_name)
+        if not len(batch.request_ids) == len(batch.start_positions) == len(batch.counts) or sum(batch.counts) != rows.shape[0]:
+            raise ValueError(f"FeatureBatch: {len(batch.request_ids)} request ids, {len(batch.start_positions)} start "
+                             f"positions and {len(batch.counts)} counts (sum {sum(batch.counts)}) for {rows.shape[0]} rows")
         rows = rows.detach().to(self.device, self.dtype)
+        even_share = rows.shape[0] / max(1, len(batch.counts))
         for request_id, start_pos, own in zip(batch.request_ids, batch.start_positions, rows.split(batch.counts)):
-            self._append(request_id, start_pos, own)
+            self._append(request_id, start_pos, own if own.shape[0] >= even_share else own.clone())
 
     def _append(self, request_id: str, start_pos: int, rows: Tensor) -> None:
         """Checked rows [n, width] of consecutive positions from start_pos become the request's pending rows."""
