@@ -111,6 +111,8 @@ def recipes(target_vocab: int, target_layers: int) -> list[Recipe]:
                {"draft_vocab_size": None, "draft_vocab_coverage": None}),
         Recipe("eagle3", "alt-greedy-half", "the new recipe on the greedy half of the mixed dataset (served at T=0 only)",
                {"train_temperatures": [0.0]}),
+        Recipe("eagle3", "alt-all", "the new recipe on every answer of the mixed dataset (greedy and T=1), labels "
+               "still sharpened", {"train_temperatures": None}),
         Recipe("eagle3", "alt-aux-final", f"the new recipe on aux layers {final} (the final hidden, EAGLE-1's "
                "feature, in place of layer L-3)", {"aux_layers": final}),
         Recipe("eagle3", "alt-sharp0.5", "the new recipe, labels softmax(logits / 0.5): leaning toward the target's "
