@@ -218,8 +218,9 @@ class SpeculativeStrategy:
                                   for i in producing], engine.eos_token_ids)
         plain = [i for i in producing if i not in drafts]
         if plain:
-            sel = torch.tensor([offsets[i] for i in plain], device=logits.device)
-            for i, tok in zip(plain, engine.sample([out.seqs[i] for i in plain], logits[sel])):
+            # a step without drafts (a gate decoding plainly) samples every row as they are, as the plain engine does
+            rows = logits if not drafts else logits[torch.tensor([offsets[i] for i in plain], device=logits.device)]
+            for i, tok in zip(plain, engine.sample([out.seqs[i] for i in plain], rows)):
                 new_tokens[i] = [tok]
         if drafts:
             outcome = self._verify(engine, out, drafts, logits, offsets)
