@@ -166,7 +166,8 @@ def test_a_presumed_loser_that_would_win_is_found_by_its_re_try():
     mean_cost(gate, 8, 800, costs)
     assert gate.cap(8) is None and gate.to_dict()["8"]["presumed"] == []
     small = BatchGate()
-    mean_cost(small, 1, 12, {None: 0.5, 1: 0.8, 2: 0.6, 0: 1.0})
+    # 3 steps of each arm, then 3 fresh steps of plain decoding before the first speculative win stands
+    mean_cost(small, 1, 15, {None: 0.5, 1: 0.8, 2: 0.6, 0: 1.0})
     assert small.to_dict()["1"]["presumed"] == [] and small.cap(1) is None
 
 
@@ -322,3 +323,25 @@ def test_the_policy_measures_c_only_on_rounds_whose_draft_was_caught_up(tmp_path
     caught_up = sum(1 for before, now in zip(steps, steps[1:]) if before and now)
     assert len(measured) == caught_up
 
+
+
+def test_a_load_that_drifts_under_the_gate_does_not_promote_a_dearer_arm():
+    """Waves of long and short contexts alternate (every arm 1.7x dearer per token in a long wave, as at batch 16
+    on the embedded target's two halves of the eval prompts), while K <= 1 costs 1.2x plain decoding throughout.
+    Each arm's window dates from when it last ran, so a re-try in a short wave beat plain decoding's window from
+    a long one; checked against fresh plain steps, speculation never wins, and the gate's cost stays within its
+    exploration budget of plain decoding's at the same moments."""
+    gate = BatchGate()
+    costs = {None: 1.5, 1: 1.2, 2: 1.35, 0: 1.0}
+    total = plain = 0.0
+    caps = []
+    for step in range(3000):
+        wave = 1.7 if (step // 40) % 2 == 0 else 1.0
+        cap = gate.cap(16)
+        caps.append(cap)
+        total += costs[cap] * wave
+        plain += costs[0] * wave
+        gate.observe_step(16, cap != 0, costs[cap] * wave * 16 / 1000, 16)
+    # (windows alone: 1.024 and 934 plain steps of the last 1000, K <= 1 and the uncapped K run for whole waves)
+    assert total / plain < 1.015
+    assert caps[-1000:].count(0) > 960
