@@ -215,7 +215,8 @@ class BatchGate:
             return
         if not b.decided:
             b.decided = True
-            if winner != PLAIN:   # plain decoding was measured first, longest ago: it runs again before speculation wins
+            # plain decoding was measured first, longest ago: it runs again before speculation wins
+            if winner != PLAIN and self.config.min_samples > 1:
                 self._confirm_against(b, challenger=winner, incumbent=PLAIN)
                 return
         if chosen == winner:
@@ -317,6 +318,8 @@ class BatchGate:
         plain decoding (0.85x of it overall against a floor of 0.99x, standalone draft)."""
         b.confirming, b.retry_from, b.retry_arm = challenger, incumbent, incumbent
         b.arms[incumbent].restart()
+        # (a speculative incumbent's first step after plain steps carries the draft's catch-up of those few tokens:
+        # one step of the burst, which its median leaves out)
         b.retry_burst, b.retry_left = True, self.config.min_samples
 
     def _end_retry(self, b: _Bucket) -> None:
@@ -325,11 +328,18 @@ class BatchGate:
             return
         challenger = b.retry_arm if b.confirming is None else b.confirming
         b.confirming = None
-        if self._winner(b) == b.retry_from:   # the re-tried arm lost again: re-try it half as often
+        winner = self._winner(b)
+        if winner == b.retry_from:   # the re-tried arm lost again: re-try it half as often
             b.retries[challenger].confirm()
-        else:                                 # it won: every arm back to the base rate
-            for backoff in b.retries.values():
-                backoff.flip()
+            return
+        if winner != challenger and self.config.min_samples > 1:
+            # a third arm, by a window from when it last ran: its fresh burst against the winner's decides first
+            b.retries[challenger].confirm()
+            b.retry_arm, b.retry_burst, b.retry_left = winner, True, self.config.min_samples
+            b.arms[winner].restart()
+            return
+        for backoff in b.retries.values():   # it won: every arm back to the base rate
+            backoff.flip()
 
     def to_dict(self) -> dict:
         """Per bucket: the cap its next step runs (None: no cap), each arm's seconds per token (measured or
