@@ -302,13 +302,18 @@ class BatchGate:
                 return
         first_run = arm.samples == 0
         if not b.retry_burst and (first_run or cost < b.cost(b.retry_from)) and self.config.min_samples > 1:
-            arm.restart()
-            b.retry_burst, b.retry_left = True, self.config.min_samples
+            self._fresh_burst(b, b.retry_arm)
         arm.observe(step_s, emitted_tokens)
         self._note_catch_up(b)
         b.retry_left -= 1
         if not b.retry_left:
             self._end_retry(b)
+
+    def _fresh_burst(self, b: _Bucket, arm: int) -> None:
+        """The next min_samples steps run `arm` on a window of their own: its median then rests on them alone."""
+        b.retry_arm = arm
+        b.arms[arm].restart()
+        b.retry_burst, b.retry_left = True, self.config.min_samples
 
     def _confirm_against(self, b: _Bucket, challenger: int, incumbent: int) -> None:
         """`challenger`'s fresh steps beat `incumbent`'s window: a fresh burst of the incumbent decides between them.
@@ -316,11 +321,10 @@ class BatchGate:
         ones), and each arm's window dates from when it last ran: compared with a window from a slower stretch, a
         dearer arm's fresh steps won, and at batch 16 the gate then ran K <= 1 for whole waves at 1.35x the cost of
         plain decoding (0.85x of it overall against a floor of 0.99x, standalone draft)."""
-        b.confirming, b.retry_from, b.retry_arm = challenger, incumbent, incumbent
-        b.arms[incumbent].restart()
+        b.confirming, b.retry_from = challenger, incumbent
         # (a speculative incumbent's first step after plain steps carries the draft's catch-up of those few tokens:
         # one step of the burst, which its median leaves out)
-        b.retry_burst, b.retry_left = True, self.config.min_samples
+        self._fresh_burst(b, incumbent)
 
     def _end_retry(self, b: _Bucket) -> None:
         if b.confirming is None and self._winner(b) != b.retry_from and self.config.min_samples > 1:
@@ -335,8 +339,7 @@ class BatchGate:
         if winner != challenger and self.config.min_samples > 1:
             # a third arm, by a window from when it last ran: its fresh burst against the winner's decides first
             b.retries[challenger].confirm()
-            b.retry_arm, b.retry_burst, b.retry_left = winner, True, self.config.min_samples
-            b.arms[winner].restart()
+            self._fresh_burst(b, winner)
             return
         for backoff in b.retries.values():   # it won: every arm back to the base rate
             backoff.flip()
